@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Both build .venv on first use. torch is pinned here (not in pyproject) to the CPU wheel
+# so the bootstrap never pulls a multi-GB CUDA build; users elsewhere bring their own torch.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_PIN ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench-replicate clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/longboat run -n 2 examples/digits.py
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check src tests examples benchmarks
+
+bench-replicate: $(VENV)/.installed
+	$(BIN)/python benchmarks/replicate_vs_ddp.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,305 @@
+"""Typed, validated configuration.
+
+One frozen model per component, loaded from a dict, a TOML/JSON/YAML file or the DeepSpeed JSON
+dialect (see :mod:`longboat.config_deepspeed`). Every error is a :class:`ConfigError` that names the
+key, the value and how to fix it. This module imports nothing else of longboat.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+StrategyName = Literal["auto", "single", "replicate"]
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the key, the value and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BatchConfig(_Section):
+    """The batch triple: give any two of the three (or only the micro-batch)."""
+
+    train_batch_size: int | None = Field(None, gt=0, description="global samples per step")
+    micro_batch_size: int | None = Field(None, gt=0, description="samples per rank per forward")
+    gradient_accumulation_steps: int | None = Field(None, gt=0, description="micro-batches/step")
+
+
+class OptimizerConfig(_Section):
+    """An optimizer for the engine to build when the user passes none (``torch.optim`` name)."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerConfig(_Section):
+    """An LR scheduler for the engine to build (``torch.optim.lr_scheduler`` name)."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReplicateConfig(_Section):
+    """Bucketed all-reduce data parallelism."""
+
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB")
+    first_bucket_mb: float = Field(
+        1.0, gt=0, description="size of the first bucket, small so communication starts early"
+    )
+
+
+class PrecisionConfig(_Section):
+    """Compute precision. Only fp32 is implemented so far; others are refused by the engine."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+
+class DataConfig(_Section):
+    """How :meth:`Engine.loader` shards and orders data."""
+
+    shuffle: bool = True
+    remainder: Literal["drop", "pad"] = Field(
+        "drop",
+        description="samples that do not fill every rank: drop them, or pad by repeating samples",
+    )
+    num_workers: int = Field(0, ge=0)
+
+
+class LogConfig(_Section):
+    """Console output."""
+
+    progress: bool = True
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class Config(_Section):
+    """The whole configuration of a run."""
+
+    strategy: StrategyName = Field(
+        "auto", description="auto = single for one process, replicate otherwise"
+    )
+    seed: int = 0
+    gradient_clipping: float = Field(0.0, ge=0, description="max global grad norm; 0 = off")
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    replicate: ReplicateConfig = Field(default_factory=ReplicateConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    def resolved_strategy(self, world_size: int) -> str:
+        """The strategy actually used at this world size."""
+        if self.strategy == "auto":
+            return "single" if world_size == 1 else "replicate"
+        return self.strategy
+
+
+@dataclass(frozen=True)
+class ResolvedBatch:
+    """The batch triple after filling in the missing member, with how it was derived."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    data_parallel_size: int
+    explanation: dict[str, str]
+
+
+def resolve_batch(batch: BatchConfig, data_parallel_size: int) -> ResolvedBatch:
+    """Resolve ``train = micro x accumulation x data_parallel_size``; any two give the third.
+
+    With only ``micro_batch_size`` the accumulation defaults to 1; with only
+    ``train_batch_size`` it also defaults to 1 and micro is derived.
+    """
+    if data_parallel_size < 1:
+        raise ConfigError(f"data-parallel size must be >= 1, got {data_parallel_size}")
+    t, m, a = batch.train_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps
+    n = data_parallel_size
+    how: dict[str, str] = {}
+    for key, val in (("train_batch_size", t), ("micro_batch_size", m),
+                     ("gradient_accumulation_steps", a)):
+        if val is not None:
+            how[key] = "set"
+    if t is None and m is None:
+        raise ConfigError(
+            "batch: neither 'batch.train_batch_size' nor 'batch.micro_batch_size' is set; "
+            "set at least one, e.g. batch.micro_batch_size = 32"
+        )
+    if t is not None and m is not None and a is not None:
+        if t != m * a * n:
+            raise ConfigError(
+                f"batch: train_batch_size={t} != micro_batch_size={m} x "
+                f"gradient_accumulation_steps={a} x data-parallel size {n} (= {m * a * n}); "
+                "drop one of the three keys to have it derived, or make them agree"
+            )
+    elif t is None:
+        a = a or 1
+        how.setdefault("gradient_accumulation_steps", "default 1")
+        t = m * a * n  # type: ignore[operator]
+        how["train_batch_size"] = f"derived: micro {m} x accumulation {a} x data-parallel {n}"
+    elif m is None:
+        a = a or 1
+        how.setdefault("gradient_accumulation_steps", "default 1")
+        if t % (a * n):
+            raise ConfigError(
+                f"batch: train_batch_size={t} is not divisible by gradient_accumulation_steps={a}"
+                f" x data-parallel size {n} (= {a * n}); choose a train_batch_size that is a "
+                f"multiple of {a * n}, or set micro_batch_size instead"
+            )
+        m = t // (a * n)
+        how["micro_batch_size"] = f"derived: train {t} / (accumulation {a} x data-parallel {n})"
+    else:
+        if t % (m * n):
+            raise ConfigError(
+                f"batch: train_batch_size={t} is not divisible by micro_batch_size={m} x "
+                f"data-parallel size {n} (= {m * n}); choose a train_batch_size that is a "
+                f"multiple of {m * n}, or set gradient_accumulation_steps instead"
+            )
+        a = t // (m * n)
+        how["gradient_accumulation_steps"] = f"derived: train {t} / (micro {m} x data-parallel {n})"
+    return ResolvedBatch(t, m, a, n, how)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _closest(name: str, choices: list[str]) -> str | None:
+    hits = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return hits[0] if hits else None
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config model that owns the key at ``loc`` (the path without its last element)."""
+    model: type[BaseModel] | None = Config
+    for part in loc[:-1]:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        ann = model.model_fields[part].annotation
+        sub = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)]
+        model = next((a for a in sub if issubclass(a, BaseModel)), None)
+    return model
+
+
+def _explain(err: ValidationError, origin: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.endswith("Config")))
+        key = ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(loc)
+            valid = sorted(owner.model_fields) if owner else []
+            guess = _closest(str(loc[-1]), valid)
+            hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), guess])}'?" if guess else (
+                f"valid keys here: {', '.join(valid)}")
+            lines.append(f"unknown key '{key}' (value {e['input']!r}); {hint}")
+        else:
+            val = e.get("input")
+            lines.append(f"key '{key}' has invalid value {val!r}: {e['msg']}")
+    return ConfigError(f"invalid config{origin}:\n  " + "\n  ".join(lines))
+
+
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """Read a TOML, JSON or YAML file into a dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    text = p.read_text()
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(
+                f"config file '{p}': unknown extension '{suffix}'; use .toml, .json, .yaml or .yml"
+            )
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file '{p}' cannot be parsed: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}' must hold a mapping at the top, got {type(data)}")
+    return data
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A config together with where each user-set key came from (for ``config explain``)."""
+
+    config: Config
+    sources: dict[str, str]
+
+
+def _user_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in data.items():
+        if isinstance(v, Mapping) and k not in ("params",):
+            keys.extend(_user_keys(v, f"{prefix}{k}."))
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def load(source: Config | Mapping[str, Any] | str | Path | None = None) -> LoadedConfig:
+    """Load a config from a :class:`Config`, a dict, a file path, or ``None`` (all defaults).
+
+    A mapping in the DeepSpeed JSON dialect is recognised by its keys and translated.
+    """
+    if isinstance(source, Config):
+        return LoadedConfig(source, {k: "given as Config" for k in source.model_fields_set})
+    origin = ""
+    if source is None:
+        data: Mapping[str, Any] = {}
+    elif isinstance(source, (str, Path)):
+        data = read_mapping(source)
+        origin = f" in '{source}'"
+    elif isinstance(source, Mapping):
+        data = source
+    else:
+        raise ConfigError(
+            f"config must be a dict, a path or a longboat.Config, got {type(source).__name__}"
+        )
+    where = origin.strip().removeprefix("in ") or "dict"
+    from longboat import config_deepspeed  # local import: the dialect module imports this one
+
+    if config_deepspeed.looks_like_deepspeed(data):
+        data, sources = config_deepspeed.translate(data, where)
+    else:
+        sources = {k: f"set in {where}" for k in _user_keys(data)}
+    try:
+        cfg = Config.model_validate(dict(data))
+    except ValidationError as err:
+        raise _explain(err, origin) from None
+    return LoadedConfig(cfg, sources)
+
+
+def load_config(source: Config | Mapping[str, Any] | str | Path | None = None) -> Config:
+    """Load and validate a config; see :func:`load`."""
+    return load(source).config
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Every resolved value of a config as ``{"dotted.key": value}``."""
+    out: dict[str, Any] = {}
+    for name in type(cfg).model_fields:
+        val = getattr(cfg, name)
+        if isinstance(val, BaseModel):
+            out.update(flatten(val, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = val
+    return out
