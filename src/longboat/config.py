@@ -303,3 +303,42 @@ def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{name}"] = val
     return out
+
+
+def _source_of(key: str, sources: dict[str, str]) -> str:
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in sources:
+            return sources[".".join(parts[:n])]
+    return "default"
+
+
+def explain(source: Config | Mapping[str, Any] | str | Path | None, world_size: int) -> str:
+    """Every resolved value at ``world_size`` processes and where it came from, as text."""
+    loaded = load(source)
+    cfg = loaded.config
+    rows = []
+    values = flatten(cfg)
+    strategy = cfg.resolved_strategy(world_size)
+    batch = resolve_batch(cfg.batch, world_size)
+    derived = {
+        "strategy": (strategy, f"auto -> {strategy} at world size {world_size}")
+        if cfg.strategy == "auto" else None,
+    }
+    for key, value in values.items():
+        if key.startswith("batch."):
+            name = key.removeprefix("batch.")
+            value = getattr(batch, name)
+            how = batch.explanation.get(name, "default")
+            src = loaded.sources.get(key, how) if how == "set" else how
+            rows.append((key, value, src))
+            continue
+        src = _source_of(key, loaded.sources)
+        if key == "strategy" and derived["strategy"]:
+            value, note = derived["strategy"]
+            src = f"{src}; {note}"
+        rows.append((key, value, src))
+    width = max(len(k) for k, _, _ in rows)
+    lines = [f"longboat config at world size {world_size}:"]
+    lines += [f"  {k.ljust(width)}  {v!r:<14} {s}" for k, v, s in rows]
+    return "\n".join(lines)

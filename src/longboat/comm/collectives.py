@@ -1,0 +1,67 @@
+"""The one doorway to ``torch.distributed``.
+
+Every collective longboat issues goes through a :class:`Collectives` object, so that logging,
+timing and hang detection (later layers) can see all traffic in one place. A world of one has no
+process group: every operation is then the identity and costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Handle(Protocol):
+    """An in-flight asynchronous collective."""
+
+    def wait(self) -> Any: ...
+
+
+class _Done:
+    """The handle of an operation that needed no communication."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Collectives:
+    """Collectives over one process group (the default group when ``group`` is None)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.active = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if self.active else 1
+        self.rank = dist.get_rank(group) if self.active else 0
+        if self.world_size == 1:
+            self.active = False
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
+                   ) -> Handle:
+        """Reduce ``tensor`` in place across ranks (``op``: sum, max or min)."""
+        if not self.active:
+            return _Done()
+        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
+        if self.active:
+            dist.broadcast(tensor, src=src, group=self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather a small picklable value from every rank (metadata only, never tensors)."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives."""
+        if self.active:
+            dist.barrier(group=self.group)

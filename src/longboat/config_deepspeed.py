@@ -1,0 +1,124 @@
+"""The DeepSpeed JSON dialect, translated into longboat's own config keys.
+
+Only keys longboat implements are accepted; every other DeepSpeed key is named in a
+:class:`~longboat.config.ConfigError` rather than silently ignored, so a DeepSpeed config never
+trains with settings its author did not get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from longboat.config import ConfigError
+
+# Keys whose presence at the top level marks a mapping as DeepSpeed's (longboat nests these).
+_MARKERS = frozenset(
+    {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+     "fp16", "bf16", "zero_optimization"}
+)
+
+_SUPPORTED = frozenset(
+    {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+     "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization",
+     "seed"}
+)
+
+# DeepSpeed's optimizer names -> torch.optim class names. DeepSpeed's "Adam" is AdamW unless
+# adam_w_mode is false (its FusedAdam defaults to decoupled weight decay).
+_OPTIMIZERS = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
+
+
+def looks_like_deepspeed(data: Mapping[str, Any]) -> bool:
+    """True when the mapping uses DeepSpeed's top-level keys."""
+    return any(k in _MARKERS for k in data)
+
+
+def _enabled(block: Any, key: str) -> bool:
+    if isinstance(block, bool):
+        return block
+    if not isinstance(block, Mapping):
+        raise ConfigError(f"DeepSpeed key '{key}' must be an object like {{\"enabled\": true}}, "
+                          f"got {block!r}")
+    extra = sorted(set(block) - {"enabled", "auto_cast"})
+    if extra and block.get("enabled", False):
+        raise ConfigError(
+            f"DeepSpeed key(s) {', '.join(f'{key}.{k}' for k in extra)} are not supported yet; "
+            f"remove them (longboat would otherwise ignore them)"
+        )
+    return bool(block.get("enabled", False))
+
+
+def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Translate a DeepSpeed config into longboat's keys, with the source of each key."""
+    unknown = sorted(set(data) - _SUPPORTED)
+    if unknown:
+        raise ConfigError(
+            f"DeepSpeed config in {where}: key(s) {', '.join(repr(k) for k in unknown)} are not "
+            "supported yet; remove them or use longboat's own config keys "
+            "(see `longboat config explain`)"
+        )
+    out: dict[str, Any] = {}
+    src: dict[str, str] = {}
+
+    def put(key: str, value: Any, ds_key: str) -> None:
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+        src[key] = f"DeepSpeed key '{ds_key}' in {where}"
+
+    for ds_key, key in (("train_batch_size", "batch.train_batch_size"),
+                        ("train_micro_batch_size_per_gpu", "batch.micro_batch_size"),
+                        ("gradient_accumulation_steps", "batch.gradient_accumulation_steps"),
+                        ("gradient_clipping", "gradient_clipping"),
+                        ("seed", "seed")):
+        if ds_key in data and data[ds_key] != "auto":
+            put(key, data[ds_key], ds_key)
+
+    for ds_key in ("optimizer", "scheduler"):
+        if ds_key not in data:
+            continue
+        block = data[ds_key]
+        if not isinstance(block, Mapping) or "type" not in block:
+            raise ConfigError(f"DeepSpeed key '{ds_key}' must be an object with a 'type', "
+                              f"got {block!r}")
+        params = dict(block.get("params", {}))
+        typ = str(block["type"])
+        if ds_key == "optimizer":
+            if typ.lower() == "adam" and not params.pop("adam_w_mode", True):
+                typ = "Adam"
+            else:
+                typ = _OPTIMIZERS.get(typ.lower(), typ)
+            params.pop("torch_adam", None)
+        put(ds_key, {"type": typ, "params": params}, ds_key)
+
+    fp16 = _enabled(data.get("fp16", {}), "fp16")
+    bf16 = _enabled(data.get("bf16", {}), "bf16")
+    if fp16 and bf16:
+        raise ConfigError("DeepSpeed keys 'fp16.enabled' and 'bf16.enabled' are both true; "
+                          "enable at most one")
+    if fp16 or bf16:
+        put("precision.dtype", "fp16" if fp16 else "bf16", "fp16" if fp16 else "bf16")
+
+    if "zero_optimization" in data:
+        z = data["zero_optimization"]
+        if not isinstance(z, Mapping):
+            raise ConfigError(f"DeepSpeed key 'zero_optimization' must be an object, got {z!r}")
+        extra = sorted(set(z) - {"stage"})
+        if extra:
+            raise ConfigError(
+                "DeepSpeed key(s) "
+                + ", ".join(f"'zero_optimization.{k}'" for k in extra)
+                + " are not supported yet; remove them"
+            )
+        stage = z.get("stage", 0)
+        if stage == 0:
+            put("strategy", "replicate", "zero_optimization.stage")
+        else:
+            raise ConfigError(
+                f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is not supported yet "
+                "(only 0, plain data parallelism); use stage 0 or strategy 'replicate'"
+            )
+    return out, src

@@ -1,0 +1,108 @@
+"""Sharded, epoch-aware data loading.
+
+[Note: shards] Rank ``r`` of ``n`` takes positions ``r, r+n, r+2n, ...`` of one permutation that
+every rank draws from the same seed and epoch (as ``DistributedSampler`` does). With micro-batches
+of ``b``, micro-batch ``t`` on all ranks together is then exactly positions ``t*b*n ...
+(t+1)*b*n - 1`` of the permutation: the same samples a single process with a batch of ``b*n``
+would see at step ``t``. That is what lets every strategy be compared with ``single``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+log = logging.getLogger("longboat")
+
+
+class ShardedSampler(Sampler[int]):
+    """This rank's indices of a seeded per-epoch permutation, trimmed or padded to whole steps."""
+
+    def __init__(
+        self, length: int, rank: int, world_size: int, step_samples: int, *,
+        shuffle: bool = True, seed: int = 0, remainder: Literal["drop", "pad"] = "drop",
+    ) -> None:
+        if step_samples % world_size:
+            raise ValueError(
+                f"samples per step ({step_samples}) must be divisible by world size {world_size}"
+            )
+        if remainder == "drop" and length < step_samples:
+            raise ValueError(
+                f"the data set has {length} samples, fewer than one step's {step_samples}; "
+                "use a smaller batch, or data.remainder = 'pad'"
+            )
+        self.length, self.rank, self.world_size = length, rank, world_size
+        self.step_samples, self.shuffle, self.seed = step_samples, shuffle, seed
+        self.remainder = remainder
+        self.epoch = 0
+        whole = length // step_samples * step_samples
+        self.total = whole if remainder == "drop" or whole == length else whole + step_samples
+        self.leftover = length - whole
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the permutation of ``epoch`` (the loader does this by itself)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.length, generator=g).tolist()
+        else:
+            order = list(range(self.length))
+        if self.total > self.length:  # pad by repeating from the start of the permutation
+            order += (order * (self.total // self.length + 1))[: self.total - self.length]
+        order = order[: self.total]
+        return iter(order[self.rank:: self.world_size])
+
+    def __len__(self) -> int:
+        return self.total // self.world_size
+
+
+class ShardedLoader:
+    """A ``DataLoader`` over this rank's shard that advances the epoch each time it is iterated."""
+
+    def __init__(self, dataset: Dataset, sampler: ShardedSampler, batch_size: int,
+                 seed: int, rank: int, **loader_kwargs: Any) -> None:
+        self.sampler = sampler
+        generator = torch.Generator().manual_seed(seed * 1000003 + rank)  # per-rank worker RNG
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                                 drop_last=False, generator=generator, **loader_kwargs)
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.sampler.set_epoch(self.epoch)
+        yield from self.loader
+        self.epoch += 1
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def make_loader(
+    dataset: Dataset, *, rank: int, world_size: int, micro_batch_size: int,
+    train_batch_size: int, shuffle: bool, seed: int, remainder: Literal["drop", "pad"],
+    num_workers: int = 0, collate_fn: Callable[..., Any] | None = None, announce: bool = True,
+) -> ShardedLoader:
+    """Build the sharded loader and say, once, what it does with the remainder."""
+    if not isinstance(dataset, Sized):
+        raise TypeError("engine.loader needs a map-style dataset with __len__")
+    sampler = ShardedSampler(len(dataset), rank, world_size, train_batch_size, shuffle=shuffle,
+                             seed=seed, remainder=remainder)
+    if announce:
+        steps = sampler.total // train_batch_size
+        what = ("none" if sampler.leftover == 0 else
+                f"the last {sampler.leftover} samples of each epoch's permutation are dropped"
+                if remainder == "drop" else
+                f"the last step is padded with {train_batch_size - sampler.leftover} repeated "
+                "samples")
+        log.info("loader: %d samples, %d per step (%d per rank per micro-batch) -> %d steps per "
+                 "epoch; remainder: %s (data.remainder=%r)", len(dataset), train_batch_size,
+                 micro_batch_size, steps, what, remainder)
+    kwargs: dict[str, Any] = {"num_workers": num_workers}
+    if collate_fn is not None:
+        kwargs["collate_fn"] = collate_fn
+    return ShardedLoader(dataset, sampler, micro_batch_size, seed, rank, **kwargs)

@@ -1,0 +1,215 @@
+"""The training step: forward, backward, accumulation boundary, clipping, optimizer, scheduler.
+
+Everything that depends on how state is distributed belongs to the strategy; the engine only
+sequences the step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import random
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import Dataset
+
+from longboat.comm.collectives import Collectives
+from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
+from longboat.data import ShardedLoader, make_loader
+from longboat.observe.log import setup_logging
+from longboat.observe.progress import StepProgress
+from longboat.optim import build_optimizer, build_scheduler
+from longboat.strategies import StrategyContext, build_strategy
+from longboat.world import World, destroy_process_group, device_for, init_process_group
+
+
+class Engine:
+    """A model trained by a strategy. Create it with :func:`longboat.initialize`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
+                 world: World, comm: Collectives, scheduler: LRScheduler | None = None,
+                 owns_group: bool = False) -> None:
+        self.config = config
+        self.world = world
+        self.comm = comm
+        self.model = model  # the user's module, parameter names unchanged
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.batch: ResolvedBatch = resolve_batch(config.batch, comm.world_size)
+        self.strategy = build_strategy(config.resolved_strategy(comm.world_size),
+                                       StrategyContext(world, comm, config))
+        self.module = self.strategy.setup(model, optimizer)
+        self.micro_step = 0
+        self.global_step = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        self._loss_sum = 0.0
+        self._loss_count = 0
+        self._owns_group = owns_group
+        self._closed = False
+        self.log = logging.getLogger("longboat")
+        self.progress = StepProgress(config.log.progress and world.is_main)
+        self.log.info("strategy %s on %d rank(s); batch: %d per step = micro %d x accumulation "
+                      "%d x data-parallel %d", self.strategy.name, comm.world_size,
+                      self.batch.train_batch_size, self.batch.micro_batch_size,
+                      self.batch.gradient_accumulation_steps, comm.world_size)
+        # Leave the process group at exit even if the script never calls close(); a weak
+        # reference so that an engine dropped early is not kept alive by the registry.
+        ref = weakref.ref(self)
+        self._atexit = lambda: (e := ref()) is not None and e.close()
+        atexit.register(self._atexit)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward through the model."""
+        self.strategy.before_forward()
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    @property
+    def is_boundary(self) -> bool:
+        """True when the next :meth:`backward` completes an optimizer step's gradients."""
+        return (self.micro_step + 1) % self.accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (scaled for accumulation); synchronises at the boundary."""
+        self.strategy.before_backward(sync=self.is_boundary)
+        (loss / self.accumulation_steps).backward()
+        self._loss_sum += float(loss.detach())
+        self._loss_count += 1
+        self.micro_step += 1
+
+    def step(self) -> bool:
+        """At the accumulation boundary: clip, optimizer step, zero grads, scheduler.
+
+        Between boundaries it does nothing and returns False, so it can be called after every
+        micro-batch, as with DeepSpeed.
+        """
+        if self.micro_step == 0 or self.micro_step % self.accumulation_steps:
+            return False
+        self.strategy.finish_gradients()
+        if self.config.gradient_clipping > 0:
+            self.last_grad_norm = self.strategy.clip_grad_norm(self.config.gradient_clipping)
+        self.strategy.optimizer_step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.global_step += 1
+        loss = self._loss_sum / self._loss_count if self._loss_count else None
+        self._loss_sum, self._loss_count = 0.0, 0
+        self.last_loss = loss
+        self.progress.update(self.global_step, loss, self.batch.train_batch_size)
+        return True
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def loader(self, dataset: Dataset, *, shuffle: bool | None = None,
+               collate_fn: Callable[..., Any] | None = None) -> ShardedLoader:
+        """This rank's shard of ``dataset`` in micro-batches; see :mod:`longboat.data`."""
+        d = self.config.data
+        return make_loader(
+            dataset, rank=self.comm.rank, world_size=self.comm.world_size,
+            micro_batch_size=self.batch.micro_batch_size,
+            train_batch_size=self.batch.train_batch_size,
+            shuffle=d.shuffle if shuffle is None else shuffle, seed=self.config.seed,
+            remainder=d.remainder, num_workers=d.num_workers, collate_fn=collate_fn,
+            announce=self.world.is_main,
+        )
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model's ``state_dict`` with the user's own keys."""
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state)
+
+    @property
+    def device(self) -> torch.device:
+        return device_for(self.world)
+
+    def train(self, mode: bool = True) -> Engine:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def close(self) -> None:
+        """Finish progress output, remove hooks and leave the process group if we joined it."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        self.progress.close()
+        self.strategy.close()
+        if self._owns_group:
+            destroy_process_group()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, torch (and numpy if present) the same way on every rank."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    *,
+    scheduler: LRScheduler | None = None,
+    world: World | None = None,
+) -> Engine:
+    """Make ``model`` train under the strategy the config asks for.
+
+    The process group is joined if the environment describes one (``longboat run``, torchrun,
+    Slurm, Open MPI) and none exists yet; plain ``python script.py`` is a world of one.
+    ``optimizer`` and ``scheduler`` may come from the config's ``optimizer``/``scheduler``
+    sections instead.
+    """
+    cfg = load_config(config)
+    world = world or World.from_env()
+    setup_logging(world, cfg.log.level)
+    if cfg.precision.dtype != "fp32":
+        raise ConfigError(f"key 'precision.dtype' = {cfg.precision.dtype!r} is not implemented "
+                          "yet; use 'fp32'")
+    owns = init_process_group(world)
+    comm = Collectives()
+    if comm.world_size != world.world_size:
+        raise RuntimeError(f"process group has {comm.world_size} ranks but the environment "
+                           f"says {world.world_size}")
+    if torch.cuda.is_available():
+        model.to(device_for(world))
+    if optimizer is None:
+        if cfg.optimizer is None:
+            raise ConfigError("no optimizer: pass one to longboat.initialize, or set the "
+                              "config's 'optimizer' section, e.g. {type='AdamW', params={lr=1e-3}}")
+        optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    if scheduler is None and cfg.scheduler is not None:
+        scheduler = build_scheduler(optimizer, cfg.scheduler)
+    return Engine(model, optimizer, cfg, world, comm, scheduler, owns_group=owns)

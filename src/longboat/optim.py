@@ -1,0 +1,83 @@
+"""Optimizers and LR schedulers named in the config.
+
+``torch.optim`` and ``torch.optim.lr_scheduler`` names are used as they are; DeepSpeed's
+``WarmupLR`` and ``WarmupDecayLR`` are provided too, so a DeepSpeed config keeps its schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from longboat.config import ConfigError, OptimizerConfig, SchedulerConfig
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
+                    ) -> torch.optim.Optimizer:
+    """``torch.optim.<cfg.type>(params, **cfg.params)`` with errors that name the key."""
+    cls = getattr(torch.optim, cfg.type, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        names = sorted(n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+                       and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+                       and n != "Optimizer")
+        raise ConfigError(f"key 'optimizer.type' has unknown value {cfg.type!r}; choose one of "
+                          f"{', '.join(names)}")
+    try:
+        return cls(params, **cfg.params)
+    except TypeError as exc:
+        raise ConfigError(f"key 'optimizer.params' = {cfg.params!r} does not fit "
+                          f"torch.optim.{cfg.type}: {exc}") from None
+
+
+def _warmup(step: int, warmup_steps: int, kind: str) -> float:
+    if step >= warmup_steps:
+        return 1.0
+    if kind == "log":
+        return math.log(step + 1) / math.log(warmup_steps)
+    return step / warmup_steps
+
+
+def _deepspeed_warmup(optimizer: torch.optim.Optimizer, p: dict[str, Any], decay: bool
+                      ) -> LRScheduler:
+    lo = float(p.pop("warmup_min_lr", 0.0))
+    hi = float(p.pop("warmup_max_lr", 0.001))
+    n = max(int(p.pop("warmup_num_steps", 1000)), 2)
+    kind = str(p.pop("warmup_type", "log"))
+    total = int(p.pop("total_num_steps", 0)) if decay else 0
+    p.pop("last_batch_iteration", None)
+    if p:
+        raise ConfigError(f"scheduler params {sorted(p)} are not known to "
+                          f"{'WarmupDecayLR' if decay else 'WarmupLR'}; remove them")
+    if decay and total <= n:
+        raise ConfigError(f"key 'scheduler.params.total_num_steps' = {total} must exceed "
+                          f"warmup_num_steps = {n}")
+    for group in optimizer.param_groups:
+        group["lr"] = hi  # LambdaLR scales the group's base lr
+
+    def factor(step: int) -> float:
+        lr = lo + (hi - lo) * _warmup(step, n, kind)
+        if decay and step >= n:
+            lr = hi * max(0.0, (total - step) / (total - n))
+        return lr / hi if hi else 0.0
+
+    return LambdaLR(optimizer, factor)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig) -> LRScheduler:
+    """A scheduler stepped once per optimizer step."""
+    params = dict(cfg.params)
+    if cfg.type in ("WarmupLR", "WarmupDecayLR"):
+        return _deepspeed_warmup(optimizer, params, decay=cfg.type == "WarmupDecayLR")
+    cls = getattr(torch.optim.lr_scheduler, cfg.type, None)
+    if not (isinstance(cls, type) and issubclass(cls, LRScheduler)):
+        raise ConfigError(f"key 'scheduler.type' has unknown value {cfg.type!r}; use a "
+                          "torch.optim.lr_scheduler class name, WarmupLR or WarmupDecayLR")
+    try:
+        return cls(optimizer, **params)
+    except TypeError as exc:
+        raise ConfigError(f"key 'scheduler.params' = {cfg.params!r} does not fit "
+                          f"torch.optim.lr_scheduler.{cfg.type}: {exc}") from None

@@ -1,0 +1,41 @@
+"""The reference strategy: one process, nothing shared. Every other strategy is tested against
+this one."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from longboat.strategies.base import StrategyContext
+
+
+class Single:
+    """Plain single-process training."""
+
+    name = "single"
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        self.params: list[nn.Parameter] = []
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        return model
+
+    def before_forward(self) -> None:
+        pass
+
+    def before_backward(self, sync: bool) -> None:
+        pass
+
+    def finish_gradients(self) -> None:
+        pass
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def close(self) -> None:
+        pass

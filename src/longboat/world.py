@@ -1,0 +1,181 @@
+"""Who am I: rank, local rank, world size and node, read from the environment; process groups.
+
+Sources, in order: torchrun / ``longboat run`` (``RANK``, ``WORLD_SIZE``), Slurm (``SLURM_PROCID``
+under ``srun``), Open MPI (``OMPI_COMM_WORLD_*``), else a plain single process. Nothing here is a
+module-level global: a :class:`World` is created once and passed along.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class World:
+    """The position of this process in the job."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    source: str = "single process"
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, which logs and holds the progress bar."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> World:
+        """Detect the world from environment variables (see the module docstring)."""
+        env = os.environ if env is None else env
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return _from_torchrun(env)
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
+            return _from_slurm(env)
+        if "OMPI_COMM_WORLD_RANK" in env:
+            return _from_openmpi(env)
+        return cls()
+
+    def env_vars(self) -> dict[str, str]:
+        """The torchrun-style variables that ``init_method='env://'`` reads."""
+        return {
+            "RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank), "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ValueError(
+            f"environment variable {key}={env[key]!r} is not an integer; fix the launcher "
+            "that set it"
+        ) from None
+
+
+def _check(w: World) -> World:
+    if not 0 <= w.rank < w.world_size:
+        raise ValueError(f"rank {w.rank} is outside world size {w.world_size} ({w.source})")
+    if not 0 <= w.local_rank < w.local_world_size:
+        raise ValueError(
+            f"local rank {w.local_rank} is outside local world size {w.local_world_size} "
+            f"({w.source})"
+        )
+    return w
+
+
+def _from_torchrun(env: Mapping[str, str]) -> World:
+    world_size = _int(env, "WORLD_SIZE")
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    rank = _int(env, "RANK")
+    node = int(env.get("GROUP_RANK", rank // max(local_world, 1)))
+    return _check(World(
+        rank=rank, local_rank=int(env.get("LOCAL_RANK", 0)), world_size=world_size,
+        local_world_size=local_world, node_rank=node,
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), source="torchrun environment",
+    ))
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list, e.g. ``gpu[003-005,9],cpu1`` -> ``gpu003``."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM_NODELIST={nodelist!r}")
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _from_slurm(env: Mapping[str, str]) -> World:
+    ntasks = _int(env, "SLURM_NTASKS")
+    nnodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", 1)))
+    local_world = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or ntasks // nnodes)
+    addr = env.get("MASTER_ADDR") or first_host(
+        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get(
+            "SLURM_JOB_NODELIST", "127.0.0.1"))
+    # A port derived from the job id keeps two jobs sharing a node from colliding.
+    port = int(env.get("MASTER_PORT") or 15000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
+    return _check(World(
+        rank=_int(env, "SLURM_PROCID"), local_rank=int(env.get("SLURM_LOCALID", 0)),
+        world_size=ntasks, local_world_size=local_world,
+        node_rank=int(env.get("SLURM_NODEID", 0)), master_addr=addr, master_port=port,
+        source="Slurm environment",
+    ))
+
+
+def _from_openmpi(env: Mapping[str, str]) -> World:
+    local_world = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
+    rank = _int(env, "OMPI_COMM_WORLD_RANK")
+    return _check(World(
+        rank=rank, local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+        world_size=_int(env, "OMPI_COMM_WORLD_SIZE"), local_world_size=local_world,
+        node_rank=int(env.get("OMPI_COMM_WORLD_NODE_RANK", rank // max(local_world, 1))),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), source="Open MPI environment",
+    ))
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is usable, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def device_for(world: World) -> torch.device:
+    """The device this rank computes on: its local GPU, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(
+    world: World, backend: str | None = None, timeout_s: float = 1800.0
+) -> bool:
+    """Join the default process group unless one exists. Returns True when this call created it.
+
+    A script that called ``torch.distributed.init_process_group`` itself (torchrun style) keeps
+    its group; a world of one needs no group at all.
+    """
+    if not world.distributed or dist.is_initialized():
+        return False
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(device_for(world))
+    # env:// rather than tcp://: under torchrun the agent already serves the store at
+    # MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), which only the env rendezvous knows to join.
+    # Variables a launcher set win; Slurm and Open MPI runs get theirs filled in from `world`.
+    for key, value in world.env_vars().items():
+        os.environ.setdefault(key, value)
+    dist.init_process_group(
+        backend=backend, init_method="env://", rank=world.rank, world_size=world.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return True
+
+
+def destroy_process_group() -> None:
+    """Leave the default process group if there is one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
