@@ -1,0 +1,598 @@
+"""Run a function on N gloo ranks over 127.0.0.1, for tests.
+
+Starting processes and importing torch is what makes multi-rank tests slow (seconds per
+process on a small machine), so :class:`RankPool` starts its workers once, initialises one
+gloo process group, and then reuses both for every call::
+
+    with RankPool(2) as pool:
+        sums = pool.run(all_reduce_rank)   # one result per rank, in rank order
+
+Rules for what is run, all following from workers being separate, long-lived processes:
+
+* ``fn`` and its arguments are pickled by reference, so ``fn`` must be a module-level
+  function of an importable module (a test module is fine: the worker gets the parent's
+  ``sys.path`` with every call). Lambdas and nested functions are rejected before anything
+  is sent.
+* Results are pickled back: return CPU tensors, plain numbers or lists, not CUDA tensors or
+  open handles.
+* The process group is shared between calls, so a call must leave no collective pending
+  (every rank issues the same collectives and waits for async ones), and must not destroy
+  the process group. Module globals and RNG state in the workers also persist across calls.
+* Inside a call, ``torch.distributed.get_rank()`` / ``get_world_size()`` say where it runs
+  and :func:`in_rank_pool` says that it runs in a pool at all.
+
+When any rank raises, or not every rank answers within the timeout, :meth:`RankPool.run`
+raises :class:`RankFailure` and replaces all workers: ranks that did not fail may be stuck
+in a collective that will never complete, and the process group cannot be trusted after that.
+
+Workers are started with the 'spawn' method, which re-imports the parent's ``__main__``: a
+script (not pytest) that creates a pool must do so under ``if __name__ == "__main__":``.
+A pool is meant for one thread at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["RankFailure", "RankPool", "RankPools", "in_rank_pool"]
+
+#: Set to "1" in every pool worker; read by :func:`in_rank_pool`.
+POOL_ENV_VAR = "LONGBOAT_RANK_POOL"
+
+_HOST = "127.0.0.1"
+# How often an idle or stuck worker checks that its parent is still alive.
+_ORPHAN_POLL_S = 0.5
+
+
+def in_rank_pool() -> bool:
+    """Return True when called inside a :class:`RankPool` worker."""
+    return os.environ.get(POOL_ENV_VAR) == "1"
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died, or did not answer in time.
+
+    Subclasses AssertionError so pytest reports it as a test failure, not an error in the
+    test machinery. ``failures`` maps each failed rank to its traceback or explanation.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str]) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures)
+
+
+# --------------------------------------------------------------------------------------
+# Worker side. Everything here runs in the spawned processes.
+# --------------------------------------------------------------------------------------
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Kill this worker once its parent is gone.
+
+    Runs in a daemon thread, so it also works while the main thread is blocked inside a
+    gloo collective (those release the GIL). Without it a crashed test run would leave
+    workers waiting forever.
+    """
+    while True:
+        time.sleep(_ORPHAN_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _exit_now() -> None:
+    """Exit the worker without interpreter teardown.
+
+    Unloading torch costs about a CPU-second per worker, which adds up on a small machine
+    when a pool of four closes, and nothing in a worker needs finalising.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _format_call_error(exc: BaseException) -> str:
+    """Format ``exc`` without the worker loop's own frame, which every traceback shares."""
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _loopback_interface() -> str | None:
+    """Name of the loopback interface ('lo' on Linux, 'lo0' on macOS), if one is found."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    return None
+
+
+def _extend_sys_path(paths: Iterable[str]) -> None:
+    """Append entries of the parent's sys.path that this process lacks, keeping order."""
+    for path in paths:
+        if path not in sys.path:
+            sys.path.append(path)
+
+
+def _send(conn: Connection, status: str, value: Any) -> None:
+    """Send ``(status, value)``.
+
+    A value that cannot be pickled is reported with its own status, "unpicklable": the
+    call itself completed, so unlike an error it gives no reason to restart the pool.
+    """
+    try:
+        data = pickle.dumps((status, value), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        data = pickle.dumps(
+            (
+                "unpicklable",
+                "the result could not be pickled (return CPU tensors or plain Python "
+                "values):\n" + traceback.format_exc(),
+            )
+        )
+    conn.send_bytes(data)
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    sys_path: list[str],
+    conn: Connection,
+    parent_pid: int,
+    pg_timeout_s: float,
+) -> None:
+    """Entry point of one pool worker: join the process group, then serve calls."""
+    _extend_sys_path(sys_path)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    os.environ.update(
+        {
+            "MASTER_ADDR": _HOST,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            POOL_ENV_VAR: "1",
+        }
+    )
+    # Without this gloo picks the interface the hostname resolves to, which on some
+    # machines is not reachable from itself; everything here is on 127.0.0.1 anyway.
+    loopback = _loopback_interface()
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        # N workers share a few cores; intra-op threads per worker would only thrash.
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+    except BaseException:
+        _send(conn, "error", traceback.format_exc())
+        return
+    _send(conn, "ready", None)
+
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            _exit_now()  # the parent closed our pipe or died: nothing more will come
+        # Outer layer holds only builtins, so it always unpickles; the call itself is
+        # unpickled after sys.path is extended, because it may name a test module that
+        # was imported (and put on the parent's sys.path) after this worker started.
+        kind, sys_path, payload = pickle.loads(message)
+        if kind == "close":
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            _exit_now()
+        _extend_sys_path(sys_path)
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            _send(conn, "error", _format_call_error(exc))
+            continue
+        if not dist.is_initialized():
+            # Later calls rely on the shared group; fail loudly so the pool restarts.
+            _send(conn, "error", "the call destroyed the default process group")
+            continue
+        _send(conn, "ok", result)
+
+
+# --------------------------------------------------------------------------------------
+# Parent side.
+# --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    """A port that was free a moment ago on 127.0.0.1 (rank 0 binds it for the TCPStore)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _kill_workers(
+    processes: list[multiprocessing.process.BaseProcess],
+    conns: list[Connection],
+    owner_pid: int,
+) -> None:
+    """SIGKILL and reap workers; SIGTERM is not enough for one blocked in a collective."""
+    if os.getpid() != owner_pid:
+        return  # a forked copy of the parent exiting: the workers are not its to kill
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(timeout=10)
+    for conn in conns:
+        conn.close()
+
+
+@dataclass
+class _Generation:
+    """One set of live workers and the port their process group uses."""
+
+    port: int
+    processes: list[multiprocessing.process.BaseProcess]
+    conns: list[Connection]
+    finalizer: weakref.finalize
+    ready: bool = False
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+class RankPool:
+    """``world_size`` spawned worker processes sharing one gloo process group.
+
+    Workers are spawned by the constructor and joined lazily: the first :meth:`run` waits
+    for them, so starting several pools, or restarting one after a failure, overlaps with
+    whatever the caller does meanwhile.
+
+    Args:
+        world_size: number of ranks (1 gives a real process group of size 1).
+        timeout: default seconds a :meth:`run` waits for all ranks to answer. Also the
+            gloo collective timeout, so a collective never gives up before the parent does.
+        start_timeout: seconds to wait for the workers to import torch and join the group.
+        error_grace: once one rank has failed, seconds to wait for the others before
+            declaring them stuck. Short, because the usual reason they have not answered
+            is that they wait in a collective the failed rank will never join.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        timeout: float = 120.0,
+        *,
+        start_timeout: float = 120.0,
+        error_grace: float = 3.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.error_grace = error_grace
+        self._ctx = multiprocessing.get_context("spawn")
+        self._generation: _Generation | None = None
+        self._closed = False
+        self._spawn()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    @property
+    def port(self) -> int | None:
+        """MASTER_PORT of the current workers, or None when closed."""
+        return None if self._generation is None else self._generation.port
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the current workers, in rank order (empty when closed)."""
+        if self._generation is None:
+            return []
+        return [p.pid for p in self._generation.processes if p.pid is not None]
+
+    def _spawn(self) -> None:
+        """Start a fresh set of workers on a fresh port, without waiting for them."""
+        port = _free_port()
+        processes: list[multiprocessing.process.BaseProcess] = []
+        conns: list[Connection] = []
+        for rank in range(self.world_size):
+            parent_end, child_end = self._ctx.Pipe(duplex=True)
+            process = self._ctx.Process(
+                target=_worker_main,
+                args=(
+                    rank,
+                    self.world_size,
+                    port,
+                    list(sys.path),
+                    child_end,
+                    os.getpid(),
+                    float(self.timeout),
+                ),
+                name=f"RankPool-{self.world_size}-rank{rank}",
+                # Not daemonic, so calls may start processes (DataLoader workers);
+                # cleanup at exit is done by the finalizer registered below instead.
+                daemon=False,
+            )
+            process.start()
+            # Drop our copy of the child's end so a dead worker reads as EOF here.
+            child_end.close()
+            processes.append(process)
+            conns.append(parent_end)
+        finalizer = weakref.finalize(self, _kill_workers, processes, conns, os.getpid())
+        # Registered with atexit ourselves (not via finalize's own hook) so that it runs
+        # before multiprocessing's exit handler, which would join the workers forever.
+        finalizer.atexit = False
+        atexit.register(finalizer)
+        self._generation = _Generation(port, processes, conns, finalizer)
+
+    def _kill(self) -> None:
+        """Kill the current workers, if any."""
+        generation, self._generation = self._generation, None
+        if generation is not None:
+            atexit.unregister(generation.finalizer)
+            generation.finalizer()
+
+    def restart(self) -> None:
+        """Replace all workers with fresh ones on a new port."""
+        self._check_open()
+        self._kill()
+        self._spawn()
+
+    def close(self) -> None:
+        """Stop the workers: politely first, then by SIGKILL. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        generation = self._generation
+        if generation is not None and generation.ready:
+            message = pickle.dumps(("close", [], b""))
+            for conn in generation.conns:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(message)
+            deadline = time.monotonic() + 5.0
+            for process in generation.processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("RankPool is closed")
+
+    def _ensure_ready(self) -> _Generation:
+        """Wait until every worker has joined the process group; retry a failed start once.
+
+        One retry covers the port picked by :func:`_free_port` being taken by someone else
+        before rank 0 bound it.
+        """
+        self._check_open()
+        failures: dict[int, str] = {}
+        for _attempt in range(2):
+            if self._generation is None:
+                self._spawn()
+            generation = self._generation
+            assert generation is not None
+            if generation.ready:
+                return generation
+            _, failures, _ = self._collect(generation, self.start_timeout, grace=1.0)
+            if not failures:
+                generation.ready = True
+                return generation
+            self._kill()
+        self._spawn()  # leave a fresh attempt running for the next call
+        raise RankFailure(
+            self._report(f"starting a pool of {self.world_size}", failures, self.start_timeout),
+            failures,
+        )
+
+    # ---- calls -----------------------------------------------------------------------
+
+    def run(
+        self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        ``timeout`` (seconds, default: the pool's) is consumed here; use :meth:`call` to
+        pass an argument named ``timeout`` through to ``fn``.
+
+        Raises:
+            RankFailure: a rank raised, died, or did not answer within ``timeout``. The pool
+                has been restarted by then and can be used again.
+            pickle.PicklingError, AttributeError, TypeError: ``fn`` or the arguments cannot
+                be pickled; nothing was sent and the pool is untouched.
+        """
+        __tracebackhide__ = True  # pytest: show the test's frame, not ours
+        return self.call(fn, args, kwargs, timeout=timeout)
+
+    def call(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Like :meth:`run`, with the arguments given as a tuple and a mapping."""
+        __tracebackhide__ = True  # pytest: show the test's frame, not ours
+        limit = self.timeout if timeout is None else timeout
+        # Pickle before sending anything: a lambda or a local function fails here, in the
+        # caller, instead of leaving some ranks running and others not.
+        payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
+        message = pickle.dumps(("call", list(sys.path), payload), pickle.HIGHEST_PROTOCOL)
+        try:
+            generation = self._ensure_ready()
+            results, failures, clean = self._exchange(generation, message, limit)
+        except RankFailure:
+            raise  # the pool failed to start; a fresh start is already under way
+        except BaseException:
+            # Interrupted (Ctrl-C) mid-call or mid-start: replies still in flight would be
+            # taken for the next call's, so drop these workers; the next call starts anew.
+            self._kill()
+            raise
+        if failures:
+            if not clean:
+                self.restart()
+            raise RankFailure(
+                self._report(_callable_name(fn), failures, limit, restarted=not clean),
+                failures,
+            )
+        return [results[rank] for rank in range(self.world_size)]
+
+    def _exchange(
+        self, generation: _Generation, message: bytes, limit: float
+    ) -> tuple[dict[int, Any], dict[int, str], bool]:
+        """Send ``message`` to every rank and collect the replies, as :meth:`_collect`."""
+        failures: dict[int, str] = {}
+        for rank, conn in enumerate(generation.conns):
+            try:
+                conn.send_bytes(message)
+            except OSError as exc:
+                failures[rank] = f"could not be sent the call ({exc!r}); the worker is gone"
+        if failures:
+            return {}, failures, False
+        return self._collect(generation, limit, grace=self.error_grace)
+
+    def _collect(
+        self, generation: _Generation, limit: float, grace: float
+    ) -> tuple[dict[int, Any], dict[int, str], bool]:
+        """Read one reply per rank; ranks silent at the deadline become failures.
+
+        The deadline is ``limit`` after now, cut to ``grace`` after the first failure.
+        Returns results and failures by rank, and whether every failure left its worker
+        idle and the process group intact (results that could not be pickled or
+        unpickled), so that no restart is needed.
+        """
+        start = time.monotonic()
+        deadline = start + limit
+        pending = {conn: rank for rank, conn in enumerate(generation.conns)}
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        clean = True
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for conn in wait(list(pending), timeout=remaining):
+                rank = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    status, value = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    clean = False
+                    process = generation.processes[rank]
+                    process.join(timeout=1.0)
+                    failures[rank] = f"worker died (exit code {process.exitcode})"
+                except Exception:
+                    # The worker answered, so it is idle; only this reply is lost.
+                    failures[rank] = "its reply could not be unpickled:\n" + (
+                        traceback.format_exc()
+                    )
+                else:
+                    if status in ("error", "unpicklable"):
+                        failures[rank] = value
+                        clean = clean and status == "unpicklable"
+                    else:
+                        results[rank] = value
+                if rank in failures and not clean:
+                    deadline = min(deadline, time.monotonic() + grace)
+        waited = time.monotonic() - start
+        for rank in pending.values():
+            clean = False
+            failures[rank] = (
+                f"did not answer within {waited:.1f} s (likely waiting in a collective)"
+            )
+        return results, failures, clean
+
+    def _report(
+        self, what: str, failures: Mapping[int, str], limit: float, *, restarted: bool = True
+    ) -> str:
+        """Human-readable summary: one section per failed rank, in rank order."""
+        ok = [rank for rank in range(self.world_size) if rank not in failures]
+        aftermath = "the pool was restarted" if restarted else "the pool is still usable"
+        lines = [
+            f"{len(failures)} of {self.world_size} ranks failed in {what} "
+            f"(timeout {limit:g} s); {aftermath}."
+        ]
+        if ok:
+            lines.append(f"Ranks that answered normally: {', '.join(map(str, ok))}.")
+        for rank in sorted(failures):
+            lines.append(f"--- rank {rank} ---")
+            lines.append(failures[rank].rstrip())
+        return "\n".join(lines)
+
+
+class RankPools:
+    """Lazily created :class:`RankPool` objects, one per world size, closed together.
+
+    Calling it runs a function: ``pools(2, fn, x, timeout=30)`` is
+    ``RankPool(2).run(fn, x, timeout=30)`` with the pool kept for the next call.
+    """
+
+    def __init__(self, timeout: float = 120.0) -> None:
+        self.timeout = timeout
+        self._pools: dict[int, RankPool] = {}
+
+    def pool(self, world_size: int) -> RankPool:
+        """The pool for ``world_size`` ranks, started on first use."""
+        pool = self._pools.get(world_size)
+        if pool is None:
+            pool = self._pools[world_size] = RankPool(world_size, timeout=self.timeout)
+        return pool
+
+    def __call__(
+        self,
+        world_size: int,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; see :meth:`RankPool.run`."""
+        __tracebackhide__ = True  # pytest: show the test's frame, not ours
+        return self.pool(world_size).call(fn, args, kwargs, timeout=timeout)
+
+    def close(self) -> None:
+        """Close every pool started so far."""
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
+
+    def __enter__(self) -> RankPools:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
