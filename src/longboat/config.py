@@ -58,6 +58,10 @@ class ReplicateConfig(_Section):
     first_bucket_mb: float = Field(
         1.0, gt=0, description="size of the first bucket, small so communication starts early"
     )
+    overlap_optimizer: bool = Field(
+        True, description="step the optimizer bucket by bucket as each all-reduce completes "
+        "(only without clipping, and only for per-parameter optimizers)"
+    )
 
 
 class PrecisionConfig(_Section):

@@ -44,7 +44,16 @@ class Strategy(Protocol):
         ...
 
     def finish_gradients(self) -> None:
-        """After the boundary backward: leave each trainable ``p.grad`` averaged over ranks."""
+        """After the boundary backward: start whatever communication is still outstanding."""
+        ...
+
+    def wait_gradients(self) -> None:
+        """Block until each trainable ``p.grad`` holds the gradient averaged over ranks.
+
+        ``clip_grad_norm`` and ``optimizer_step`` wait by themselves (the latter possibly
+        piece by piece, overlapping the optimizer with communication); this is for callers
+        that want to read the gradients before the step.
+        """
         ...
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -10,6 +10,14 @@ becomes ready before its predecessors waits for them. gloo and NCCL match collec
 order, so a different order on two ranks would pair different buckets (a hang or wrong sums).
 Buckets still incomplete after backward (parameters unused in this forward) are launched in
 order by :meth:`Replicate.finish_gradients`, contributing zeros for the unused parameters.
+
+[Note: optimizer overlap] With ``replicate.overlap_optimizer`` (and no clipping, which needs every
+gradient first), the optimizer runs bucket by bucket: as soon as bucket k's all-reduce is done,
+the optimizer steps the parameters of bucket k while later buckets are still on the wire. This
+uses the fact that torch's per-parameter optimizers skip parameters whose ``grad`` is None, so
+showing the optimizer one bucket's gradients at a time gives exactly the update of one full step.
+Optimizers that couple parameters (LBFGS, anything not listed in ``_PER_PARAMETER``) always step
+once, after every bucket has arrived.
 """
 
 from __future__ import annotations
@@ -22,6 +30,13 @@ from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
 from longboat.strategies.base import StrategyContext
 
 _MIB = 1024 * 1024
+
+# Optimizers whose update of a parameter depends on that parameter's state alone.
+_PER_PARAMETER = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+    torch.optim.Adadelta,
+)
 
 
 class Replicate:
@@ -108,22 +123,46 @@ class Replicate:
             self._next += 1
 
     def finish_gradients(self) -> None:
+        # Only launch here; waiting is deferred so the optimizer can overlap the tail of the
+        # communication (see [Note: optimizer overlap]).
         self._launch_ready(force=True)
-        for b in self._buckets:
-            assert b.handle is not None, "bucket not launched"
-            b.handle.wait()  # type: ignore[attr-defined]
-            b.handle = None
-            for i, p in enumerate(b.params):
-                # The averaged gradient becomes p.grad as a view into the bucket: no copy back.
-                p.grad = b.view_of(i)
         self._sync = False
 
+    def _wait(self, b: Bucket) -> None:
+        if b.handle is None:
+            return
+        b.handle.wait()  # type: ignore[attr-defined]
+        b.handle = None
+        for i, p in enumerate(b.params):
+            # The averaged gradient becomes p.grad as a view into the bucket: no copy back.
+            p.grad = b.view_of(i)
+
+    def wait_gradients(self) -> None:
+        for b in self._buckets:
+            self._wait(b)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        # Gradients are identical on every rank after finish_gradients: a local norm is global.
+        self.wait_gradients()
+        # Gradients are identical on every rank after the all-reduce: a local norm is global.
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+        pending = any(b.handle is not None for b in self._buckets)
+        if not (pending and self.ctx.config.replicate.overlap_optimizer
+                and isinstance(optimizer, _PER_PARAMETER)):
+            self.wait_gradients()
+            optimizer.step()
+            return
+        for p in self.params:
+            p.grad = None  # hide local, unreduced gradients from the optimizer
+        for b in self._buckets:
+            self._wait(b)  # sets this bucket's averaged gradients
+            optimizer.step()  # steps only parameters with a gradient: this bucket's
+            for p in b.params:
+                p.grad = None
+        for b in self._buckets:  # leave every averaged gradient visible after the step
+            for i, p in enumerate(b.params):
+                p.grad = b.view_of(i)
 
     def close(self) -> None:
         for h in self._hooks:

@@ -31,6 +31,9 @@ class Single:
     def finish_gradients(self) -> None:
         pass
 
+    def wait_gradients(self) -> None:
+        pass
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
