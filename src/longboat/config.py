@@ -343,6 +343,7 @@ def explain(source: Config | Mapping[str, Any] | str | Path | None, world_size: 
             src = f"{src}; {note}"
         rows.append((key, value, src))
     width = max(len(k) for k, _, _ in rows)
+    vwidth = min(max(len(repr(v)) for _, v, _ in rows), 40)
     lines = [f"longboat config at world size {world_size}:"]
-    lines += [f"  {k.ljust(width)}  {v!r:<14} {s}" for k, v, s in rows]
+    lines += [f"  {k.ljust(width)}  {v!r:<{vwidth}}  {s}" for k, v, s in rows]
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 class StepProgress:
     """Reports step, loss and samples/s. Silent on every rank but the main one."""
 
-    def __init__(self, enabled: bool, total: int | None = None, every: int = 10) -> None:
+    def __init__(self, enabled: bool, total: int | None = None, every: int = 50) -> None:
         self.enabled = enabled
         self.every = every
         self.total = total

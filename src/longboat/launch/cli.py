@@ -1,0 +1,109 @@
+"""The ``longboat`` command line. It only parses; the work is in :mod:`longboat.launch.run`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(
+    name="longboat",
+    help="Distributed PyTorch training by configuration.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Inspect a longboat configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+USAGE_EXIT = 2
+
+
+def _usage_error(message: str) -> typer.Exit:
+    print(f"longboat: error: {message}", file=sys.stderr, flush=True)
+    return typer.Exit(USAGE_EXIT)
+
+
+@app.command(
+    # Everything after the script belongs to the script, dashes included.
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+def run(
+    script: Path = typer.Argument(
+        ..., metavar="SCRIPT", help="the training script, run as `python -u SCRIPT ARGS...`"
+    ),
+    script_args: list[str] | None = typer.Argument(
+        None, metavar="ARGS", help="arguments for the script, passed as given"
+    ),
+    nproc_per_node: int = typer.Option(
+        1, "-n", "--nproc-per-node", help="worker processes on this node"
+    ),
+    nnodes: int = typer.Option(1, "--nnodes", help="number of nodes in the job"),
+    node_rank: int = typer.Option(0, "--node-rank", help="this node's rank, 0 to nnodes-1"),
+    master_addr: str = typer.Option(
+        "127.0.0.1", "--master-addr", help="address of node 0, which hosts the rendezvous"
+    ),
+    master_port: int | None = typer.Option(
+        None, "--master-port", help="port on node 0 (default: a free port; single node only)"
+    ),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="restart all workers up to this many times after a failure"
+    ),
+    log_dir: Path | None = typer.Option(
+        None, "--log-dir", help="keep each rank's stdout/stderr under this directory"
+    ),
+    rdzv_timeout: int = typer.Option(
+        900, "--rdzv-timeout", help="seconds to wait for all nodes to join"
+    ),
+) -> None:
+    """Run SCRIPT on N processes per node (a drop-in for torchrun)."""
+    from longboat.launch.run import LaunchUsageError, RunOptions, launch
+
+    opts = RunOptions(
+        script=script,
+        script_args=tuple(script_args or ()),
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        max_restarts=max_restarts,
+        log_dir=log_dir,
+        rdzv_timeout_s=rdzv_timeout,
+    )
+    try:
+        code = launch(opts)
+    except LaunchUsageError as e:
+        raise _usage_error(str(e)) from None
+    raise typer.Exit(code)
+
+
+@config_app.command("explain")
+def config_explain(
+    file: Path = typer.Argument(
+        ..., metavar="FILE", help="a longboat TOML/JSON/YAML or DeepSpeed JSON config"
+    ),
+    world_size: int = typer.Option(1, "--world-size", help="number of ranks to explain it for"),
+) -> None:
+    """Show the resolved configuration and how derived values (the batch triple) follow."""
+    from longboat import config
+
+    if not file.is_file():
+        raise _usage_error(f"config file {str(file)!r} does not exist: give the path of a file")
+    if world_size < 1:
+        raise _usage_error(f"--world-size {world_size} is invalid: use 1 or more")
+    try:
+        text = config.explain(file, world_size)
+    except config.ConfigError as e:
+        raise _usage_error(str(e)) from None
+    print(text)
+
+
+def main() -> None:
+    """Console entry point ``longboat``."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""What reaches the launcher's console: worker lines once-prefixed, and no duplicate reports."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+from longboat.launch.failures import WorkerExit, describe
+
+# torch's init_process_group installs an excepthook in every worker that already prefixes each
+# traceback line with "[rankN]: ", the same prefix the agent adds, so tracebacks would show it
+# twice. The tail threads write one whole "prefix + line" per call, so collapsing is exact.
+_DOUBLE_PREFIX = re.compile(r"^(\[rank\d+\]: )\1")
+
+# torch elastic's log lines about stopping workers, replaced by longboat's own report. The second
+# is logged once per failed attempt with (exitcode, local_rank, pid, ...) of the first failure.
+_STOPPING_MESSAGE = "Sending process %s closing signal %s"
+_FAILED_MESSAGE = "failed (exitcode: %s) local_rank: %s"
+_ELASTIC_MP_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _OnePrefixStream:
+    """A text stream proxy that writes ``[rankN]: [rankN]: x`` as ``[rankN]: x``."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(_DOUBLE_PREFIX.sub(r"\1", text, count=1))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+def report(line: str) -> None:
+    """Print one launcher line to stderr, after any worker output already received."""
+    # Worker lines reach our stdout through a buffer: flush it so the report comes after them.
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+
+
+class _FailureLogFilter(logging.Filter):
+    """Drops torch's stop/failure lines; turns the failure of an attempt that will be restarted
+    into a longboat line (the final failure gets the full report from the launcher instead)."""
+
+    def __init__(self, node_rank: int, nproc_per_node: int, max_restarts: int) -> None:
+        super().__init__()
+        self._first_rank = node_rank * nproc_per_node
+        self._max_restarts = max_restarts
+        self._failed_attempts = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str):
+            return True
+        if record.msg.startswith(_STOPPING_MESSAGE):
+            return False
+        if not record.msg.startswith(_FAILED_MESSAGE):
+            return True
+        self._failed_attempts += 1
+        if self._failed_attempts <= self._max_restarts and isinstance(record.args, tuple):
+            exitcode, local_rank, pid = (int(a) for a in record.args[:3])
+            worker = WorkerExit(rank=self._first_rank + local_rank, pid=pid, exitcode=exitcode)
+            report(describe(worker))
+            report(
+                f"longboat: restarting all workers (attempt {self._failed_attempts + 1} of "
+                f"{self._max_restarts + 1})"
+            )
+        return False
+
+
+@contextlib.contextmanager
+def worker_console(node_rank: int, nproc_per_node: int, max_restarts: int) -> Iterator[None]:
+    """For the duration of a launch: one rank prefix per line, no log lines we report better."""
+    log_filter = _FailureLogFilter(node_rank, nproc_per_node, max_restarts)
+    logger = logging.getLogger(_ELASTIC_MP_LOGGER)
+    logger.addFilter(log_filter)
+    try:
+        with (
+            contextlib.redirect_stdout(_OnePrefixStream(sys.stdout)),  # type: ignore[type-var]
+            contextlib.redirect_stderr(_OnePrefixStream(sys.stderr)),  # type: ignore[type-var]
+        ):
+            yield
+    finally:
+        logger.removeFilter(log_filter)

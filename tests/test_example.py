@@ -1,0 +1,42 @@
+"""The default example end to end: two processes under the launcher, and a plain process."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _accuracy(out: str) -> float:
+    m = re.search(r"accuracy=([0-9.]+)", out)
+    assert m, f"no accuracy line in output:\n{out[-3000:]}"
+    return float(m.group(1))
+
+
+def test_digits_under_longboat_run_two_ranks():
+    proc = subprocess.run(
+        [sys.executable, "-m", "longboat.launch.cli", "run", "-n", "2",
+         str(ROOT / "examples" / "digits.py")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "strategy replicate on 2 rank(s)" in out
+    assert _accuracy(out) >= 0.95
+    assert out.count("accuracy=") == 1, "only rank 0 prints the result"
+
+
+def test_digits_as_a_plain_script():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "digits.py")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "strategy single on 1 rank(s)" in out
+    assert _accuracy(out) >= 0.95
