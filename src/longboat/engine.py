@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 from longboat.comm.collectives import Collectives
 from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
 from longboat.data import ShardedLoader, make_loader
+from longboat.grads import clip_by_global_norm_
 from longboat.observe.log import setup_logging
 from longboat.observe.progress import StepProgress
 from longboat.optim import build_optimizer, build_scheduler
@@ -100,7 +101,12 @@ class Engine:
             return False
         self.strategy.finish_gradients()
         if self.config.gradient_clipping > 0:
-            self.last_grad_norm = self.strategy.clip_grad_norm(self.config.gradient_clipping)
+            # Clipping needs every gradient; without it the strategy may overlap the optimizer
+            # with the communication still in flight.
+            self.strategy.wait_gradients()
+            self.last_grad_norm = clip_by_global_norm_(
+                self.strategy.local_gradients(), self.config.gradient_clipping, self.comm,
+                self.strategy.grads_sharded)
         self.strategy.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:

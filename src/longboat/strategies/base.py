@@ -50,14 +50,21 @@ class Strategy(Protocol):
     def wait_gradients(self) -> None:
         """Block until each trainable ``p.grad`` holds the gradient averaged over ranks.
 
-        ``clip_grad_norm`` and ``optimizer_step`` wait by themselves (the latter possibly
-        piece by piece, overlapping the optimizer with communication); this is for callers
-        that want to read the gradients before the step.
+        ``optimizer_step`` waits by itself (possibly piece by piece, overlapping the optimizer
+        with communication); the engine calls this first only when it must see every gradient
+        (clipping, overflow checks).
         """
         ...
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip gradients to ``max_norm`` by their global 2-norm; return the norm before."""
+    #: True when ``local_gradients`` are disjoint pieces of the model's gradients (their norms
+    #: must be summed across ranks); False when every rank holds the same full gradients.
+    grads_sharded: bool
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """After :meth:`wait_gradients`: the averaged gradients this rank owns, each once.
+
+        The engine unscales, checks and clips these in place.
+        """
         ...
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -11,9 +11,10 @@ order, so a different order on two ranks would pair different buckets (a hang or
 Buckets still incomplete after backward (parameters unused in this forward) are launched in
 order by :meth:`Replicate.finish_gradients`, contributing zeros for the unused parameters.
 
-[Note: optimizer overlap] With ``replicate.overlap_optimizer`` (and no clipping, which needs every
-gradient first), the optimizer runs bucket by bucket: as soon as bucket k's all-reduce is done,
-the optimizer steps the parameters of bucket k while later buckets are still on the wire. This
+[Note: optimizer overlap] With ``replicate.overlap_optimizer``, unless the engine already waited
+for every gradient (to clip, or to check for overflow), the optimizer runs bucket by bucket: as
+soon as bucket k's all-reduce is done, it steps the parameters of bucket k while later buckets
+are still on the wire. This
 uses the fact that torch's per-parameter optimizers skip parameters whose ``grad`` is None, so
 showing the optimizer one bucket's gradients at a time gives exactly the update of one full step.
 Optimizers that couple parameters (LBFGS, anything not listed in ``_PER_PARAMETER``) always step
@@ -141,10 +142,11 @@ class Replicate:
         for b in self._buckets:
             self._wait(b)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        self.wait_gradients()
-        # Gradients are identical on every rank after the all-reduce: a local norm is global.
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+    # Gradients are identical on every rank after the all-reduce: a local norm is global.
+    grads_sharded = False
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         pending = any(b.handle is not None for b in self._buckets)

@@ -34,8 +34,10 @@ class Single:
     def wait_gradients(self) -> None:
         pass
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+    grads_sharded = False
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
