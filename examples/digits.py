@@ -50,8 +50,8 @@ def main() -> None:
 
     engine.eval()
     with torch.no_grad():
-        x, y = test_set.tensors
-        accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
+        x, y = (t.to(engine.device) for t in test_set.tensors)
+        accuracy = (engine(x).argmax(dim=1) == y).float().mean().item()
     if engine.world.is_main:
         print(f"steps={engine.global_step} final_loss={engine.last_loss:.4f}")
         print(f"accuracy={accuracy:.4f}")

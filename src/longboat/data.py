@@ -62,11 +62,26 @@ class ShardedSampler(Sampler[int]):
         return self.total // self.world_size
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
 class ShardedLoader:
-    """A ``DataLoader`` over this rank's shard that advances the epoch each time it is iterated."""
+    """A ``DataLoader`` over this rank's shard that advances the epoch each time it is iterated,
+    and moves batches to the rank's device (a no-op on the CPU)."""
 
     def __init__(self, dataset: Dataset, sampler: ShardedSampler, batch_size: int,
-                 seed: int, rank: int, **loader_kwargs: Any) -> None:
+                 seed: int, rank: int, device: torch.device | None = None,
+                 **loader_kwargs: Any) -> None:
+        self.device = device
         self.sampler = sampler
         generator = torch.Generator().manual_seed(seed * 1000003 + rank)  # per-rank worker RNG
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
@@ -75,7 +90,11 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
-        yield from self.loader
+        if self.device is None or self.device.type == "cpu":
+            yield from self.loader
+        else:
+            for batch in self.loader:
+                yield to_device(batch, self.device)
         self.epoch += 1
 
     def __len__(self) -> int:
@@ -86,6 +105,7 @@ def make_loader(
     dataset: Dataset, *, rank: int, world_size: int, micro_batch_size: int,
     train_batch_size: int, shuffle: bool, seed: int, remainder: Literal["drop", "pad"],
     num_workers: int = 0, collate_fn: Callable[..., Any] | None = None, announce: bool = True,
+    device: torch.device | None = None,
 ) -> ShardedLoader:
     """Build the sharded loader and say, once, what it does with the remainder."""
     if not isinstance(dataset, Sized):
@@ -105,4 +125,6 @@ def make_loader(
     kwargs: dict[str, Any] = {"num_workers": num_workers}
     if collate_fn is not None:
         kwargs["collate_fn"] = collate_fn
-    return ShardedLoader(dataset, sampler, micro_batch_size, seed, rank, **kwargs)
+    if device is not None and device.type == "cuda":
+        kwargs["pin_memory"] = True
+    return ShardedLoader(dataset, sampler, micro_batch_size, seed, rank, device, **kwargs)

@@ -130,7 +130,7 @@ class Engine:
             train_batch_size=self.batch.train_batch_size,
             shuffle=d.shuffle if shuffle is None else shuffle, seed=self.config.seed,
             remainder=d.remainder, num_workers=d.num_workers, collate_fn=collate_fn,
-            announce=self.world.is_main,
+            announce=self.world.is_main, device=self.device,
         )
 
     # -- state ---------------------------------------------------------------------------------
