@@ -30,6 +30,26 @@ class TinyNet(nn.Module):
         return self.out(h)
 
 
+class TiedNet(nn.Module):
+    """Two Linear modules sharing one weight (tied parameters across modules), odd sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(12, 12, bias=False)
+        self.mid = nn.Linear(12, 7)
+        self.back = nn.Linear(7, 12)
+        self.head = nn.Linear(12, 12)
+        self.head.weight = self.proj.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(x))
+        h = torch.tanh(self.back(torch.tanh(self.mid(h))))
+        return self.head(h)
+
+
+MODELS = {"tiny": TinyNet, "tied": TiedNet}
+
+
 def dataset(n: int, seed: int = 1) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 12, generator=g)
@@ -38,10 +58,10 @@ def dataset(n: int, seed: int = 1) -> TensorDataset:
 
 
 def train(config: dict[str, Any], steps: int, optimizer: str = "sgd",
-          perturb_rank: bool = True) -> dict[str, torch.Tensor]:
-    """Train TinyNet for ``steps`` optimizer steps; return its final state (CPU tensors)."""
+          perturb_rank: bool = True, model_name: str = "tiny") -> dict[str, torch.Tensor]:
+    """Train a test model for ``steps`` optimizer steps; return its final state (CPU tensors)."""
     torch.manual_seed(0)
-    model = TinyNet()
+    model = MODELS[model_name]()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if perturb_rank and rank:
         with torch.no_grad():  # the strategy must start every rank from rank 0's weights
@@ -61,8 +81,9 @@ def train(config: dict[str, Any], steps: int, optimizer: str = "sgd",
             done += engine.step()
             if done == steps:
                 break
+    state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
     engine.close()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state
 
 
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

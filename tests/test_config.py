@@ -113,7 +113,7 @@ def test_deepspeed_dialect_translates():
 
 @pytest.mark.parametrize(("ds", "words"), [
     ({"train_batch_size": 8, "wall_clock_breakdown": True}, ["wall_clock_breakdown"]),
-    ({"train_batch_size": 8, "zero_optimization": {"stage": 2}}, ["zero_optimization.stage", "2"]),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "4"]),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 0, "overlap_comm": True}},
      ["zero_optimization.overlap_comm"]),
     ({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_window": 100}},
@@ -127,6 +127,14 @@ def test_deepspeed_unsupported_keys_are_named(ds, words):
         load_config(ds)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def test_deepspeed_zero_stages():
+    for stage in (1, 2, 3):
+        cfg = load_config({"train_batch_size": 8, "zero_optimization": {
+            "stage": stage, "reduce_bucket_size": 2**20}})
+        assert cfg.strategy == "zero" and cfg.zero.stage == stage
+        assert cfg.zero.bucket_mb == 4.0  # 2**20 fp32 elements
 
 
 def test_deepspeed_json_file(tmp_path):

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-StrategyName = Literal["auto", "single", "replicate"]
+StrategyName = Literal["auto", "single", "replicate", "zero"]
 
 
 class ConfigError(ValueError):
@@ -64,6 +64,26 @@ class ReplicateConfig(_Section):
     )
 
 
+class ZeroConfig(_Section):
+    """Sharded data parallelism (ZeRO): stage 1 shards optimizer state, 2 also gradients,
+    3 also parameters."""
+
+    stage: Literal[1, 2, 3] = 1
+    bucket_mb: float = Field(
+        25.0, gt=0, description="stages 1-2: size of the flat buffers gradients are reduced in"
+    )
+    unit_classes: list[str] = Field(
+        default_factory=list,
+        description="stage 3: module class names whose instances gather their parameters as "
+        "one unit (e.g. ['Block']); empty = choose by size",
+    )
+    unit_min_params: int = Field(
+        1_000_000, gt=0,
+        description="stage 3 with no unit_classes: smallest module (in parameters) made a unit",
+    )
+    prefetch: bool = Field(True, description="stage 3: gather the next unit while this one runs")
+
+
 class PrecisionConfig(_Section):
     """Compute precision. Only fp32 is implemented so far; others are refused by the engine."""
 
@@ -100,6 +120,7 @@ class Config(_Section):
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     replicate: ReplicateConfig = Field(default_factory=ReplicateConfig)
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     log: LogConfig = Field(default_factory=LogConfig)

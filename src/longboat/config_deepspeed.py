@@ -106,7 +106,7 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
         z = data["zero_optimization"]
         if not isinstance(z, Mapping):
             raise ConfigError(f"DeepSpeed key 'zero_optimization' must be an object, got {z!r}")
-        extra = sorted(set(z) - {"stage"})
+        extra = sorted(set(z) - {"stage", "reduce_bucket_size"})
         if extra:
             raise ConfigError(
                 "DeepSpeed key(s) "
@@ -116,9 +116,14 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
         stage = z.get("stage", 0)
         if stage == 0:
             put("strategy", "replicate", "zero_optimization.stage")
+        elif stage in (1, 2, 3):
+            put("strategy", "zero", "zero_optimization.stage")
+            put("zero.stage", stage, "zero_optimization.stage")
+            if "reduce_bucket_size" in z:  # DeepSpeed counts elements; longboat MiB of fp32
+                put("zero.bucket_mb", z["reduce_bucket_size"] * 4 / 2**20,
+                    "zero_optimization.reduce_bucket_size")
         else:
             raise ConfigError(
-                f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is not supported yet "
-                "(only 0, plain data parallelism); use stage 0 or strategy 'replicate'"
+                f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is invalid; use 0, 1, 2 or 3"
             )
     return out, src

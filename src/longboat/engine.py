@@ -136,8 +136,8 @@ class Engine:
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's ``state_dict`` with the user's own keys."""
-        return self.model.state_dict()
+        """The model's ``state_dict`` with the user's own keys and whole tensors."""
+        return self.strategy.full_state_dict(self.model)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state)

@@ -48,6 +48,25 @@ class Collectives:
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+                       ) -> Handle:
+        """Sum ``input`` across ranks; rank r keeps chunk r of the result in ``output``."""
+        if not self.active:
+            output.copy_(input)
+            return _Done()
+        work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
+                                          async_op=async_op)
+        return work if async_op else _Done()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+                   ) -> Handle:
+        """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``."""
+        if not self.active:
+            output.copy_(input)
+            return _Done()
+        work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
         if self.active:

@@ -8,11 +8,13 @@ from longboat.config import ConfigError
 from longboat.strategies.base import Strategy, StrategyContext
 from longboat.strategies.replicate import Replicate
 from longboat.strategies.single import Single
+from longboat.strategies.zero import Zero
 
 # A new strategy is a new file and one line here, never a branch in the engine.
 REGISTRY: dict[str, Callable[[StrategyContext], Strategy]] = {
     "single": Single,
     "replicate": Replicate,
+    "zero": Zero,
 }
 
 

@@ -71,6 +71,10 @@ class Strategy(Protocol):
         """Apply the optimizer to the (synchronised) gradients."""
         ...
 
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` with every tensor whole, on every rank."""
+        ...
+
     def close(self) -> None:
         """Remove hooks and free buffers."""
         ...

@@ -166,6 +166,9 @@ class Replicate:
             for i, p in enumerate(b.params):
                 p.grad = b.view_of(i)
 
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return model.state_dict()
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()

@@ -42,5 +42,8 @@ class Single:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return model.state_dict()
+
     def close(self) -> None:
         pass

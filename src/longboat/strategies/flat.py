@@ -1,0 +1,93 @@
+"""Flat units: the shared piece of the ZeRO stages.
+
+A unit is a list of parameters of one optimizer param group and one dtype, laid end to end in a
+flat buffer padded to a multiple of the world size, so that rank r owns the contiguous slice
+``[r*S, (r+1)*S)`` of it (its *shard*). The optimizer sees one flat parameter per unit: the shard.
+Parameters keep their objects and names; only where their data lives changes:
+
+- stages 1 and 2: the full flat parameter stays allocated and every parameter's ``.data`` is a
+  view into it; the shard is a view too, so the optimizer updates the flat parameter in place and
+  an all-gather fills in the other ranks' slices;
+- stage 3: only the shard is kept; the full flat parameter is gathered before the unit runs and
+  freed after (parameters then point at empty tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class FlatUnit:
+    """Parameters flattened into one padded buffer, sharded evenly over ``world_size`` ranks."""
+
+    index: int
+    params: list[nn.Parameter]
+    group: int
+    world_size: int
+    rank: int
+    module: nn.Module | None = None  # stage 3: the module whose forward gathers this unit
+    offsets: list[int] = field(default_factory=list)
+    shard: nn.Parameter | None = None
+    flat_param: torch.Tensor | None = None
+    flat_grad: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    arrived: set[int] = field(default_factory=set)
+    gather_handle: object | None = None  # stage 3: an all-gather (prefetch) in flight
+    reduce_handle: object | None = None  # a reduce-scatter of this unit's gradients in flight
+    reduced: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        off = 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.shard_numel = -(-off // self.world_size)  # ceil
+        self.padded = self.shard_numel * self.world_size
+        self.lo = self.rank * self.shard_numel
+        self.hi = self.lo + self.shard_numel
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.shapes = [p.shape for p in self.params]
+
+    def flatten(self) -> torch.Tensor:
+        """A new padded flat copy of the parameters' current values."""
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        for p, off in zip(self.params, self.offsets, strict=True):
+            flat[off: off + p.numel()].copy_(p.detach().reshape(-1))
+        return flat
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slice of a full flat buffer, shaped like the parameter."""
+        return flat[self.offsets[i]: self.offsets[i] + self.shapes[i].numel()].view(
+            self.shapes[i])
+
+    def point_params_at(self, flat: torch.Tensor) -> None:
+        """Make every parameter's data a view into ``flat`` (no copy)."""
+        for i, p in enumerate(self.params):
+            p.data = self.view(flat, i)
+
+    def release_params(self) -> None:
+        """Point every parameter at an empty tensor, so the full flat buffer can be freed."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+
+    def grad_view(self) -> torch.Tensor:
+        """This rank's averaged gradient shard (after reduction)."""
+        if self.grad_shard is not None:
+            return self.grad_shard
+        assert self.flat_grad is not None
+        return self.flat_grad[self.lo: self.hi]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.arrived) == len(self.params)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
