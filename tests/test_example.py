@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,15 +19,18 @@ def _accuracy(out: str) -> float:
     return float(m.group(1))
 
 
-def test_digits_under_longboat_run_two_ranks():
+@pytest.mark.parametrize(("config", "strategy"), [
+    (None, "replicate"), ("digits_zero3.toml", "zero-3")])
+def test_digits_under_longboat_run_two_ranks(config, strategy):
+    extra = ["--config", str(ROOT / "examples" / config)] if config else []
     proc = subprocess.run(
         [sys.executable, "-m", "longboat.launch.cli", "run", "-n", "2",
-         str(ROOT / "examples" / "digits.py")],
+         str(ROOT / "examples" / "digits.py"), *extra],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "strategy replicate on 2 rank(s)" in out
+    assert f"strategy {strategy} on 2 rank(s)" in out
     assert _accuracy(out) >= 0.95
     assert out.count("accuracy=") == 1, "only rank 0 prints the result"
 

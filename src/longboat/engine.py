@@ -24,6 +24,12 @@ from longboat.config import Config, ConfigError, ResolvedBatch, load_config, res
 from longboat.data import ShardedLoader, make_loader
 from longboat.grads import clip_by_global_norm_
 from longboat.observe.log import setup_logging
+from longboat.observe.memory import (
+    MemoryReport,
+    expected_bytes,
+    measure,
+    optimizer_state_bytes_per_param,
+)
 from longboat.observe.progress import StepProgress
 from longboat.optim import build_optimizer, build_scheduler
 from longboat.strategies import StrategyContext, build_strategy
@@ -43,6 +49,9 @@ class Engine:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.batch: ResolvedBatch = resolve_batch(config.batch, comm.world_size)
+        # Counted before the strategy may shard the parameters away.
+        self.trainable_params = sum(p.numel() for p in dict.fromkeys(model.parameters())
+                                    if p.requires_grad)
         self.strategy = build_strategy(config.resolved_strategy(comm.world_size),
                                        StrategyContext(world, comm, config))
         self.module = self.strategy.setup(model, optimizer)
@@ -141,6 +150,17 @@ class Engine:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state)
+
+    def memory_report(self) -> MemoryReport:
+        """Model-state bytes on this rank, counted from storages, beside the strategy's formula
+        (see ``longboat.observe.memory``)."""
+        a = self.trainable_params
+        k = optimizer_state_bytes_per_param(self.optimizer)
+        return MemoryReport(
+            rank=self.comm.rank, strategy=self.strategy.name, trainable_params=a,
+            world_size=self.comm.world_size,
+            measured=measure(self.strategy.memory_tensors(self.optimizer)),
+            expected=expected_bytes(self.strategy.name, a, self.comm.world_size, k))
 
     @property
     def device(self) -> torch.device:

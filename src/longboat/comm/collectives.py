@@ -26,6 +26,10 @@ class _Done:
         return True
 
 
+# torch 2.13 renamed the tensor forms and deprecated the old names; torch>=2.4 has the old ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -54,8 +58,8 @@ class Collectives:
         if not self.active:
             output.copy_(input)
             return _Done()
-        work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=async_op)
+        work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=async_op)
         return work if async_op else _Done()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -64,7 +68,7 @@ class Collectives:
         if not self.active:
             output.copy_(input)
             return _Done()
-        work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        work = _all_gather(output, input, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:

@@ -71,6 +71,10 @@ class Strategy(Protocol):
         """Apply the optimizer to the (synchronised) gradients."""
         ...
 
+    def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank keeps, by category (see ``longboat.observe.memory``)."""
+        ...
+
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's ``state_dict`` with every tensor whole, on every rank."""
         ...

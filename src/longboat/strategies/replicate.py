@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
+from longboat.observe.memory import optimizer_state_tensors
 from longboat.strategies.base import StrategyContext
 
 _MIB = 1024 * 1024
@@ -165,6 +166,13 @@ class Replicate:
         for b in self._buckets:  # leave every averaged gradient visible after the step
             for i, p in enumerate(b.params):
                 p.grad = b.view_of(i)
+
+    def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        # The buckets are where averaged gradients live (p.grad are views into them).
+        return {"parameters": list(self.params),
+                "gradients": [b.buffer for b in self._buckets if b.buffer is not None]
+                + [p.grad for p in self.params if p.grad is not None],
+                "optimizer_state": optimizer_state_tensors(optimizer)}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from longboat.observe.memory import optimizer_state_tensors
 from longboat.strategies.base import StrategyContext
 
 
@@ -41,6 +42,11 @@ class Single:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
+
+    def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        return {"parameters": list(self.params),
+                "gradients": [p.grad for p in self.params if p.grad is not None],
+                "optimizer_state": optimizer_state_tensors(optimizer)}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()

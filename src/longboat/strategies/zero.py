@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from longboat.config import ConfigError
+from longboat.observe.memory import optimizer_state_tensors
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.flat import FlatUnit
 from longboat.strategies.zero_units import bucket_units, module_units
@@ -266,6 +267,15 @@ class Zero:
                 u.flat_grad.zero_()
 
     # -- state ---------------------------------------------------------------------------------
+
+    def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        params: list[torch.Tensor] = [u.shard for u in self.units if u.shard is not None]
+        params += [u.flat_param for u in self.units if u.flat_param is not None]
+        grads = [t for u in self.units for t in (u.flat_grad, u.grad_shard) if t is not None]
+        comm = [u.reduced for u in self.units if u.reduced is not None]
+        return {"parameters": params, "gradients": grads,
+                "optimizer_state": optimizer_state_tensors(optimizer),
+                "communication_buffers": comm}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's ``state_dict`` with every parameter whole (gathered for stage 3)."""

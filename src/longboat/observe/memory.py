@@ -1,0 +1,117 @@
+"""Model-state memory per rank, counted from tensor storages, beside the formula it should meet.
+
+Counting storages (each once, whatever views point into it) is deterministic, unlike RSS, and
+separates what a strategy keeps between steps from what it allocates for a moment.
+
+[Note: memory formulas] With ``a`` trainable parameters of 4-byte fp32 master weights, ``k``
+bytes of optimizer state per parameter (Adam/AdamW: 8, SGD with momentum: 4, plain SGD: 0) and
+``n`` ranks, the persistent model state per rank is:
+
+==============  ==================  ==============  ==================
+strategy        parameters          gradients       optimizer state
+==============  ==================  ==============  ==================
+single          4a                  4a (at peak)    ka
+replicate       4a                  4a (buckets)    ka
+zero stage 1    4a                  4a              ka/n
+zero stage 2    4a                  4a/n            ka/n
+zero stage 3    4a/n                4a/n            ka/n
+==============  ==================  ==============  ==================
+
+so with Adam: replicate 16a, ZeRO-1 4a + 4a + 8a/n, ZeRO-2 4a + 12a/n, ZeRO-3 16a/n. bf16 and
+fp16 (autocast) keep fp32 master weights and create their low-precision copies only for the
+duration of an operation, so the persistent figures are the same; a ``communication_data_type``
+of 2 bytes adds only transient buffers. Shards are padded to a multiple of ``n`` per unit: at
+most ``n - 1`` elements per unit, counted in the measurement, not in the formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers")
+
+
+def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> int:
+    """``k`` of [Note: memory formulas] for the common optimizers (fp32 states)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam,
+                              torch.optim.RAdam, torch.optim.Adamax)):
+        return 8
+    if isinstance(optimizer, torch.optim.SGD):
+        return 4 if optimizer.defaults.get("momentum", 0) else 0
+    if isinstance(optimizer, (torch.optim.RMSprop, torch.optim.Adagrad)):
+        return 4
+    raise ValueError(f"no memory formula for {type(optimizer).__name__}")
+
+
+def expected_bytes(strategy: str, a: int, n: int, k: int) -> dict[str, int]:
+    """The formula of [Note: memory formulas] for one rank, in bytes."""
+    table = {
+        "single": (4 * a, 4 * a, k * a),
+        "replicate": (4 * a, 4 * a, k * a),
+        "zero-1": (4 * a, 4 * a, k * a / n),
+        "zero-2": (4 * a, 4 * a / n, k * a / n),
+        "zero-3": (4 * a / n, 4 * a / n, k * a / n),
+    }
+    if strategy not in table:
+        raise ValueError(f"no memory formula for strategy {strategy!r}")
+    p, g, o = table[strategy]
+    return {"parameters": int(p), "gradients": int(g), "optimizer_state": int(o),
+            "communication_buffers": 0}
+
+
+def _storages(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int]]) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if st.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in optimizer.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor)]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of model state on one rank, measured and expected."""
+
+    rank: int
+    strategy: str
+    trainable_params: int
+    world_size: int
+    measured: dict[str, int]
+    expected: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.measured.values())
+
+    @property
+    def expected_total(self) -> int:
+        return sum(self.expected.values())
+
+    def __str__(self) -> str:
+        rows = [f"model state on rank {self.rank} ({self.strategy}, {self.world_size} ranks, "
+                f"{self.trainable_params:,} trainable parameters):"]
+        for c in CATEGORIES:
+            rows.append(f"  {c:<22} {self.measured[c] / 2**20:10.2f} MiB   "
+                        f"formula {self.expected[c] / 2**20:10.2f} MiB")
+        rows.append(f"  {'total':<22} {self.total / 2**20:10.2f} MiB   "
+                    f"formula {self.expected_total / 2**20:10.2f} MiB")
+        return "\n".join(rows)
+
+
+def measure(groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Bytes per category, each storage counted once (in the first category that holds it)."""
+    seen: set[tuple[int, int]] = set()
+    return {c: _storages(groups.get(c, []), seen) for c in CATEGORIES}
