@@ -116,8 +116,12 @@ def test_deepspeed_dialect_translates():
     ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "4"]),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 0, "overlap_comm": True}},
      ["zero_optimization.overlap_comm"]),
-    ({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_window": 100}},
-     ["fp16.loss_scale_window"]),
+    ({"train_batch_size": 8, "fp16": {"enabled": True, "consecutive_hysteresis": True}},
+     ["fp16.consecutive_hysteresis"]),
+    ({"train_batch_size": 8, "bf16": {"enabled": True, "loss_scale": 0}}, ["bf16.loss_scale"]),
+    ({"train_batch_size": 8, "fp16": {"enabled": "auto"}}, ["fp16.enabled", "auto"]),
+    ({"train_batch_size": 8, "communication_data_type": "int8"},
+     ["communication_data_type", "int8"]),
     ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
      ["fp16.enabled", "bf16.enabled"]),
     ({"train_batch_size": 8, "optimizer": {"params": {}}}, ["optimizer", "type"]),
@@ -127,6 +131,22 @@ def test_deepspeed_unsupported_keys_are_named(ds, words):
         load_config(ds)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def test_deepspeed_precision_keys_translate():
+    cfg = load_config({"train_batch_size": 8, "communication_data_type": "bf16", "fp16": {
+        "enabled": True, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 12,
+        "loss_scale_window": 100, "hysteresis": 3, "min_loss_scale": 0.5}})
+    p = cfg.precision
+    assert (p.dtype, p.loss_scale, p.initial_scale_power, p.loss_scale_window, p.hysteresis,
+            p.min_loss_scale, p.communication_data_type) == ("fp16", 0, 12, 100, 3, 0.5, "bf16")
+    static = load_config({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": 128}})
+    assert static.precision.loss_scale == 128
+    # A disabled block is ignored whole, as DeepSpeed does.
+    off = load_config({"train_batch_size": 8, "fp16": {"enabled": False, "hysteresis": 9}})
+    assert off.precision.dtype == "fp32" and off.precision.hysteresis == 2
+    sources = load({"train_batch_size": 8, "fp16": {"enabled": True, "hysteresis": 4}}).sources
+    assert "fp16.hysteresis" in sources["precision.hysteresis"]
 
 
 def test_deepspeed_zero_stages():

@@ -13,9 +13,11 @@ _LAZY = {
     "load_config": "longboat.config", "Engine": "longboat.engine",
     "initialize": "longboat.engine", "seed_everything": "longboat.engine",
     "World": "longboat.world",
+    "CheckpointError": "longboat.checkpoint", "CheckpointNotFoundError": "longboat.checkpoint",
 }
 
 if TYPE_CHECKING:
+    from longboat.checkpoint import CheckpointError, CheckpointNotFoundError
     from longboat.config import Config, ConfigError, load_config
     from longboat.engine import Engine, initialize, seed_everything
     from longboat.world import World
@@ -27,5 +29,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'longboat' has no attribute {name!r}")
 
 
-__all__ = ["Config", "ConfigError", "Engine", "World", "initialize", "load_config",
-           "seed_everything"]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "Config", "ConfigError", "Engine",
+           "World", "initialize", "load_config", "seed_everything"]

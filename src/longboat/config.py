@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 StrategyName = Literal["auto", "single", "replicate", "zero"]
 
@@ -84,10 +84,39 @@ class ZeroConfig(_Section):
     prefetch: bool = Field(True, description="stage 3: gather the next unit while this one runs")
 
 
+_FP16_ONLY = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "min_loss_scale")
+
+
 class PrecisionConfig(_Section):
-    """Compute precision. Only fp32 is implemented so far; others are refused by the engine."""
+    """Compute precision: the forward runs under autocast in ``dtype`` with the model's fp32
+    parameters as master weights; fp16 adds loss scaling (DeepSpeed's rules, see
+    :mod:`longboat.precision`)."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = Field(0.0, ge=0, description="fp16: 0 = dynamic, > 0 = this static scale")
+    initial_scale_power: int = Field(
+        16, ge=0, le=127, description="fp16 dynamic: the scale starts at 2**initial_scale_power")
+    loss_scale_window: int = Field(
+        1000, gt=0, description="fp16 dynamic: steps in a row without overflow before it doubles")
+    hysteresis: int = Field(
+        2, ge=1, description="fp16 dynamic: overflows tolerated before the scale halves "
+        "(the hysteresis-th halves it; refilled when the scale doubles)")
+    min_loss_scale: float = Field(
+        1.0, gt=0, description="fp16 dynamic: never halve below this; an overflow there is an "
+        "error")
+    communication_data_type: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="dtype gradients travel in between ranks (replicate); None = their "
+        "own dtype (fp32)")
+
+    @model_validator(mode="after")
+    def _fp16_keys_need_fp16(self) -> PrecisionConfig:
+        stray = [k for k in _FP16_ONLY if k in self.model_fields_set]
+        if stray and self.dtype != "fp16":
+            keys = ", ".join(f"precision.{k}" for k in stray)
+            raise ValueError(f"{keys}: only for dtype 'fp16' (dtype is {self.dtype!r}); remove "
+                             "or set precision.dtype = 'fp16'")
+        return self
 
 
 class DataConfig(_Section):
@@ -99,6 +128,14 @@ class DataConfig(_Section):
         description="samples that do not fill every rank: drop them, or pad by repeating samples",
     )
     num_workers: int = Field(0, ge=0)
+
+
+class CheckpointConfig(_Section):
+    """Checkpoints written by ``engine.save_checkpoint`` (see :mod:`longboat.checkpoint`)."""
+
+    keep_last: int = Field(
+        0, ge=0, description="keep only the newest K complete checkpoints of a directory "
+        "(older ones are deleted after each save); 0 = keep all")
 
 
 class LogConfig(_Section):
@@ -123,6 +160,7 @@ class Config(_Section):
     zero: ZeroConfig = Field(default_factory=ZeroConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     def resolved_strategy(self, world_size: int) -> str:

@@ -21,7 +21,7 @@ _MARKERS = frozenset(
 _SUPPORTED = frozenset(
     {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
      "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization",
-     "seed"}
+     "seed", "communication_data_type"}
 )
 
 # DeepSpeed's optimizer names -> torch.optim class names. DeepSpeed's "Adam" is AdamW unless
@@ -34,19 +34,33 @@ def looks_like_deepspeed(data: Mapping[str, Any]) -> bool:
     return any(k in _MARKERS for k in data)
 
 
+# fp16/bf16 keys translated into ``precision.*`` (same meaning and defaults as DeepSpeed's).
+# ``auto_cast`` is accepted and has nothing to translate: DeepSpeed's fp16 converts the model to
+# fp16 and auto_cast decides whether inputs are cast to match; longboat keeps fp32 weights and
+# runs the forward under torch.autocast, which casts every operation's inputs either way.
+_FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "min_loss_scale")
+_PRECISION_KEYS = {"fp16": {"enabled", "auto_cast", *_FP16_KEYS}, "bf16": {"enabled"}}
+_COMM_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
+
+
 def _enabled(block: Any, key: str) -> bool:
     if isinstance(block, bool):
         return block
     if not isinstance(block, Mapping):
         raise ConfigError(f"DeepSpeed key '{key}' must be an object like {{\"enabled\": true}}, "
                           f"got {block!r}")
-    extra = sorted(set(block) - {"enabled", "auto_cast"})
-    if extra and block.get("enabled", False):
+    on = block.get("enabled", False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"DeepSpeed key '{key}.enabled' = {on!r} must be true or false "
+                          "('auto' is resolved by the Hugging Face Trainer, not by DeepSpeed)")
+    extra = sorted(set(block) - _PRECISION_KEYS[key])
+    if extra and on:
         raise ConfigError(
             f"DeepSpeed key(s) {', '.join(f'{key}.{k}' for k in extra)} are not supported yet; "
             f"remove them (longboat would otherwise ignore them)"
         )
-    return bool(block.get("enabled", False))
+    return on
 
 
 def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -101,6 +115,17 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
                           "enable at most one")
     if fp16 or bf16:
         put("precision.dtype", "fp16" if fp16 else "bf16", "fp16" if fp16 else "bf16")
+    if fp16 and isinstance(data["fp16"], Mapping):
+        for k in _FP16_KEYS:
+            if k in data["fp16"] and data["fp16"][k] != "auto":
+                put(f"precision.{k}", data["fp16"][k], f"fp16.{k}")
+    comm = data.get("communication_data_type")
+    if comm is not None:
+        if str(comm).lower() not in _COMM_DTYPES:
+            raise ConfigError(f"DeepSpeed key 'communication_data_type' = {comm!r} is invalid; "
+                              "use 'fp32', 'fp16' or 'bf16'")
+        put("precision.communication_data_type", _COMM_DTYPES[str(comm).lower()],
+            "communication_data_type")
 
     if "zero_optimization" in data:
         z = data["zero_optimization"]

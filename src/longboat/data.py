@@ -39,6 +39,7 @@ class ShardedSampler(Sampler[int]):
         self.step_samples, self.shuffle, self.seed = step_samples, shuffle, seed
         self.remainder = remainder
         self.epoch = 0
+        self.start = 0  # positions of this rank's shard to skip (resuming mid-epoch)
         whole = length // step_samples * step_samples
         self.total = whole if remainder == "drop" or whole == length else whole + step_samples
         self.leftover = length - whole
@@ -56,10 +57,10 @@ class ShardedSampler(Sampler[int]):
         if self.total > self.length:  # pad by repeating from the start of the permutation
             order += (order * (self.total // self.length + 1))[: self.total - self.length]
         order = order[: self.total]
-        return iter(order[self.rank:: self.world_size])
+        return iter(order[self.rank:: self.world_size][self.start:])
 
     def __len__(self) -> int:
-        return self.total // self.world_size
+        return self.total // self.world_size - self.start
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -76,7 +77,12 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 class ShardedLoader:
     """A ``DataLoader`` over this rank's shard that advances the epoch each time it is iterated,
-    and moves batches to the rank's device (a no-op on the CPU)."""
+    and moves batches to the rank's device (a no-op on the CPU).
+
+    Its position (epoch, samples consumed in the epoch over all ranks, the worker-seed generator)
+    is what a checkpoint records: :meth:`load_state_dict` makes the next iteration continue the
+    epoch where the saved one stood, at this or another world size.
+    """
 
     def __init__(self, dataset: Dataset, sampler: ShardedSampler, batch_size: int,
                  seed: int, rank: int, device: torch.device | None = None,
@@ -86,19 +92,55 @@ class ShardedLoader:
         generator = torch.Generator().manual_seed(seed * 1000003 + rank)  # per-rank worker RNG
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                                  drop_last=False, generator=generator, **loader_kwargs)
+        self.batch_size = batch_size
         self.epoch = 0
+        self.position = 0  # micro-batches handed out so far in this epoch
+        self._generator = generator
+        # Each iteration draws the workers' base seed from the generator first: a resumed epoch
+        # must start from the state the interrupted one started from.
+        self._epoch_rng = generator.get_state()
+        self._skip = 0  # micro-batches to skip at the next iteration (set by load_state_dict)
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
-        if self.device is None or self.device.type == "cpu":
-            yield from self.loader
-        else:
+        self.position, self._skip = self._skip, 0
+        self.sampler.start = self.position * self.batch_size
+        self._epoch_rng = self._generator.get_state()
+        try:
             for batch in self.loader:
-                yield to_device(batch, self.device)
+                self.position += 1
+                cpu = self.device is None or self.device.type == "cpu"
+                yield batch if cpu else to_device(batch, self.device)
+        finally:
+            self.sampler.start = 0
         self.epoch += 1
+        self.position = 0
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands, as JSON-ready values."""
+        mid_epoch = self.position > 0
+        rng = self._epoch_rng if mid_epoch else self._generator.get_state()
+        return {"epoch": self.epoch,
+                "samples": self.position * self.batch_size * self.sampler.world_size,
+                "generator": rng.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (see :meth:`state_dict`) at the next iteration."""
+        per_batch = self.batch_size * self.sampler.world_size
+        samples = int(state["samples"])
+        if samples % per_batch:
+            raise ValueError(
+                f"the saved loader stood {samples} samples into epoch {state['epoch']}, which "
+                f"is not a whole number of micro-batches of {self.batch_size} x "
+                f"{self.sampler.world_size} ranks here; resume with a batch size that divides it")
+        self.epoch = int(state["epoch"])
+        self._skip = samples // per_batch
+        self.position = self._skip
+        self._generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        self._epoch_rng = self._generator.get_state()
 
 
 def make_loader(

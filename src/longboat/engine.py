@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
+from longboat import checkpoint
 from longboat.comm.collectives import Collectives
 from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
 from longboat.data import ShardedLoader, make_loader
@@ -32,6 +33,7 @@ from longboat.observe.memory import (
 )
 from longboat.observe.progress import StepProgress
 from longboat.optim import build_optimizer, build_scheduler
+from longboat.precision import Precision, SkippedStep
 from longboat.strategies import StrategyContext, build_strategy
 from longboat.world import World, destroy_process_group, device_for, init_process_group
 
@@ -52,11 +54,15 @@ class Engine:
         # Counted before the strategy may shard the parameters away.
         self.trainable_params = sum(p.numel() for p in dict.fromkeys(model.parameters())
                                     if p.requires_grad)
+        # Names, full shapes and dtypes (the model fingerprint), also before any sharding.
+        self.checkpointing = checkpoint.Checkpointing(model)
         self.strategy = build_strategy(config.resolved_strategy(comm.world_size),
                                        StrategyContext(world, comm, config))
         self.module = self.strategy.setup(model, optimizer)
+        self.precision = Precision(config.precision, device_for(world))
         self.micro_step = 0
-        self.global_step = 0
+        self.global_step = 0  # optimizer steps taken or skipped (as DeepSpeed's global_steps)
+        self.skipped_steps = 0  # fp16 steps skipped for a gradient overflow
         self.last_grad_norm: torch.Tensor | None = None
         self._loss_sum = 0.0
         self._loss_count = 0
@@ -68,6 +74,8 @@ class Engine:
                       "%d x data-parallel %d", self.strategy.name, comm.world_size,
                       self.batch.train_batch_size, self.batch.micro_batch_size,
                       self.batch.gradient_accumulation_steps, comm.world_size)
+        if self.precision.describe():
+            self.log.info("precision %s", self.precision.describe())
         # Leave the process group at exit even if the script never calls close(); a weak
         # reference so that an engine dropped early is not kept alive by the registry.
         ref = weakref.ref(self)
@@ -77,9 +85,11 @@ class Engine:
     # -- the step ------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward through the model."""
+        """Forward through the model (under autocast unless fp32; floating outputs in fp32)."""
         self.strategy.before_forward()
-        return self.module(*args, **kwargs)
+        with self.precision.autocast():
+            out = self.module(*args, **kwargs)
+        return self.precision.cast_output(out)
 
     forward = __call__
 
@@ -93,32 +103,42 @@ class Engine:
         return (self.micro_step + 1) % self.accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` (scaled for accumulation); synchronises at the boundary."""
+        """Backward of ``loss`` (scaled for accumulation, and by the fp16 loss scale);
+        synchronises at the boundary."""
         self.strategy.before_backward(sync=self.is_boundary)
-        (loss / self.accumulation_steps).backward()
+        self.precision.scale(loss / self.accumulation_steps).backward()
         self._loss_sum += float(loss.detach())
         self._loss_count += 1
         self.micro_step += 1
 
     def step(self) -> bool:
-        """At the accumulation boundary: clip, optimizer step, zero grads, scheduler.
+        """At the accumulation boundary: unscale and check (fp16), clip, optimizer step, zero
+        grads, scheduler.
 
         Between boundaries it does nothing and returns False, so it can be called after every
-        micro-batch, as with DeepSpeed.
+        micro-batch, as with DeepSpeed. At a boundary it returns True, also when an fp16
+        overflow made every rank skip the step: then no parameter, optimizer state or scheduler
+        moves, ``skipped_steps`` grows and ``global_step`` still counts it (as in DeepSpeed).
         """
         if self.micro_step == 0 or self.micro_step % self.accumulation_steps:
             return False
         self.strategy.finish_gradients()
-        if self.config.gradient_clipping > 0:
-            # Clipping needs every gradient; without it the strategy may overlap the optimizer
+        skip = False
+        if self.precision.checks_overflow or self.config.gradient_clipping > 0:
+            # Both need every gradient; without them the strategy may overlap the optimizer
             # with the communication still in flight.
             self.strategy.wait_gradients()
-            self.last_grad_norm = clip_by_global_norm_(
-                self.strategy.local_gradients(), self.config.gradient_clipping, self.comm,
-                self.strategy.grads_sharded)
-        self.strategy.optimizer_step(self.optimizer)
+            grads = self.strategy.local_gradients()
+            skip = self.precision.unscale_and_check(grads, self.comm)  # same on every rank
+            self.precision.update(skip, self.global_step + 1)
+            if self.config.gradient_clipping > 0 and not skip:
+                self.last_grad_norm = clip_by_global_norm_(
+                    grads, self.config.gradient_clipping, self.comm, self.strategy.grads_sharded)
+        # A skipped step still runs the strategy's step bookkeeping ([Note: skipped step]).
+        self.strategy.optimizer_step(SkippedStep(self.optimizer) if skip else self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
+        self.skipped_steps += skip
+        if self.scheduler is not None and not skip:
             self.scheduler.step()
         self.global_step += 1
         loss = self._loss_sum / self._loss_count if self._loss_count else None
@@ -133,14 +153,15 @@ class Engine:
                collate_fn: Callable[..., Any] | None = None) -> ShardedLoader:
         """This rank's shard of ``dataset`` in micro-batches; see :mod:`longboat.data`."""
         d = self.config.data
-        return make_loader(
+        # Tracked: checkpoints record its position, and a loaded one resumes it.
+        return self.checkpointing.track(make_loader(
             dataset, rank=self.comm.rank, world_size=self.comm.world_size,
             micro_batch_size=self.batch.micro_batch_size,
             train_batch_size=self.batch.train_batch_size,
             shuffle=d.shuffle if shuffle is None else shuffle, seed=self.config.seed,
             remainder=d.remainder, num_workers=d.num_workers, collate_fn=collate_fn,
             announce=self.world.is_main, device=self.device,
-        )
+        ))
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -150,6 +171,36 @@ class Engine:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state)
+
+    def save_checkpoint(self, directory: str | Path, tag: str | None = None,
+                        client_state: Any = None) -> Path:
+        """Save model, optimizer, scheduler, loader positions, RNG states and ``client_state``
+        (JSON-able) under ``directory/tag`` (default tag: ``step-<global step>``), atomically.
+
+        Every rank calls it with the same tag, right after ``step()`` returned True. The last
+        ``checkpoint.keep_last`` checkpoints are kept (0: all). See :mod:`longboat.checkpoint`.
+        """
+        return checkpoint.save(self, directory, tag, client_state)
+
+    def load_checkpoint(self, directory: str | Path, tag: str | None = None, *,
+                        allow_missing: bool = False) -> checkpoint.LoadedCheckpoint | None:
+        """Load a checkpoint written by any strategy at any world size, after verifying its
+        checksums and model fingerprint; every rank calls it.
+
+        ``tag=None`` loads the latest. A missing checkpoint raises
+        :class:`~longboat.checkpoint.CheckpointNotFoundError`, unless ``allow_missing`` (to resume
+        if there is something to resume): then it returns None. Loaders created before or after
+        this call continue where the saved ones stood.
+        """
+        return checkpoint.load(self, directory, tag, allow_missing=allow_missing)
+
+    def should_stop(self) -> bool:
+        """True on every rank, at the same call, once any rank received SIGTERM or SIGINT
+        (``longboat run`` being stopped, a scheduler preempting the job): save a checkpoint and
+        leave the training loop. Call it at the same point on every rank, e.g. after each
+        ``step()`` (it is one small all-reduce); the first call starts listening for the signals.
+        """
+        return self.checkpointing.stop.agreed(self.comm)
 
     def memory_report(self) -> MemoryReport:
         """Model-state bytes on this rank, counted from storages, beside the strategy's formula
@@ -181,6 +232,7 @@ class Engine:
         atexit.unregister(self._atexit)
         self.progress.close()
         self.strategy.close()
+        self.checkpointing.stop.uninstall()
         if self._owns_group:
             destroy_process_group()
 
@@ -221,9 +273,6 @@ def initialize(
     cfg = load_config(config)
     world = world or World.from_env()
     setup_logging(world, cfg.log.level)
-    if cfg.precision.dtype != "fp32":
-        raise ConfigError(f"key 'precision.dtype' = {cfg.precision.dtype!r} is not implemented "
-                          "yet; use 'fp32'")
     owns = init_process_group(world)
     comm = Collectives()
     if comm.world_size != world.world_size:

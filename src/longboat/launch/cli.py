@@ -16,6 +16,9 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect a longboat configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+checkpoint_app = typer.Typer(help="Inspect or consolidate a longboat checkpoint.",
+                             no_args_is_help=True)
+app.add_typer(checkpoint_app, name="checkpoint")
 
 USAGE_EXIT = 2
 
@@ -56,6 +59,10 @@ def run(
     rdzv_timeout: int = typer.Option(
         900, "--rdzv-timeout", help="seconds to wait for all nodes to join"
     ),
+    grace_period: int = typer.Option(
+        30, "--grace-period", help="on SIGTERM/SIGINT, seconds the workers get to finish "
+        "(e.g. write a final checkpoint) before they are killed"
+    ),
 ) -> None:
     """Run SCRIPT on N processes per node (a drop-in for torchrun)."""
     from longboat.launch.run import LaunchUsageError, RunOptions, launch
@@ -71,6 +78,7 @@ def run(
         max_restarts=max_restarts,
         log_dir=log_dir,
         rdzv_timeout_s=rdzv_timeout,
+        grace_period_s=grace_period,
     )
     try:
         code = launch(opts)
@@ -98,6 +106,57 @@ def config_explain(
     except config.ConfigError as e:
         raise _usage_error(str(e)) from None
     print(text)
+
+
+@checkpoint_app.command("inspect")
+def checkpoint_inspect(
+    directory: Path = typer.Argument(
+        ..., metavar="DIR", help="a checkpoint (tag directory), or a directory of checkpoints "
+        "(its latest is shown)"),
+) -> None:
+    """Show what a checkpoint holds and whether every file matches its SHA-256 (exit 1 if not)."""
+    from longboat.checkpoint import CheckpointNotFoundError
+    from longboat.checkpoint.inspect import describe
+
+    if not directory.is_dir():
+        raise _usage_error(f"checkpoint directory {str(directory)!r} does not exist: give the "
+                           "directory save_checkpoint wrote, or one of its tag directories")
+    try:
+        found = describe(directory)
+    except CheckpointNotFoundError as e:
+        raise _usage_error(str(e)) from None
+    print(found.text)
+    raise typer.Exit(0 if found.verified else 1)
+
+
+@checkpoint_app.command("consolidate")
+def checkpoint_consolidate(
+    directory: Path = typer.Argument(
+        ..., metavar="DIR", help="a checkpoint (tag directory), or a directory of checkpoints "
+        "(its latest is used)"),
+    out: Path = typer.Argument(..., metavar="OUT.safetensors", help="the file to write"),
+) -> None:
+    """Write the model's full weights as one plain safetensors file (model.load_state_dict
+    accepts it after safetensors.torch.load_file; nothing of longboat is needed to read it)."""
+    from longboat.checkpoint import CheckpointError, CheckpointNotFoundError
+    from longboat.checkpoint.inspect import consolidate
+
+    if not directory.is_dir():
+        raise _usage_error(f"checkpoint directory {str(directory)!r} does not exist: give the "
+                           "directory save_checkpoint wrote, or one of its tag directories")
+    if out.suffix != ".safetensors":
+        raise _usage_error(f"output {str(out)!r} must end in .safetensors, e.g. model.safetensors")
+    if not out.parent.is_dir():
+        raise _usage_error(f"output directory {str(out.parent)!r} does not exist: create it "
+                           "first")
+    try:
+        written = consolidate(directory, out)
+    except CheckpointNotFoundError as e:
+        raise _usage_error(str(e)) from None
+    except CheckpointError as e:
+        print(f"longboat: error: {e}", file=sys.stderr, flush=True)
+        raise typer.Exit(1) from None
+    print(f"wrote {written} ({written.stat().st_size:,} bytes)")
 
 
 def main() -> None:

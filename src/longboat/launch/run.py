@@ -60,6 +60,9 @@ class RunOptions:
     max_restarts: int = 0
     log_dir: Path | None = None  # None: a temporary directory, removed afterwards
     rdzv_timeout_s: int = 900
+    # On SIGTERM/SIGINT the agent forwards the signal to the workers and kills them only after
+    # this many seconds: time for a final checkpoint (see Engine.should_stop).
+    grace_period_s: int = 30
 
 
 def validate(opts: RunOptions) -> None:
@@ -102,6 +105,10 @@ def validate(opts: RunOptions) -> None:
     if opts.max_restarts < 0:
         raise LaunchUsageError(
             f"--max-restarts {opts.max_restarts} is invalid: use 0 (no restart) or more"
+        )
+    if opts.grace_period_s < 0:
+        raise LaunchUsageError(
+            f"--grace-period {opts.grace_period_s} is invalid: give seconds, 0 or more"
         )
     if opts.rdzv_timeout_s < 1:
         raise LaunchUsageError(
@@ -238,6 +245,9 @@ def launch(opts: RunOptions) -> int:
             # file under log_dir and tails it onto ours, adding the prefix to every line.
             log_line_prefix_template="[rank${rank}]: ",
             logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
+            # torch < 2.8 has no such field; its agent then always waits 30 s.
+            **({"shutdown_timeout": opts.grace_period_s}
+               if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}),
         )
         code = _run_agent(config, opts, log_dir, port)
 
@@ -276,7 +286,8 @@ def _run_agent(config: LaunchConfig, opts: RunOptions, log_dir: Path, port: int)
         return summary.exit_code
     except SignalException as e:
         # The agent already sent the same signal to the workers and waited for them to stop.
-        report(f"longboat: stopped by {signal.Signals(e.sigval).name}; workers were stopped")
+        report(f"longboat: stopped by {signal.Signals(e.sigval).name}; workers were stopped "
+               f"(after at most --grace-period {opts.grace_period_s} s to finish)")
         return 128 + int(e.sigval)
     except DistError as e:
         # Raised while the nodes meet: node 0 not up, a node missing, or a port unreachable.

@@ -14,6 +14,7 @@ from torch import nn
 
 from longboat.comm.collectives import Collectives
 from longboat.config import Config
+from longboat.strategies.pieces import PieceSource, RankState
 from longboat.world import World
 
 
@@ -77,6 +78,18 @@ class Strategy(Protocol):
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's ``state_dict`` with every tensor whole, on every rank."""
+        ...
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> RankState:
+        """This rank's parameters, buffers and optimizer state as pieces of the full tensors
+        (see [Note: pieces] in ``strategies/pieces.py``). Called between steps."""
+        ...
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              source: PieceSource) -> None:
+        """Fill this rank's share of model and optimizer state from ``source``, whatever
+        strategy and world size wrote it. Called between steps."""
         ...
 
     def close(self) -> None:

@@ -19,6 +19,12 @@ uses the fact that torch's per-parameter optimizers skip parameters whose ``grad
 showing the optimizer one bucket's gradients at a time gives exactly the update of one full step.
 Optimizers that couple parameters (LBFGS, anything not listed in ``_PER_PARAMETER``) always step
 once, after every bucket has arrived.
+
+[Note: communication dtype] With ``precision.communication_data_type`` different from a bucket's
+gradient dtype (e.g. bf16 for fp32 gradients), the bucket's buffer is allocated in that dtype:
+gradients are cast into it, all-reduced (half the bytes for bf16/fp16) and copied back, in one
+flat copy per bucket, into an fp32 buffer that ``p.grad`` are views of. Without it the fp32 path
+is unchanged: ``p.grad`` are views into the communicated bucket itself.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ from torch.utils.hooks import RemovableHandle
 
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
 from longboat.observe.memory import optimizer_state_tensors
+from longboat.precision import DTYPES
 from longboat.strategies.base import StrategyContext
+from longboat.strategies.pieces import PieceSource, RankState
+from longboat.strategies.whole_state import load_whole_state, whole_state
 
 _MIB = 1024 * 1024
 
@@ -56,6 +65,9 @@ class Replicate:
         self._sync = False
         self._next = 0  # index of the next bucket to launch (see [Note: launch order])
         self._arrived: list[set[int]] = []
+        # Per bucket: where averaged gradients land when the bucket travels in another dtype
+        # (see [Note: communication dtype]); None when p.grad are views into the bucket.
+        self._landing: list[torch.Tensor | None] = []
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -71,7 +83,13 @@ class Replicate:
         self.plan = plan_buckets(
             all_params, int(cfg.bucket_mb * _MIB), int(cfg.first_bucket_mb * _MIB)
         )
+        wire = self.ctx.config.precision.communication_data_type
         for b in self.plan.buckets:
+            if wire is not None and b.dtype.is_floating_point and b.dtype != DTYPES[wire]:
+                self._landing.append(torch.zeros(b.numel, dtype=b.dtype, device=b.device))
+                b.dtype = DTYPES[wire]  # the buffer (what travels) is allocated in this dtype
+            else:
+                self._landing.append(None)
             b.allocate()
         self._arrived = [set() for _ in self.plan.buckets]
         for p in self.params:
@@ -135,9 +153,22 @@ class Replicate:
             return
         b.handle.wait()  # type: ignore[attr-defined]
         b.handle = None
+        landing = self._landing[b.index]
+        if landing is not None:
+            assert b.buffer is not None
+            landing.copy_(b.buffer)
         for i, p in enumerate(b.params):
-            # The averaged gradient becomes p.grad as a view into the bucket: no copy back.
-            p.grad = b.view_of(i)
+            # The averaged gradient becomes p.grad as a view into the bucket (or into its
+            # landing buffer, see [Note: communication dtype]).
+            p.grad = self._grad_view(b, i)
+
+    def _grad_view(self, b: Bucket, i: int) -> torch.Tensor:
+        """Where parameter ``i`` of ``b`` finds its averaged gradient."""
+        landing = self._landing[b.index]
+        if landing is None:
+            return b.view_of(i)
+        p = b.params[i]
+        return landing[b.offsets[i]: b.offsets[i] + p.numel()].view_as(p)
 
     def wait_gradients(self) -> None:
         for b in self._buckets:
@@ -165,7 +196,7 @@ class Replicate:
                 p.grad = None
         for b in self._buckets:  # leave every averaged gradient visible after the step
             for i, p in enumerate(b.params):
-                p.grad = b.view_of(i)
+                p.grad = self._grad_view(b, i)
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         # The buckets are where averaged gradients live (p.grad are views into them).
@@ -176,6 +207,15 @@ class Replicate:
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> RankState:
+        # Every rank holds the same state: each tensor is written once, by one rank.
+        return whole_state(model, optimizer, replicated=True)
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              source: PieceSource) -> None:
+        load_whole_state(model, optimizer, source)  # every rank reads the same: replicas agree
 
     def close(self) -> None:
         for h in self._hooks:

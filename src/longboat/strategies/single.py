@@ -8,6 +8,8 @@ from torch import nn
 
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.strategies.base import StrategyContext
+from longboat.strategies.pieces import PieceSource, RankState
+from longboat.strategies.whole_state import load_whole_state, whole_state
 
 
 class Single:
@@ -50,6 +52,14 @@ class Single:
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> RankState:
+        return whole_state(model, optimizer, replicated=False)
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              source: PieceSource) -> None:
+        load_whole_state(model, optimizer, source)
 
     def close(self) -> None:
         pass

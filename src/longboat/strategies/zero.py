@@ -27,8 +27,11 @@ from torch.utils.hooks import RemovableHandle
 
 from longboat.config import ConfigError
 from longboat.observe.memory import optimizer_state_tensors
+from longboat.precision import DTYPES
+from longboat.strategies import zero_state
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.flat import FlatUnit
+from longboat.strategies.pieces import PieceSource, RankState
 from longboat.strategies.zero_units import bucket_units, module_units
 
 
@@ -52,6 +55,8 @@ class Zero:
         self._fwd_order: list[FlatUnit] = []
         self._recording = True
         self._in_flight = False
+        wire = ctx.config.precision.communication_data_type
+        self._wire = DTYPES[wire] if wire else None
         self.name = f"zero-{self.stage}"
 
     # -- setup ---------------------------------------------------------------------------------
@@ -214,8 +219,11 @@ class Zero:
             if u.flat_grad is None:  # no parameter of this unit was used
                 u.flat_grad = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
             u.flat_grad.div_(self.comm.world_size)  # gloo has no AVG
-            u.reduced = torch.empty(u.shard_numel, dtype=u.dtype, device=u.device)
-            u.reduce_handle = self.comm.reduce_scatter(u.reduced, u.flat_grad, async_op=True)
+            # precision.communication_data_type: gradients travel (and are summed) in that
+            # dtype, and land back in the fp32 shard in wait_gradients.
+            send = u.flat_grad if self._wire in (None, u.dtype) else u.flat_grad.to(self._wire)
+            u.reduced = torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
+            u.reduce_handle = self.comm.reduce_scatter(u.reduced, send, async_op=True)
             self._next += 1
 
     def finish_gradients(self) -> None:
@@ -288,6 +296,14 @@ class Zero:
         for u in self.units:
             self._free(u)
         return state
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> RankState:
+        return zero_state.rank_state(self, model, optimizer)
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              source: PieceSource) -> None:
+        zero_state.load(self, model, optimizer, source)
 
     def close(self) -> None:
         for h in self._hooks:

@@ -1,0 +1,111 @@
+"""The training state a rank owns, as pieces of whole tensors: what checkpoints save and load.
+
+[Note: pieces] A strategy describes its share of the state as :class:`Piece` objects: a flat
+``[start, end)`` slice of one full tensor, named by the model's own parameter (or buffer) name
+and a *key*: ``"model"`` for the tensor itself, ``"optim.<state>"`` for an element-wise optimizer
+state such as ``optim.exp_avg``. ``replicate`` and ``single`` hold whole tensors (``start = 0``,
+``end = numel``); ZeRO holds, per flat unit, its shard intersected with each parameter's range.
+Because every piece says which elements of which full tensor it holds, a checkpoint written by any
+strategy at any world size can fill any other layout: loading asks a :class:`PieceSource` for
+exactly the slices the new layout owns. Optimizer state that is not element-wise (Adam's
+``step``) travels as JSON scalars per parameter.
+
+Tied parameters appear once, under their first name in ``model.named_parameters()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+MODEL = "model"
+OPTIM = "optim."
+
+
+@dataclass
+class Piece:
+    """Elements ``[start, end)`` of the flattened full tensor ``name``/``key``."""
+
+    name: str
+    key: str
+    shape: tuple[int, ...]  # the full tensor's shape
+    start: int
+    end: int
+    tensor: torch.Tensor  # 1-D, ``end - start`` elements (a view where possible)
+    replicated: bool = False  # the same on every rank: a checkpoint writes it once
+
+
+@dataclass
+class RankState:
+    """What one rank contributes to a checkpoint (see [Note: pieces])."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    #: parameter name -> optimizer scalar state (e.g. {"step": {...}}), JSON-ready
+    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: optimizer param groups: the names of the parameters in each, in group order
+    groups: list[list[str]] = field(default_factory=list)
+
+
+class PieceSource(Protocol):
+    """Saved state, read back slice by slice whatever layout wrote it."""
+
+    def state_keys(self, name: str) -> list[str]:
+        """The ``optim.*`` keys saved for parameter ``name`` (empty: no optimizer state)."""
+        ...
+
+    def scalars(self, name: str) -> dict[str, Any]:
+        """The optimizer scalar state saved for ``name`` (encoded; see :func:`decode_scalar`)."""
+        ...
+
+    def read(self, name: str, key: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Copy elements ``[start, end)`` of the saved flat tensor into 1-D ``out``."""
+        ...
+
+
+def canonical_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name``, tied parameters under their first name."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def encode_scalar(value: Any, where: str, device: torch.device) -> Any:
+    """A JSON-ready form of an optimizer scalar: numbers and None as they are, 0-d tensors with
+    their dtype and whether they live on the parameter's ``device`` (torch keeps Adam's ``step``
+    on the CPU unless the optimizer is capturable or fused), so they come back the same."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return {"tensor": str(value.dtype).removeprefix("torch."), "value": value.item(),
+                "on_param_device": value.device == device and device.type != "cpu"}
+    raise ValueError(f"optimizer state {where} is a {type(value).__name__}, which a checkpoint "
+                     "cannot hold without pickle; only element-wise tensors and scalars are "
+                     "supported")
+
+
+def decode_scalar(value: Any, device: torch.device) -> Any:
+    """The inverse of :func:`encode_scalar`; ``device`` is the parameter's."""
+    if isinstance(value, dict):
+        where = device if value.get("on_param_device") else torch.device("cpu")
+        return torch.tensor(value["value"], dtype=getattr(torch, value["tensor"]), device=where)
+    return value
+
+
+def split_state(state: dict[str, Any], numel: int, device: torch.device, where: str
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer's per-parameter state as (element-wise tensors by ``optim.*`` key, encoded
+    scalars)."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if v.numel() != numel:
+                raise ValueError(
+                    f"optimizer state {k!r} of {where} has {v.numel()} elements, not the "
+                    f"parameter's {numel}: checkpoints support element-wise optimizer state "
+                    "(SGD, Adam, AdamW, ...) only")
+            tensors[OPTIM + k] = v
+        else:
+            scalars[k] = encode_scalar(v, f"{k!r} of {where}", device)
+    return tensors, scalars

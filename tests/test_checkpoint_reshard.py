@@ -1,0 +1,71 @@
+"""Resharding: a checkpoint saved by one strategy at one world size, loaded by another strategy
+at another world size, then trained on, equals a run that never changed layout (fp32: 1e-5
+relative), optimizer state and LR schedule included. Saved at 2 ranks and loaded at 1, 3 and 4;
+saved at 1, 3 and 4 and loaded at 2; across replicate and ZeRO stages 1, 2 and 3."""
+
+from __future__ import annotations
+
+import ckpt_helpers as h
+import pytest
+import reference
+
+SAVE_AT, STEPS = 3, 7
+STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict:
+    """The run that never changed layout: one process, the same global batch and seed."""
+    return h.run("single", 1, STEPS, noise=False)
+
+
+@pytest.fixture(scope="module")
+def saved(ranks, tmp_path_factory):
+    """Checkpoints at step SAVE_AT, written once per (strategy, world size)."""
+    cache: dict[tuple[str, int], str] = {}
+
+    def get(layout: str, world: int) -> str:
+        if (layout, world) not in cache:
+            d = str(tmp_path_factory.mktemp(f"{layout}-{world}"))
+            ranks(world, h.run, layout, world, SAVE_AT, d, (SAVE_AT,), noise=False)
+            cache[(layout, world)] = d
+        return cache[(layout, world)]
+
+    return get
+
+
+def _resume_everywhere(ranks, ckpt: str, worlds: list[int], uninterrupted: dict) -> None:
+    failures = []
+    for world in worlds:
+        for layout in STRATEGIES:
+            results = ranks(world, h.run, layout, world, STEPS, ckpt, (), True, noise=False)
+            for r, res in enumerate(results):
+                diff = reference.max_rel_diff(res["state"], uninterrupted["state"])
+                if diff >= 1e-5 or res["lr"] != uninterrupted["lr"]:
+                    failures.append(f"{layout} x {world} rank {r}: max relative difference "
+                                    f"{diff:.3g}, lr {res['lr']}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("source", STRATEGIES)
+def test_save_at_2_load_at_1_3_4(ranks, saved, uninterrupted, source):
+    _resume_everywhere(ranks, saved(source, 2), [1, 3, 4], uninterrupted)
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("source", STRATEGIES)
+def test_save_at_1_3_4_load_at_2(ranks, saved, uninterrupted, source, world):
+    _resume_everywhere(ranks, saved(source, world), [2], uninterrupted)
+
+
+def test_tied_weights_reshard_across_zero3_units(ranks, tmp_path):
+    """TiedNet shares a weight between two modules (two stage-3 units): stored once, under its
+    first name, and loaded into every layout."""
+    ckpt = str(tmp_path)
+    tied = {"model_name": "tied", "noise": False}
+    whole = h.run("single", 1, STEPS, **tied)
+    zero3 = {"stage": 3, "unit_classes": ["Linear"]}  # proj and head: two units, one weight
+    ranks(4, h.run, "zero3", 4, SAVE_AT, ckpt, (SAVE_AT,), zero=zero3, **tied)
+    for world, layout in [(2, "replicate"), (3, "zero1"), (1, "single")]:
+        for res in ranks(world, h.run, layout, world, STEPS, ckpt, (), True, **tied):
+            assert reference.max_rel_diff(res["state"], whole["state"]) < 1e-5, (layout, world)
