@@ -76,14 +76,6 @@ class Collectives:
         if self.active:
             dist.broadcast(tensor, src=src, group=self.group)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Gather a small picklable value from every rank (metadata only, never tensors)."""
-        if not self.active:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
     def barrier(self) -> None:
         """Wait until every rank arrives."""
         if self.active:
