@@ -80,7 +80,11 @@ class Zero:
                                            self.cfg.unit_classes, self.cfg.unit_min_params):
                 for chunk in _split(ps, group_of):
                     pieces.append((module, chunk))
-            pieces.reverse()  # units are launched in (approximate) backward order
+            # Launch order approximates backward order: blocks in reverse, but the root unit
+            # (embeddings, head) last, since its embedding's gradient is the last to arrive and
+            # every later unit would otherwise wait for it ([Note: reduction order]).
+            root = [pc for pc in pieces if pc[0] is model]
+            pieces = [pc for pc in reversed(pieces) if pc[0] is not model] + root
         else:
             pieces = [(None, ps) for ps in bucket_units(params, group_of, self.cfg.bucket_mb)]
         for module, ps in pieces:
