@@ -135,3 +135,13 @@ def test_gradients_travel_in_the_communication_dtype(ranks, stage):
         bound = 4 * 2**-8 * updates[k].abs().max() if k in updates else 0.0
         assert (state[k] - v).abs().max() <= bound + 1e-7, k
     assert state.keys() == model.state_dict().keys()
+
+
+def test_optimizers_that_couple_elements_are_refused():
+    import longboat
+
+    model = reference.TinyNet()
+    for opt in (torch.optim.LBFGS(model.parameters()), torch.optim.Adafactor(model.parameters())):
+        with pytest.raises(longboat.ConfigError, match=type(opt).__name__):
+            longboat.initialize(model, opt, {"strategy": "zero", "batch": {"micro_batch_size": 2},
+                                             "log": {"progress": False}})

@@ -15,6 +15,15 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from longboat.config import ConfigError, OptimizerConfig, SchedulerConfig
 
+# Optimizers whose update of each element depends on that element's own state alone: they can be
+# applied to any slice of a parameter (ZeRO's flat shards) or to any subset of parameters
+# (replicate's bucket-by-bucket overlap) and give exactly the unsharded update.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+    torch.optim.Adadelta,
+)
+
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
                     ) -> torch.optim.Optimizer:

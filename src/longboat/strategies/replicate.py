@@ -17,7 +17,7 @@ soon as bucket k's all-reduce is done, it steps the parameters of bucket k while
 are still on the wire. This
 uses the fact that torch's per-parameter optimizers skip parameters whose ``grad`` is None, so
 showing the optimizer one bucket's gradients at a time gives exactly the update of one full step.
-Optimizers that couple parameters (LBFGS, anything not listed in ``_PER_PARAMETER``) always step
+Optimizers that couple parameters (LBFGS, anything not in ``ELEMENTWISE_OPTIMIZERS``) always step
 once, after every bucket has arrived.
 
 [Note: communication dtype] With ``precision.communication_data_type`` different from a bucket's
@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
 from longboat.observe.memory import optimizer_state_tensors
+from longboat.optim import ELEMENTWISE_OPTIMIZERS
 from longboat.precision import DTYPES
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.pieces import PieceSource, RankState
@@ -42,12 +43,6 @@ from longboat.strategies.whole_state import load_whole_state, whole_state
 
 _MIB = 1024 * 1024
 
-# Optimizers whose update of a parameter depends on that parameter's state alone.
-_PER_PARAMETER = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
-    torch.optim.Adadelta,
-)
 
 
 class Replicate:
@@ -183,7 +178,7 @@ class Replicate:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         pending = any(b.handle is not None for b in self._buckets)
         if not (pending and self.ctx.config.replicate.overlap_optimizer
-                and isinstance(optimizer, _PER_PARAMETER)):
+                and isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)):
             self.wait_gradients()
             optimizer.step()
             return

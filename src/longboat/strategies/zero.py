@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from longboat.config import ConfigError
 from longboat.observe.memory import optimizer_state_tensors
+from longboat.optim import ELEMENTWISE_OPTIMIZERS
 from longboat.precision import DTYPES
 from longboat.strategies import zero_state
 from longboat.strategies.base import StrategyContext
@@ -62,6 +63,13 @@ class Zero:
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            raise ConfigError(
+                f"strategy 'zero' steps the optimizer on flat shards, which is exact only for "
+                f"element-wise optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}"
+                f"); {type(optimizer).__name__} couples elements of a tensor. Use strategy "
+                "'replicate', or one of those optimizers"
+            )
         if optimizer.state:
             raise ConfigError("strategy 'zero' needs a fresh optimizer (it re-targets the "
                               "optimizer at flat shards); build it before stepping it")
