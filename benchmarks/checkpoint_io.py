@@ -30,9 +30,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import free_port, machine, versions
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "checkpoint_io.json"
 STRATEGIES = {
@@ -71,12 +70,6 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     return args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(fn: Any) -> float:
@@ -181,9 +174,8 @@ def _report(args: argparse.Namespace, results: dict[str, Any]) -> None:
                    "timing": "per rank between barriers, MAX over ranks; median of repeats",
                    "reads": "page cache warm for load and plain read alike"},
         "results": results,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "platform": platform.platform()},
-        "machine": {"cpu_count": os.cpu_count(), "machine": platform.machine()},
+        "versions": versions(),
+        "machine": machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
@@ -202,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     root = args.dir or Path(tempfile.mkdtemp(prefix="longboat-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        mp.spawn(_worker, args=(args, _free_port(), str(root)), nprocs=args.world_size,
+        mp.spawn(_worker, args=(args, free_port(), str(root)), nprocs=args.world_size,
                  join=True)
     finally:
         if args.dir is None:

@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -39,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import free_port, machine, versions
 from torch.nn.parallel import DistributedDataParallel
 
 from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
@@ -72,21 +70,6 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.rounds * args.steps_per_round < 5:
         p.error("--rounds x --steps-per-round must give at least 5 measured steps per side")
     return args
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _longboat_version() -> str:
-    try:
-        return importlib.metadata.version("longboat")
-    except importlib.metadata.PackageNotFoundError:
-        import longboat
-
-        return str(getattr(longboat, "__version__", "unknown"))
 
 
 def _make_ddp(model: GPT, args: argparse.Namespace) -> StepFn:
@@ -270,17 +253,8 @@ def _report(
             "backend": "gloo",
             "seed": args.seed,
         },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "longboat": _longboat_version(),
-            "platform": platform.platform(),
-        },
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "processor": platform.processor(),
-            "machine": platform.machine(),
-        },
+        "versions": versions(),
+        "machine": machine(),
     }
     # A one-sided run must not overwrite the comparison, so it gets its own default file.
     default = DEFAULT_OUT.with_suffix(f".{sides[0]}-only.json") if len(sides) == 1 else DEFAULT_OUT
@@ -317,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if not hasattr(longboat, "initialize"):
             sys.exit("longboat.initialize is not available yet; run with --only ddp")
-    port = _free_port()
+    port = free_port()
     t0 = time.perf_counter()
     mp.spawn(_worker, args=(args, port, sides), nprocs=args.world_size, join=True)
     print(f"total wall time {time.perf_counter() - t0:.1f} s")

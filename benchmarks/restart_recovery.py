@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import machine, versions
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,9 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                    "kill": f"rank 1 SIGKILL after step {KILL_AT}, first attempt only",
                    "max_restarts": 1},
         "summary": summary, "runs": runs,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "platform": platform.platform()},
-        "machine": {"cpu_count": os.cpu_count()},
+        "versions": versions(),
+        "machine": machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

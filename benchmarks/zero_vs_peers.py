@@ -80,12 +80,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -100,6 +97,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import free_port, machine, versions
 
 from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
 
@@ -144,19 +142,6 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.memory_steps < 1:
         p.error("--memory-steps must be at least 1")
     return args
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _version(dist_name: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _rss_bytes() -> int:
@@ -489,7 +474,7 @@ def _spawn_pair(args: argparse.Namespace, phase: str, sides: tuple[str, ...]
     with tempfile.TemporaryDirectory(prefix="zero_vs_peers-") as tmp:
         crash = None
         try:
-            mp.spawn(_worker, args=(args, _free_port(), phase, sides, tmp),
+            mp.spawn(_worker, args=(args, free_port(), phase, sides, tmp),
                      nprocs=args.world_size, join=True)
         except Exception as e:  # judged below by what the ranks reported
             crash = f"{type(e).__name__}: {str(e).strip()[-2000:]}"
@@ -691,18 +676,8 @@ def _report(
             "backend": "gloo",
             "seed": args.seed,
         },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "longboat": _version("longboat"),
-            "deepspeed": _version("deepspeed"),
-            "platform": platform.platform(),
-        },
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "processor": platform.processor(),
-            "machine": platform.machine(),
-        },
+        "versions": versions("deepspeed"),
+        "machine": machine(),
         "wall_time_s": wall,
     }
     everything = not args.only and not args.stage
