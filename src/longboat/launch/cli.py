@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from longboat.launch.run import RunOptions
 
 app = typer.Typer(
     name="longboat",
@@ -63,9 +67,13 @@ def run(
         30, "--grace-period", help="on SIGTERM/SIGINT, seconds the workers get to finish "
         "(e.g. write a final checkpoint) before they are killed"
     ),
+    doctor: bool = typer.Option(
+        False, "--doctor", help="run `longboat doctor` with these options first; start SCRIPT "
+        "only if no check fails"
+    ),
 ) -> None:
     """Run SCRIPT on N processes per node (a drop-in for torchrun)."""
-    from longboat.launch.run import LaunchUsageError, RunOptions, launch
+    from longboat.launch.run import LaunchUsageError, RunOptions, launch, validate
 
     opts = RunOptions(
         script=script,
@@ -81,7 +89,53 @@ def run(
         grace_period_s=grace_period,
     )
     try:
+        if doctor:
+            validate(opts)  # usage errors first, before any check runs
+            _preflight(opts)
         code = launch(opts)
+    except LaunchUsageError as e:
+        raise _usage_error(str(e)) from None
+    raise typer.Exit(code)
+
+
+def _preflight(opts: RunOptions) -> None:
+    """``run --doctor``: the doctor's checks for this run; exit 1 without starting on failure."""
+    from longboat.launch.doctor import DoctorOptions, doctor
+
+    code = doctor(DoctorOptions(
+        nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, node_rank=opts.node_rank,
+        master_addr=opts.master_addr, master_port=opts.master_port,
+        timeout_s=min(opts.rdzv_timeout_s, 60)))
+    if code != 0:
+        print(f"longboat: not starting {opts.script}: fix the problems above (or drop --doctor)",
+              file=sys.stderr, flush=True)
+        raise typer.Exit(code)
+
+
+@app.command("doctor")
+def doctor_command(
+    nproc_per_node: int = typer.Option(1, "-n", "--nproc-per-node", help="ranks on this node"),
+    nnodes: int = typer.Option(1, "--nnodes", help="number of nodes in the job"),
+    node_rank: int = typer.Option(0, "--node-rank", help="this node's rank, 0 to nnodes-1"),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="address of node 0"),
+    master_port: int | None = typer.Option(
+        None, "--master-port", help="port on node 0 (default: a free port; single node only)"),
+    config: Path | None = typer.Option(
+        None, "--config", help="check this config's batch arithmetic for the world size"),
+    backend: str | None = typer.Option(
+        None, "--backend", help="gloo, nccl or mpi (default: nccl with CUDA, else gloo)"),
+    timeout: int = typer.Option(60, "--timeout", help="seconds for the ranks to join"),
+) -> None:
+    """Check that a job can run here (versions, backend, network, shared memory, config);
+    each problem comes with its fix. Exit 0 only when no check fails."""
+    from longboat.launch.doctor import DoctorOptions, doctor
+    from longboat.launch.run import LaunchUsageError
+
+    opts = DoctorOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                         master_addr=master_addr, master_port=master_port, config=config,
+                         backend=backend, timeout_s=timeout)
+    try:
+        code = doctor(opts)
     except LaunchUsageError as e:
         raise _usage_error(str(e)) from None
     raise typer.Exit(code)
