@@ -177,13 +177,18 @@ def check_interface(backend: str, nnodes: int, env: Mapping[str, str], facts: Ne
     return Finding("interface", "ok", detail)
 
 
-def check_master(addr: str, port: int | None, node_rank: int, facts: NetFacts | None = None
-                 ) -> Finding:
+def check_master(addr: str, port: int | None, node_rank: int, nnodes: int = 1) -> Finding:
     """Node 0 must be able to listen on ``addr:port``; other nodes must reach it."""
     ips = _resolve(addr)
     if not ips:
         return Finding("master", "fail", f"--master-addr {addr} does not resolve",
                        "give node 0's IP address or a hostname every node can resolve")
+    if nnodes > 1 and all(map(_is_loopback, ips)):
+        return Finding("master", "fail",
+                       f"--master-addr {addr} is a loopback address, which other nodes cannot "
+                       f"reach (--nnodes {nnodes})",
+                       "give node 0's address on the network the nodes share, e.g. the one "
+                       "`hostname -I` prints on node 0")
     shown = f"{addr}:{port if port is not None else '(free port)'}"
     if node_rank == 0:
         try:

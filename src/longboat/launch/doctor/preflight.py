@@ -66,7 +66,7 @@ def local_findings(opts: DoctorOptions) -> list[Finding]:
         local.check_versions(local.versions()),
         local.check_backend(backend, have),
         local.check_gpus_per_node(backend, opts.nproc_per_node, have),
-        network.check_master(opts.master_addr, opts.master_port, opts.node_rank),
+        network.check_master(opts.master_addr, opts.master_port, opts.node_rank, opts.nnodes),
         network.check_interface(backend, opts.nnodes, os.environ,
                                 network.gather(opts.master_addr)),
         local.check_shm(local.shm_bytes()),
