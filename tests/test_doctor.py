@@ -245,7 +245,7 @@ def test_doctor_missing_gloo_interface_lists_the_real_ones() -> None:
     ("doctor", "--nnodes", "2"),  # multi-node needs --master-port
     ("doctor", "--backend", "tcp"),
     ("doctor", "--config", "no/such.toml"),
-    ("doctor", "--timeout", "0"),
+    ("doctor", "--rdzv-timeout", "0"),
     ("run", "--doctor", "-n", "0", "x.py"),
 ])
 def test_usage_errors_exit_2(args: tuple[str, ...], tmp_path: Path) -> None:

@@ -124,7 +124,8 @@ def doctor_command(
         None, "--config", help="check this config's batch arithmetic for the world size"),
     backend: str | None = typer.Option(
         None, "--backend", help="gloo, nccl or mpi (default: nccl with CUDA, else gloo)"),
-    timeout: int = typer.Option(60, "--timeout", help="seconds for the ranks to join"),
+    rdzv_timeout: int = typer.Option(
+        60, "--rdzv-timeout", help="seconds to wait for all ranks and nodes to join"),
 ) -> None:
     """Check that a job can run here (versions, backend, network, shared memory, config);
     each problem comes with its fix. Exit 0 only when no check fails."""
@@ -133,7 +134,7 @@ def doctor_command(
 
     opts = DoctorOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                          master_addr=master_addr, master_port=master_port, config=config,
-                         backend=backend, timeout_s=timeout)
+                         backend=backend, timeout_s=rdzv_timeout)
     try:
         code = doctor(opts)
     except LaunchUsageError as e:

@@ -49,7 +49,7 @@ def validate_options(opts: DoctorOptions) -> None:
         raise LaunchUsageError(f"--config {str(opts.config)!r} does not exist: give the path "
                                "of a longboat TOML/JSON/YAML config")
     if opts.timeout_s < 1:
-        raise LaunchUsageError(f"--timeout {opts.timeout_s} is invalid: give seconds, at "
+        raise LaunchUsageError(f"--rdzv-timeout {opts.timeout_s} is invalid: give seconds, at "
                                "least 1")
 
 
