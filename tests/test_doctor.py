@@ -286,3 +286,40 @@ def test_run_doctor_with_passing_checks_runs_the_script(
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all checks passed" in r.stdout
     assert sorted(p.name for p in out.glob("ran*")) == ["ran0", "ran1"]
+
+
+def _non_loopback_ipv4() -> str | None:
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
+
+
+def test_two_nodes_on_this_machine_meet_and_both_show_every_rank() -> None:
+    addr = _non_loopback_ipv4()
+    if addr is None:
+        pytest.skip("no non-loopback IPv4 address here to act as node 0's")
+    port = str(_free_port())
+    common = ("doctor", "--nnodes", "2", "--master-addr", addr, "--master-port", port,
+              "--rdzv-timeout", "60")
+    env = {**os.environ, "COLUMNS": "200"}
+    procs = [subprocess.Popen([sys.executable, "-m", "longboat.launch.cli", *common,
+                               "--node-rank", str(k)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True) for k in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for p, (out, err) in zip(procs, outs, strict=True):
+        # Warnings are allowed (e.g. gloo on loopback here); no failure.
+        assert p.returncode == 0, out + err
+        assert re.findall(r"│ (\d) +│ (\d) +│", out) == [("0", "0"), ("1", "1")], out
+        assert re.search(r"rank versions +│ ok", out), out
