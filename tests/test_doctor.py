@@ -277,6 +277,11 @@ def test_run_doctor_with_a_failing_check_does_not_start_the_script(
     assert "FAIL interface" in r.stdout
     assert "not starting" in r.stderr
     assert not list(out.glob("ran*"))
+    # The same run without --doctor starts the script: the preflight is what held it back.
+    r = _cli("run", "-n", "1", str(script), str(out),
+             env={"GLOO_SOCKET_IFNAME": "nosuch0", "NCCL_SOCKET_IFNAME": "nosuch0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [p.name for p in out.glob("ran*")] == ["ran0"]
 
 
 def test_run_doctor_with_passing_checks_runs_the_script(

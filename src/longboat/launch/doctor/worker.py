@@ -14,6 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a script, this file's directory heads sys.path, and its siblings (local.py,
+# network.py, ...) would shadow any top-level module of the same name: take it off.
+if __name__ == "__main__":
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+
 
 def _facts(backend: str) -> dict[str, object]:
     from dataclasses import asdict
