@@ -45,12 +45,16 @@ def test_breakdown_moves_blocked_time_to_comm() -> None:
         clock.now = 6.0
     got = b.end_step(6.5)
     assert got == {"data": 0.5, "forward": 2.0, "backward": 0.0, "comm": 0.75,
-                   "optimizer": 1.25, "checkpoint": 1.0, "other": 1.0, "step": 6.5}
+                   "optimizer": 1.25, "checkpoint": 1.0, "monitor": 0.0, "other": 1.0,
+                   "step": 6.5}
     clock.now = 7.0
     with b.phase("backward"):
         clock.now = 8.0
-    assert b.end_step(9.0) == {**dict.fromkeys(COLUMNS, 0.0), "backward": 1.0, "other": 1.5,
-                               "step": 2.5}  # the second step starts where the first ended
+    with b.phase("monitor", split_waits=False):  # its waits stay in it
+        comm.blocked_seconds += 0.25
+        clock.now = 8.5
+    assert b.end_step(9.0) == {**dict.fromkeys(COLUMNS, 0.0), "backward": 1.0, "monitor": 0.5,
+                               "other": 1.0, "step": 2.5}  # starts where the first ended
 
 
 def _profiled(out: str, steps: int = 6) -> dict[str, Any]:
@@ -93,6 +97,8 @@ def test_breakdown_two_ranks_adds_up(ranks: Any, tmp_path: Path) -> None:
         assert sum(parts) <= float(r["step_ms"]) * (1 + 1e-9)
     assert float(rows[3]["checkpoint_ms"]) > 0  # saved after step 3: counted in step 4
     assert all(float(rows[i]["checkpoint_ms"]) == 0 for i in (0, 1, 2, 4, 5))
+    # Each event is reduced and written at the end of its step: counted in the next one.
+    assert float(rows[0]["monitor_ms"]) == 0 and all(float(r["monitor_ms"]) > 0 for r in rows[1:])
 
 
 B, D_IN, D_HID, D_OUT = 5, 8, 16, 4

@@ -1,12 +1,14 @@
 """Wall-clock breakdown of a training step: data loading, forward, backward, waiting for
-communication, optimizer, checkpointing, and the rest (the user's own code between them).
+communication, optimizer, checkpointing, the monitors' own events, and the rest (the user's own
+code between them).
 
 [Note: breakdown accounting] A phase's time is measured around the engine call that runs it.
 Time the rank spent blocked in collectives meanwhile (the doorway's ``blocked_seconds``) is
 moved from that phase to ``comm``, so that the phases add up: per step, the sum of all phases
 plus ``other`` is the step's wall time. A step runs from the end of the previous optimizer step
 (or from the first timed call of the run) to the end of this one, so a checkpoint saved right
-after ``step()`` counts in the next step.
+after ``step()`` counts in the next step, and so does the event the monitors reduce and
+write at the end of a step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-PHASES = ("data", "forward", "backward", "comm", "optimizer", "checkpoint")
+PHASES = ("data", "forward", "backward", "comm", "optimizer", "checkpoint", "monitor")
 COLUMNS = (*PHASES, "other")
 
 
@@ -46,8 +48,10 @@ class Breakdown:
             self.step_start = self.clock()
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time the enclosed engine work as phase ``name`` ([Note: breakdown accounting])."""
+    def phase(self, name: str, split_waits: bool = True) -> Iterator[None]:
+        """Time the enclosed engine work as phase ``name`` ([Note: breakdown accounting]);
+        ``split_waits=False`` keeps its communication waits in it (the monitors' own events,
+        so that their whole cost shows in one column)."""
         if self._depth:
             yield
             return
@@ -59,7 +63,7 @@ class Breakdown:
             yield
         finally:
             self._sync()
-            waited = self.comm.blocked_seconds - b0
+            waited = self.comm.blocked_seconds - b0 if split_waits else 0.0
             self.current[name] += self.clock() - t0 - waited
             self.current["comm"] += waited
             self._depth -= 1

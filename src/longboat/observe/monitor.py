@@ -149,9 +149,11 @@ class Monitor:
         due = [s for s, every in self.sinks if every and step % every == 0]
         if any(every and step % every == 0
                for every in (self.files_every, self.console_every)):
-            event = self._reduce(step, loss)
-            for sink in due:
-                sink.write(event)
+            with (_NULL if self.breakdown is None
+                  else self.breakdown.phase("monitor", split_waits=False)):
+                event = self._reduce(step, loss)
+                for sink in due:
+                    sink.write(event)
             self._n, self._time, self._tokens = 0, 0.0, 0
             self._phases = dict.fromkeys(COLUMNS, 0.0)
 

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 _LABELS = {"data": "data loading", "forward": "forward", "backward": "backward",
            "comm": "waiting for communication", "optimizer": "optimizer",
-           "checkpoint": "checkpointing", "other": "other (user code)"}
+           "checkpoint": "checkpointing",
+           "monitor": "monitors (events)", "other": "other (user code)"}
 
 
 def gather_summary(mon: Monitor) -> dict[str, Any]:
