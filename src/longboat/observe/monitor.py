@@ -14,12 +14,13 @@ import math
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from longboat.comm.collectives import Collectives
+from longboat.comm.collectives import Collectives, Handle
 from longboat.config import Config, SinkConfig
 from longboat.observe.breakdown import COLUMNS, Breakdown
 from longboat.observe.events import Sink, StepEvent, count_tokens
@@ -78,6 +79,7 @@ class Monitor:
         self.phase_totals = dict.fromkeys(COLUMNS, 0.0)
         self.first_phases = dict.fromkeys(COLUMNS, 0.0)
         self.summary: dict[str, Any] | None = None
+        self._pending: _Pending | None = None
         self._log = logging.getLogger("longboat")
 
     def _open_sinks(self, config: Config, console: bool) -> None:
@@ -147,45 +149,61 @@ class Monitor:
         self._tokens += self._tokens_step
         self._tokens_step = 0
         due = [s for s, every in self.sinks if every and step % every == 0]
-        if any(every and step % every == 0
-               for every in (self.files_every, self.console_every)):
-            with (_NULL if self.breakdown is None
-                  else self.breakdown.phase("monitor", split_waits=False)):
-                event = self._reduce(step, loss)
-                for sink in due:
-                    sink.write(event)
-            self._n, self._time, self._tokens = 0, 0.0, 0
-            self._phases = dict.fromkeys(COLUMNS, 0.0)
+        emit = any(every and step % every == 0
+                   for every in (self.files_every, self.console_every))
+        if not (emit or self._pending):
+            return
+        with (_NULL if self.breakdown is None
+              else self.breakdown.phase("monitor", split_waits=False)):
+            self._finish()
+            if emit:
+                self._pending = self._start_reduce(step, loss, due)
+                self._n, self._time, self._tokens = 0, 0.0, 0
+                self._phases = dict.fromkeys(COLUMNS, 0.0)
 
-    def _reduce(self, step: int, loss: float | None) -> StepEvent:
-        """One all-gather of each rank's numbers since the last event (every rank calls it)."""
+    def _start_reduce(self, step: int, loss: float | None, due: list[Sink]) -> _Pending:
+        """Start one asynchronous all-gather of each rank's numbers since the last event (every
+        rank calls it). It completes behind the next step's work, and :meth:`_finish` then
+        writes the event: sinks see each event one step late, and the training never waits
+        for the monitors' communication."""
         n = max(self._n, 1)
         local = torch.tensor([math.nan if loss is None else loss, self._time / n,
                               self._tokens / n, *(v / n for v in self._phases.values())],
                              dtype=torch.float64)
         table = torch.empty(self.comm.world_size * local.numel(), dtype=torch.float64)
-        self.comm.all_gather(table, local)
-        table = table.view(self.comm.world_size, -1)
+        handle = self.comm.all_gather(table, local, async_op=True)
+        return _Pending(handle, table, step, loss is None, due,
+                        float(self.optimizer.param_groups[0]["lr"]), self._loss_scale())
+
+    def _finish(self) -> None:
+        """Complete the event in flight, if any, and hand it to its sinks."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        p.handle.wait()
+        table = p.table.view(self.comm.world_size, -1)
         step_s = max(float(table[:, 1].max()), 1e-12)
         tokens = float(table[:, 2].sum())
         per_rank = self.flops.per_rank if self.flops is not None else None
-        scale = self._loss_scale()
-        return StepEvent(
-            step=step, loss=None if loss is None else float(table[:, 0].mean()),
-            lr=float(self.optimizer.param_groups[0]["lr"]), step_ms=step_s * 1e3,
-            samples_per_s=self.train_batch_size / step_s,
-            tokens_per_s=tokens / step_s if tokens else None, loss_scale=scale,
+        event = StepEvent(
+            step=p.step, loss=None if p.no_loss else float(table[:, 0].mean()),
+            lr=p.lr, step_ms=step_s * 1e3, samples_per_s=self.train_batch_size / step_s,
+            tokens_per_s=tokens / step_s if tokens else None, loss_scale=p.loss_scale,
             phases_ms=({k: float(v) * 1e3 for k, v in zip(COLUMNS, table[:, 3:].mean(0),
                                                           strict=True)}
                        if self.breakdown is not None else {}),
             flops_per_step=None if per_rank is None else per_rank * self.comm.world_size,
             achieved_tflops_per_rank=None if per_rank is None else per_rank / step_s / 1e12)
+        for sink in p.sinks:
+            sink.write(event)
 
     # -- the end -------------------------------------------------------------------------------
 
     def close(self) -> dict[str, Any] | None:
-        """Close the sinks; with the profiler on, gather every rank's totals (a collective),
-        print the table on rank 0 and return the summary (also kept as ``summary``)."""
+        """Write the last event and close the sinks; with the profiler on, gather every rank's
+        totals (a collective), print the table on rank 0 and return the summary (also kept as
+        ``summary``)."""
+        self._finish()
         for sink, _ in self.sinks:
             sink.close()
         self.sinks = []
@@ -199,6 +217,19 @@ class Monitor:
         if self.is_main:
             render(self.summary)
         return self.summary
+
+
+@dataclass
+class _Pending:
+    """An event whose all-gather is in flight."""
+
+    handle: Handle
+    table: torch.Tensor
+    step: int
+    no_loss: bool
+    sinks: list[Sink]
+    lr: float
+    loss_scale: float | None
 
 
 def _stderr_is_tty() -> bool:
