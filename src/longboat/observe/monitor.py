@@ -214,7 +214,7 @@ class Monitor:
         from longboat.observe.report import gather_summary, render
 
         self.summary = gather_summary(self)
-        if self.is_main:
+        if self.is_main and self.summary["steps"]:  # no table for a run that took no step
             render(self.summary)
         return self.summary
 
