@@ -121,13 +121,13 @@ def _analytic_flops_per_micro_batch() -> int:
     return fwd + bwd
 
 
-def _count_flops(accumulation: int) -> dict[str, Any]:
+def _count_flops(accumulation: int, strategy: dict[str, Any] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _Mlp()
     engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
         "log": {"progress": False, "level": "WARNING"},
         "batch": {"micro_batch_size": B, "gradient_accumulation_steps": accumulation},
-        "profile": {"flops": True}})
+        "profile": {"flops": True}, **(strategy or {})})
     x = torch.randn(B * 40, D_IN)
     y = torch.randint(0, D_OUT, (B * 40,))
     for xb, yb in engine.loader(torch.utils.data.TensorDataset(x, y)):
@@ -146,8 +146,9 @@ def test_flops_equal_the_analytic_count() -> None:
     assert "phases_ms" not in s
 
 
-def test_flops_two_ranks(ranks: Any) -> None:
-    s = ranks(2, _count_flops, 1)[0]
+@pytest.mark.parametrize("strategy", [{}, {"strategy": "zero", "zero": {"stage": 3}}])
+def test_flops_two_ranks(ranks: Any, strategy: dict[str, Any]) -> None:
+    s = ranks(2, _count_flops, 1, strategy)[0]
     assert s["flops_per_rank"] == _analytic_flops_per_micro_batch()
     assert s["flops_per_step"] == 2 * _analytic_flops_per_micro_batch()
 
