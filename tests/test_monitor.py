@@ -207,3 +207,60 @@ def test_monitor_config_refuses_unknown_keys() -> None:
         load_config({"monitor": {"tensorbord": {"enabled": True}}})
     with pytest.raises(ConfigError, match=r"did you mean 'profile.wall_clock_breakdown'"):
         load_config({"profile": {"wall_clock_breakdwn": True}})
+
+
+def test_tensorboard_missing_is_refused_at_initialize(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    model = reference.TinyNet()
+    with pytest.raises(ImportError, match="pip install 'longboat"):
+        longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+            "batch": {"micro_batch_size": 4},
+            "monitor": {"tensorboard": {"enabled": True, "output_path": str(tmp_path)}}})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_piped_console_lines_with_eta() -> None:
+    import logging
+
+    from longboat.observe.progress import ConsoleSink
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("longboat")
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel("INFO")
+    try:
+        sink = ConsoleSink(total=None, tty=False)
+        event = StepEvent(step=50, loss=0.5, lr=1e-3, step_ms=100.0, samples_per_s=640.0,
+                          tokens_per_s=1280.0, loss_scale=1024.0)
+        sink.write(event)
+        sink.total = 110
+        sink.write(event)
+        sink.close()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+    assert records == [
+        "step 50  loss 0.5000  lr 0.001  scale 1024  640 samples/s  1,280 tokens/s  100.0 ms/step",
+        "step 50/110  loss 0.5000  lr 0.001  scale 1024  640 samples/s  1,280 tokens/s  "
+        "100.0 ms/step  ETA 0:00:06"]
+
+
+def test_piped_console_gets_an_event_every_50_steps() -> None:
+    model = reference.TinyNet()
+    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+        "batch": {"micro_batch_size": 4}, "monitor": {"every": 7, "total_steps": 99},
+        "log": {"level": "WARNING"}})
+    if engine.monitor.sinks[0][0].tty:  # type: ignore[attr-defined]
+        pytest.skip("stderr is a terminal: the bar takes every event")
+    assert engine.monitor.console_every == 56  # the first multiple of 7 from 50
+    engine.set_total_steps(120)
+    assert engine.monitor.sinks[0][0].total == 120  # type: ignore[attr-defined]
+    engine.close()

@@ -59,6 +59,8 @@ class Monitor:
             comm.broadcast(tty, src=0)
             self.console_every = (mon.every if tty.item() else
                                   math.ceil(LINE_EVERY / mon.every) * mon.every)
+        if mon.tensorboard.enabled:
+            _require_tensorboard()  # on every rank, so that none waits for a failed rank 0
         self.breakdown = (Breakdown(comm, sync_cuda=device.type == "cuda")
                           if prof.wall_clock_breakdown else None)
         self.flops = StepFlops() if prof.flops else None
@@ -230,6 +232,15 @@ class _Pending:
     sinks: list[Sink]
     lr: float
     loss_scale: float | None
+
+
+def _require_tensorboard() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        from longboat.observe.tensorboard_sink import MISSING
+
+        raise ImportError(MISSING)
 
 
 def _stderr_is_tty() -> bool:

@@ -13,6 +13,11 @@ _GROUP = {"loss": "train", "lr": "train", "loss_scale": "train", "samples_per_s"
           "achieved_tflops_per_rank": "flops"}
 
 
+MISSING = ("monitor.tensorboard.enabled = true needs the 'tensorboard' package, which is not "
+           "installed: pip install 'longboat[tensorboard]' (or pip install tensorboard), or set "
+           "monitor.tensorboard.enabled = false")
+
+
 def tag(name: str) -> str:
     """The TensorBoard tag of an event value (``loss`` -> ``train/loss``)."""
     return f"{_GROUP.get(name, 'time')}/{name}"
@@ -25,10 +30,7 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise ImportError(
-                "monitor.tensorboard.enabled = true needs the 'tensorboard' package, which is "
-                "not installed: pip install 'longboat[tensorboard]' (or pip install tensorboard),"
-                " or set monitor.tensorboard.enabled = false") from exc
+            raise ImportError(MISSING) from exc
         self.directory = Path(directory)
         self._writer = SummaryWriter(log_dir=str(self.directory))
 
