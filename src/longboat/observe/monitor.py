@@ -174,7 +174,7 @@ class Monitor:
                              dtype=torch.float64)
         table = torch.empty(self.comm.world_size * local.numel(), dtype=torch.float64)
         handle = self.comm.all_gather(table, local, async_op=True)
-        return _Pending(handle, table, step, loss is None, due,
+        return _Pending(handle, local, table, step, loss is None, due,
                         float(self.optimizer.param_groups[0]["lr"]), self._loss_scale())
 
     def _finish(self) -> None:
@@ -226,6 +226,7 @@ class _Pending:
     """An event whose all-gather is in flight."""
 
     handle: Handle
+    local: torch.Tensor  # kept alive until the collective completes
     table: torch.Tensor
     step: int
     no_loss: bool
