@@ -41,6 +41,7 @@ def main() -> None:
     engine = longboat.initialize(model, config=args.config)  # optimizer from the config
     loader = engine.loader(train_set)
     loss_fn = torch.nn.CrossEntropyLoss()
+    engine.set_total_steps(args.epochs * (len(loader) // engine.accumulation_steps))  # the ETA
 
     engine.train()
     for _ in range(args.epochs):

@@ -112,7 +112,7 @@ def test_deepspeed_dialect_translates():
 
 
 @pytest.mark.parametrize(("ds", "words"), [
-    ({"train_batch_size": 8, "wall_clock_breakdown": True}, ["wall_clock_breakdown"]),
+    ({"train_batch_size": 8, "wandb": {"enabled": True}}, ["wandb"]),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "4"]),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 0, "overlap_comm": True}},
      ["zero_optimization.overlap_comm"]),

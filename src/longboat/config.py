@@ -145,6 +145,37 @@ class LogConfig(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
+class SinkConfig(_Section):
+    """A file monitor: it writes under ``output_path/job_name/`` on rank 0."""
+
+    enabled: bool = False
+    output_path: str = Field("runs", description="directory the job's folder is created in")
+    job_name: str = Field("longboat", description="folder under output_path for this run")
+
+
+class MonitorConfig(_Section):
+    """Step events (loss, lr, loss scale, samples/s, tokens/s, step time) reduced across ranks
+    and sent to the console, a CSV file and TensorBoard (see ``docs/monitoring.md``)."""
+
+    every: int = Field(1, gt=0, description="optimizer steps between events")
+    console: bool = Field(True, description="rank-0 progress bar (lines when piped); "
+                          "log.progress = false also turns it off")
+    total_steps: int | None = Field(None, gt=0, description="steps of the run, for the ETA; "
+                                    "also engine.set_total_steps(n)")
+    csv: SinkConfig = Field(default_factory=SinkConfig)
+    tensorboard: SinkConfig = Field(default_factory=SinkConfig)
+
+
+class ProfileConfig(_Section):
+    """The step profiler: where a step's wall-clock time goes, and its flops."""
+
+    wall_clock_breakdown: bool = Field(
+        False, description="time data loading, forward, backward, communication wait, "
+        "optimizer and checkpointing per step; a table at close()")
+    flops: bool = Field(False, description="count one step's flops (after a warm-up step) and "
+                        "report achieved flop/s beside a measured matmul rate")
+
+
 class Config(_Section):
     """The whole configuration of a run."""
 
@@ -162,6 +193,8 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     def resolved_strategy(self, world_size: int) -> str:
         """The strategy actually used at this world size."""

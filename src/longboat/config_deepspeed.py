@@ -21,7 +21,8 @@ _MARKERS = frozenset(
 _SUPPORTED = frozenset(
     {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
      "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization",
-     "seed", "communication_data_type"}
+     "seed", "communication_data_type", "tensorboard", "csv_monitor", "wall_clock_breakdown",
+     "flops_profiler"}
 )
 
 # DeepSpeed's optimizer names -> torch.optim class names. DeepSpeed's "Adam" is AdamW unless
@@ -61,6 +62,18 @@ def _enabled(block: Any, key: str) -> bool:
             f"remove them (longboat would otherwise ignore them)"
         )
     return on
+
+
+def _block(block: Any, key: str, allowed: set[str]) -> Mapping[str, Any]:
+    """A DeepSpeed sub-object, refusing keys longboat does not implement by name."""
+    if not isinstance(block, Mapping):
+        raise ConfigError(f"DeepSpeed key '{key}' must be an object, got {block!r}")
+    extra = sorted(set(block) - allowed)
+    if extra:
+        raise ConfigError(
+            f"DeepSpeed key(s) {', '.join(f'{key}.{k}' for k in extra)} are not supported; "
+            f"remove them (supported here: {', '.join(sorted(allowed))})")
+    return block
 
 
 def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -126,6 +139,21 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
                               "use 'fp32', 'fp16' or 'bf16'")
         put("precision.communication_data_type", _COMM_DTYPES[str(comm).lower()],
             "communication_data_type")
+
+    for ds_key, key in (("tensorboard", "monitor.tensorboard"), ("csv_monitor", "monitor.csv")):
+        if ds_key in data:
+            block = _block(data[ds_key], ds_key, {"enabled", "output_path", "job_name"})
+            for k, v in block.items():
+                if k == "output_path" and v == "":
+                    continue  # DeepSpeed's default: keep longboat's ("runs")
+                put(f"{key}.{k}", v, f"{ds_key}.{k}")
+    if "wall_clock_breakdown" in data:
+        put("profile.wall_clock_breakdown", data["wall_clock_breakdown"], "wall_clock_breakdown")
+    if "flops_profiler" in data:
+        # Only the switch: DeepSpeed's per-module tables and profile_step are not offered.
+        block = _block(data["flops_profiler"], "flops_profiler", {"enabled"})
+        if "enabled" in block:
+            put("profile.flops", block["enabled"], "flops_profiler.enabled")
 
     if "zero_optimization" in data:
         z = data["zero_optimization"]

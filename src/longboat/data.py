@@ -9,14 +9,18 @@ would see at step ``t``. That is what lets every strategy be compared with ``sin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sized
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 log = logging.getLogger("longboat")
+_NULL = contextlib.nullcontext()
+_END = object()
 
 
 class ShardedSampler(Sampler[int]):
@@ -100,17 +104,27 @@ class ShardedLoader:
         # must start from the state the interrupted one started from.
         self._epoch_rng = generator.get_state()
         self._skip = 0  # micro-batches to skip at the next iteration (set by load_state_dict)
+        # Set by the engine when the wall-clock breakdown is on: a context timing each fetch.
+        self.on_fetch: Callable[[], AbstractContextManager[Any]] | None = None
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
         self.position, self._skip = self._skip, 0
         self.sampler.start = self.position * self.batch_size
         self._epoch_rng = self._generator.get_state()
+        cpu = self.device is None or self.device.type == "cpu"
+        it = iter(self.loader)
         try:
-            for batch in self.loader:
+            while True:
+                # The profiler times the fetch (and the copy to the device) as data loading.
+                with self.on_fetch() if self.on_fetch is not None else _NULL:
+                    batch = next(it, _END)
+                    if batch is _END:
+                        break
+                    if not cpu:
+                        batch = to_device(batch, self.device)
                 self.position += 1
-                cpu = self.device is None or self.device.type == "cpu"
-                yield batch if cpu else to_device(batch, self.device)
+                yield batch
         finally:
             self.sampler.start = 0
         self.epoch += 1

@@ -31,7 +31,7 @@ from longboat.observe.memory import (
     measure,
     optimizer_state_bytes_per_param,
 )
-from longboat.observe.progress import StepProgress
+from longboat.observe.monitor import Monitor
 from longboat.optim import build_optimizer, build_scheduler
 from longboat.precision import Precision, SkippedStep
 from longboat.strategies import StrategyContext, build_strategy
@@ -69,7 +69,11 @@ class Engine:
         self._owns_group = owns_group
         self._closed = False
         self.log = logging.getLogger("longboat")
-        self.progress = StepProgress(config.log.progress and world.is_main)
+        self.monitor = Monitor(config, comm, is_main=world.is_main,
+                               train_batch_size=self.batch.train_batch_size,
+                               optimizer=optimizer, device=device_for(world),
+                               loss_scale=lambda: self.precision.loss_scale
+                               if self.precision.checks_overflow else None)
         self.log.info("strategy %s on %d rank(s); batch: %d per step = micro %d x accumulation "
                       "%d x data-parallel %d", self.strategy.name, comm.world_size,
                       self.batch.train_batch_size, self.batch.micro_batch_size,
@@ -86,9 +90,11 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through the model (under autocast unless fp32; floating outputs in fp32)."""
-        self.strategy.before_forward()
-        with self.precision.autocast():
-            out = self.module(*args, **kwargs)
+        self.monitor.forward_begin(self.global_step, args, kwargs)
+        with self.monitor.phase("forward"):
+            self.strategy.before_forward()
+            with self.precision.autocast():
+                out = self.module(*args, **kwargs)
         return self.precision.cast_output(out)
 
     forward = __call__
@@ -105,8 +111,9 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for accumulation, and by the fp16 loss scale);
         synchronises at the boundary."""
-        self.strategy.before_backward(sync=self.is_boundary)
-        self.precision.scale(loss / self.accumulation_steps).backward()
+        with self.monitor.phase("backward"):
+            self.strategy.before_backward(sync=self.is_boundary)
+            self.precision.scale(loss / self.accumulation_steps).backward()
         self._loss_sum += float(loss.detach())
         self._loss_count += 1
         self.micro_step += 1
@@ -122,6 +129,16 @@ class Engine:
         """
         if self.micro_step == 0 or self.micro_step % self.accumulation_steps:
             return False
+        with self.monitor.phase("optimizer"):
+            self._optimizer_step()
+        self.global_step += 1
+        loss = self._loss_sum / self._loss_count if self._loss_count else None
+        self._loss_sum, self._loss_count = 0.0, 0
+        self.last_loss = loss
+        self.monitor.step_end(self.global_step, loss)
+        return True
+
+    def _optimizer_step(self) -> None:
         self.strategy.finish_gradients()
         skip = False
         if self.precision.checks_overflow or self.config.gradient_clipping > 0:
@@ -140,12 +157,10 @@ class Engine:
         self.skipped_steps += skip
         if self.scheduler is not None and not skip:
             self.scheduler.step()
-        self.global_step += 1
-        loss = self._loss_sum / self._loss_count if self._loss_count else None
-        self._loss_sum, self._loss_count = 0.0, 0
-        self.last_loss = loss
-        self.progress.update(self.global_step, loss, self.batch.train_batch_size)
-        return True
+
+    def set_total_steps(self, total: int) -> None:
+        """Tell the console how many optimizer steps the run takes (for its ETA)."""
+        self.monitor.set_total_steps(total)
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -154,7 +169,7 @@ class Engine:
         """This rank's shard of ``dataset`` in micro-batches; see :mod:`longboat.data`."""
         d = self.config.data
         # Tracked: checkpoints record its position, and a loaded one resumes it.
-        return self.checkpointing.track(make_loader(
+        loader = self.checkpointing.track(make_loader(
             dataset, rank=self.comm.rank, world_size=self.comm.world_size,
             micro_batch_size=self.batch.micro_batch_size,
             train_batch_size=self.batch.train_batch_size,
@@ -162,6 +177,9 @@ class Engine:
             remainder=d.remainder, num_workers=d.num_workers, collate_fn=collate_fn,
             announce=self.world.is_main, device=self.device,
         ))
+        if self.monitor.breakdown is not None:
+            loader.on_fetch = lambda: self.monitor.phase("data")
+        return loader
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -180,7 +198,8 @@ class Engine:
         Every rank calls it with the same tag, right after ``step()`` returned True. The last
         ``checkpoint.keep_last`` checkpoints are kept (0: all). See :mod:`longboat.checkpoint`.
         """
-        return checkpoint.save(self, directory, tag, client_state)
+        with self.monitor.phase("checkpoint"):
+            return checkpoint.save(self, directory, tag, client_state)
 
     def load_checkpoint(self, directory: str | Path, tag: str | None = None, *,
                         allow_missing: bool = False) -> checkpoint.LoadedCheckpoint | None:
@@ -192,7 +211,8 @@ class Engine:
         if there is something to resume): then it returns None. Loaders created before or after
         this call continue where the saved ones stood.
         """
-        return checkpoint.load(self, directory, tag, allow_missing=allow_missing)
+        with self.monitor.phase("checkpoint"):
+            return checkpoint.load(self, directory, tag, allow_missing=allow_missing)
 
     def should_stop(self) -> bool:
         """True on every rank, at the same call, once any rank received SIGTERM or SIGINT
@@ -230,7 +250,7 @@ class Engine:
             return
         self._closed = True
         atexit.unregister(self._atexit)
-        self.progress.close()
+        self.monitor.close()
         self.strategy.close()
         self.checkpointing.stop.uninstall()
         if self._owns_group:

@@ -1,4 +1,5 @@
-"""Progress on rank 0: a live bar on a terminal, a plain line every few steps otherwise.
+"""The console monitor on rank 0: a live bar with an ETA on a terminal, a plain line every few
+steps otherwise.
 
 Under ``longboat run`` the output is prefixed and piped, where a redrawn bar would print
 garbage, so a non-terminal gets periodic lines instead.
@@ -8,46 +9,55 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
+from datetime import timedelta
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from longboat.observe.events import StepEvent
 
 
-class StepProgress:
-    """Reports step, loss and samples/s. Silent on every rank but the main one."""
+def describe(event: StepEvent) -> str:
+    """The event as one short line of text."""
+    parts = [] if event.loss is None else [f"loss {event.loss:.4f}"]
+    parts.append(f"lr {event.lr:.3g}")
+    if event.loss_scale is not None:
+        parts.append(f"scale {event.loss_scale:g}")
+    parts.append(f"{event.samples_per_s:,.0f} samples/s")
+    if event.tokens_per_s is not None:
+        parts.append(f"{event.tokens_per_s:,.0f} tokens/s")
+    parts.append(f"{event.step_ms:.1f} ms/step")
+    return "  ".join(parts)
 
-    def __init__(self, enabled: bool, total: int | None = None, every: int = 50) -> None:
-        self.enabled = enabled
-        self.every = every
+
+class ConsoleSink:
+    """Shows events on rank 0 (the monitor only creates it there)."""
+
+    def __init__(self, total: int | None = None, tty: bool | None = None) -> None:
         self.total = total
+        self.tty = sys.stderr.isatty() if tty is None else tty
         self._bar: Progress | None = None
         self._task = None
-        self._t0 = time.perf_counter()
-        self._samples = 0
         self._log = logging.getLogger("longboat")
 
     def _start_bar(self) -> None:
         self._bar = Progress(TextColumn("step {task.completed}"), BarColumn(),
                              TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                             transient=False)
+                             TextColumn("ETA"), TimeRemainingColumn(), transient=False)
         self._task = self._bar.add_task("train", total=self.total, info="")
         self._bar.start()
 
-    def update(self, step: int, loss: float | None, samples: int) -> None:
-        """Record that ``step`` finished after ``samples`` more samples."""
-        if not self.enabled:
-            return
-        self._samples += samples
-        rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
-        info = f"loss {loss:.4f}  {rate:,.0f} samples/s" if loss is not None else (
-            f"{rate:,.0f} samples/s")
-        if sys.stderr.isatty():
+    def write(self, event: StepEvent) -> None:
+        info = describe(event)
+        if self.tty:
             if self._bar is None:
                 self._start_bar()
             assert self._bar is not None and self._task is not None
-            self._bar.update(self._task, completed=step, info=info)
-        elif step % self.every == 0:
-            self._log.info("step %d  %s", step, info)
+            self._bar.update(self._task, completed=event.step, total=self.total, info=info)
+            return
+        if self.total:
+            left = max(self.total - event.step, 0) * event.step_ms / 1000
+            info += f"  ETA {timedelta(seconds=round(left))}"
+        self._log.info("step %d%s  %s", event.step, f"/{self.total}" if self.total else "", info)
 
     def close(self) -> None:
         if self._bar is not None:
