@@ -93,6 +93,8 @@ def test_equivalent_sides_train_identically(run: tuple[Path, dict[str, Any]]) ->
         assert ref[-1] != ref[0]  # the losses are real training losses, not a constant
         for side in ("replicate", "zero2"):
             assert _row(result, side, n)["losses"] == pytest.approx(ref, abs=1e-5), (side, n)
+    assert set(result["max_abs_loss_diff"]) == {"1", "2"}
+    assert max(result["max_abs_loss_diff"].values()) < 1e-5
 
 
 def test_markdown_and_chart(run: tuple[Path, dict[str, Any]]) -> None:

@@ -60,6 +60,7 @@ def finish(raw: dict[str, Any]) -> dict[str, Any]:
                "strong: the global batch stays the same, split over the ranks")
     return {
         "benchmark": "longboat bench",
+        "max_abs_loss_diff": loss_agreement(raw["rows"]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **raw,
         "notes": {
@@ -69,14 +70,27 @@ def finish(raw: dict[str, Any]) -> dict[str, Any]:
             "samples_per_s": "global batch / median step time",
             "speedup": "samples/s at n ranks / samples/s of the same side at 1 rank",
             "efficiency": "speed-up / n",
-            "peak_rss": "ru_maxrss of each rank of a fresh launch running that side alone",
+            "peak_rss": "ru_maxrss of each rank of a fresh launch running that side alone "
+                        "(the table shows the largest rank); it includes torch itself",
             "state_bytes": "parameters + gradients + optimizer state on each rank, counted from "
-                           "tensor storages (None: not exposed by the library)",
+                           "tensor storages (None / '-': not exposed by the library); the table "
+                           "shows the largest rank",
             "at_one_rank": AT_ONE_RANK,
         },
         "versions": versions(),
         "machine": machine(),
     }
+
+
+def loss_agreement(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per world size, the largest per-step loss difference between any side and the first:
+    all sides do the same arithmetic on the same samples, so this should be float noise."""
+    out: dict[str, float] = {}
+    for n in sorted({r["world_size"] for r in rows}):
+        here = [r["losses"] for r in rows if r["world_size"] == n]
+        out[str(n)] = max(abs(a - b) for losses in here
+                          for a, b in zip(losses, here[0], strict=True))
+    return out
 
 
 def _mib(values: list[int | None] | None) -> str:
@@ -113,6 +127,8 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
     console.print(table)
     for side, why in result["unavailable"].items():
         console.print(f"[yellow]{side} not run:[/] {why}")
+    for n, v in result["max_abs_loss_diff"].items():
+        console.print(f"largest loss difference between sides at {n} rank(s): {v:.2g}")
 
 
 def markdown(result: dict[str, Any], chart: str | None) -> str:
@@ -130,6 +146,9 @@ def markdown(result: dict[str, Any], chart: str | None) -> str:
         lines += ["Not run:", ""]
         lines += [f"- `{side}`: {why}" for side, why in result["unavailable"].items()]
         lines.append("")
+    diffs = ", ".join(f"{v:.2g} at {n} rank(s)" for n, v in result["max_abs_loss_diff"].items())
+    lines += [f"Largest per-step loss difference between sides: {diffs} (same samples, same "
+              "initial weights: every side computes the same training run).", ""]
     if chart:
         lines += [f"![samples/s against world size]({chart})", ""]
     notes = result["notes"]
