@@ -99,6 +99,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import free_port, machine, versions
 
+from longboat.bench.sides import deepspeed_config, import_deepspeed
 from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
 
 SIDES = ("longboat_zero2", "fsdp2_zero2", "deepspeed_zero2",
@@ -159,15 +160,8 @@ def _peak_rss_bytes() -> int:
 
 
 def _ds_config(args: argparse.Namespace, stage: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": args.micro_batch * args.world_size,
-        "zero_optimization": {"stage": stage},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
+    # The same config `longboat bench` gives DeepSpeed, so the two report comparable numbers.
+    return deepspeed_config(stage, args.micro_batch, args.world_size)
 
 
 # -- the sides ---------------------------------------------------------------------------------
@@ -288,16 +282,7 @@ def _eval_loss_init(args: argparse.Namespace) -> float:
 
 def _import_deepspeed() -> str | None:
     """Import DeepSpeed on its CPU accelerator over our gloo group; the reason if it cannot."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-        from deepspeed.utils import logger as ds_logger
-
-        ds_logger.setLevel("WARNING")
-        deepspeed.init_distributed(dist_backend="gloo")
-    except Exception as e:
-        return f"deepspeed could not be imported or set up: {type(e).__name__}: {e}"
-    return None
+    return import_deepspeed()
 
 
 def _lib(side: str) -> str:

@@ -83,9 +83,15 @@ def bench(s: BenchSettings, out: Path, console: Console | None = None) -> dict[s
                   console=console, transient=True) as progress:
         task = progress.add_task("starting ranks", total=None)
 
+        last: list[tuple[int, str]] = []
+
         def on_progress(n: int, phase: str, side: str, done: int, total: int) -> None:
             progress.update(task, description=f"world size {n} | {phase} | {side}",
                             completed=done, total=total)
+            if not console.is_terminal and last[-1:] != [(n, phase)]:
+                # No live bar in a pipe or a log: one line per launch instead.
+                last.append((n, phase))
+                console.print(f"world size {n}: {phase} ({total} steps)")
 
         raw = run_bench(s, on_progress)
     result = report.finish(raw)
