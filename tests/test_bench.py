@@ -106,6 +106,7 @@ def test_markdown_and_chart(run: tuple[Path, dict[str, Any]]) -> None:
                f"{r['step_time_median_s']:.4f} |" in md
     assert result["versions"]["torch"] in md and '"micro_batch": 4' in md
     assert "![samples/s against world size](bench.png)" in md
+    assert "Smoke run: 3 measured step(s)" in md  # fewer than 10 steps is flagged as such
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

@@ -27,6 +27,10 @@ AT_ONE_RANK = {
     "deepspeed": "DeepSpeed's engine at that ZeRO stage on one rank",
 }
 
+MIN_STEPS = 10  # fewer measured steps than this is a check that it runs, not a measurement
+SMOKE = ("Smoke run: {steps} measured step(s) per side, fewer than the 10 a comparison needs; "
+         "these timings show that every side runs, not how fast.")
+
 COLUMNS = ("side", "ranks", "batch", "median s", "IQR s", "min-max s", "samples/s",
            "speed-up", "efficiency", "peak RSS MiB", "state MiB")
 
@@ -127,6 +131,8 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
     console.print(table)
     for side, why in result["unavailable"].items():
         console.print(f"[yellow]{side} not run:[/] {why}")
+    if s["steps"] < MIN_STEPS:
+        console.print(f"[yellow]{SMOKE.format(steps=s['steps'])}[/]")
     for n, v in result["max_abs_loss_diff"].items():
         console.print(f"largest loss difference between sides at {n} rank(s): {v:.2g}")
 
@@ -139,7 +145,10 @@ def markdown(result: dict[str, Any], chart: str | None) -> str:
              f"{s['threads']} thread(s) per rank, {s['scaling']} scaling, {s['steps']} measured "
              f"steps per side after {s['warmup']} warm-up. Wall time "
              f"{result['wall_time_s']:.0f} s.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+             ]
+    if s["steps"] < MIN_STEPS:
+        lines += [f"**{SMOKE.format(steps=s['steps'])}**", ""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows_as_text(result)]
     lines.append("")
     if result["unavailable"]:
