@@ -180,19 +180,23 @@ def chart(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = result["settings"]
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=100)
     sides = list(dict.fromkeys(r["side"] for r in result["rows"]))
-    for side in sides:
-        pts = sorted((r["world_size"], r["samples_per_s"]) for r in result["rows"]
-                     if r["side"] == side)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=side)
+    # 20 distinct colours, and one line style per library, so no two sides look alike.
+    colours = plt.get_cmap("tab20").colors
+    styles = {"longboat": "-", "ddp": "--", "fsdp2": ":", "deepspeed": "-."}
+    for i, side in enumerate(sides):
+        rows = [r for r in result["rows"] if r["side"] == side]
+        pts = sorted((r["world_size"], r["samples_per_s"]) for r in rows)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=side,
+                color=colours[i % len(colours)], linestyle=styles.get(rows[0]["library"], "-"))
     ax.set_xticks(list(s["world_sizes"]))
     ax.set_xlabel("world size (ranks, one thread each)")
     ax.set_ylabel("samples/s (global batch / median step)")
     ax.set_title(f"{s['model']}: {s['scaling']} scaling, micro-batch {s['micro_batch']}")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
