@@ -103,6 +103,10 @@ def _mib(values: list[int | None] | None) -> str:
     return f"{max(v for v in values if v is not None) / 2**20:,.1f}"
 
 
+def _rate(v: float) -> str:
+    return f"{v:,.2f}" if v < 100 else f"{v:,.1f}"  # a big model does a few samples/s
+
+
 def _opt(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -112,7 +116,7 @@ def rows_as_text(result: dict[str, Any]) -> list[list[str]]:
     return [[r["side"], str(r["world_size"]), str(r["global_batch"]),
              f"{r['step_time_median_s']:.4f}", f"{r['step_time_iqr_s']:.4f}",
              f"{r['step_time_min_s']:.4f}-{r['step_time_max_s']:.4f}",
-             f"{r['samples_per_s']:,.1f}", _opt(r["speedup"], ".2f"),
+             _rate(r["samples_per_s"]), _opt(r["speedup"], ".2f"),
              _opt(r["efficiency"], ".2f"), _mib(r["peak_rss_bytes_per_rank"]),
              _mib(r["state_bytes_per_rank"])] for r in result["rows"]]
 
@@ -143,8 +147,10 @@ def markdown(result: dict[str, Any], chart: str | None) -> str:
     lines = [f"# longboat bench: {s['model']}", "",
              f"{result['date']}, world sizes {', '.join(map(str, s['world_sizes']))}, "
              f"{s['threads']} thread(s) per rank, {s['scaling']} scaling, {s['steps']} measured "
-             f"steps per side after {s['warmup']} warm-up. Wall time "
+             f"step(s) per side after {s['warmup']} warm-up. Wall time "
              f"{result['wall_time_s']:.0f} s.", "",
+             "Model: " + ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
+                                   for k, v in result.get("model", {}).items()), "",
              ]
     if s["steps"] < MIN_STEPS:
         lines += [f"**{SMOKE.format(steps=s['steps'])}**", ""]
@@ -193,7 +199,9 @@ def chart(result: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(s["world_sizes"]))
     ax.set_xlabel("world size (ranks, one thread each)")
     ax.set_ylabel("samples/s (global batch / median step)")
-    ax.set_title(f"{s['model']}: {s['scaling']} scaling, micro-batch {s['micro_batch']}")
+    smoke = f" (smoke run: {s['steps']} step(s), not a measurement)" if s["steps"] < MIN_STEPS \
+        else f", median of {s['steps']} steps"
+    ax.set_title(f"{s['model']}: {s['scaling']} scaling, micro-batch {s['micro_batch']}{smoke}")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))

@@ -334,5 +334,6 @@ def run_bench(s: BenchSettings, on_progress: BenchProgressFn | None = None) -> d
             r["speedup"] = r["samples_per_s"] / base[r["side"]]
             r["efficiency"] = r["speedup"] / r["world_size"]
     return {"settings": {**asdict(s), "memory_steps_after_warmup": MEMORY_STEPS},
+            "model": resolve_model(s.model, s.seq_len).info,
             "rows": rows, "unavailable": unavailable, "round_order": orders,
             "wall_time_s": time.perf_counter() - t_start}
