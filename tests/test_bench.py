@@ -143,3 +143,34 @@ def test_bad_flags_exit_2(tmp_path: Path, flags: list[str], words: list[str]) ->
     for w in words:
         assert w in res.output, (w, res.output)
     assert not (tmp_path / "bench.json").exists()
+
+
+def _hide(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """Make ``package`` look not installed to importlib.util.find_spec."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == package else real(name, *a))
+
+
+def test_missing_peer_is_skipped_with_a_note(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _hide(monkeypatch, "deepspeed")
+    res = _bench(tmp_path, "--model", "tiny-gpt", "--seq-len", "16", "--strategies",
+                 "replicate", "--peers", "deepspeed", "--world-sizes", "1", "--micro-batch",
+                 "2", "--warmup", "1", "--steps", "2", "--no-memory")
+    assert res.exit_code == 0, res.output
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["side"] for r in result["rows"]] == ["replicate"]
+    assert "not installed" in result["unavailable"]["deepspeed"]
+    assert "- `deepspeed`: not installed" in (tmp_path / "bench.md").read_text()
+    assert "deepspeed not run" in res.output
+
+
+def test_missing_matplotlib_is_a_clear_usage_error(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _hide(monkeypatch, "matplotlib")
+    res = _bench(tmp_path, "--model", "tiny-gpt", "--seq-len", "16")
+    assert res.exit_code == 2
+    assert "pip install 'longboat[bench]'" in res.output
