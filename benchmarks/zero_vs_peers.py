@@ -99,6 +99,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import free_port, machine, versions
 
+from longboat.bench.models import reference_gpt_spec
+from longboat.bench.sides import DeepSpeedSide, deepspeed_config, import_deepspeed, make_fsdp2
 from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
 
 SIDES = ("longboat_zero2", "fsdp2_zero2", "deepspeed_zero2",
@@ -159,15 +161,8 @@ def _peak_rss_bytes() -> int:
 
 
 def _ds_config(args: argparse.Namespace, stage: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": args.micro_batch * args.world_size,
-        "zero_optimization": {"stage": stage},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
+    # The same config `longboat bench` gives DeepSpeed, so the two report comparable numbers.
+    return deepspeed_config(stage, args.micro_batch, args.world_size)
 
 
 # -- the sides ---------------------------------------------------------------------------------
@@ -201,44 +196,21 @@ def _make_longboat(model: GPT, args: argparse.Namespace, stage: int
     return step, engine, engine.memory_report
 
 
+# FSDP2 and DeepSpeed are built by longboat.bench.sides, so this script and `longboat bench`
+# measure the same peers.
+
+
 def _make_fsdp2(model: GPT, args: argparse.Namespace, stage: int
                 ) -> tuple[StepFn, ForwardFn, None]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (args.world_size,))
-    reshard = stage == 3
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = gpt_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return step, model, None
+    side = make_fsdp2(f"fsdp2_zero{stage}", reference_gpt_spec(args.seq_len), model, args.lr)
+    return lambda x, y: side.step((x, y)), model, None
 
 
 def _make_deepspeed(model: GPT, args: argparse.Namespace, stage: int
                     ) -> tuple[StepFn, ForwardFn, None]:
-    import deepspeed
-
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
-                                           config=_ds_config(args, stage))
-    torch.set_num_threads(args.threads)  # whatever DeepSpeed may have set
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = gpt_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    return step, engine, None
+    side = DeepSpeedSide(f"deepspeed_zero{stage}", reference_gpt_spec(args.seq_len), model,
+                         args.lr, args.micro_batch, args.world_size)
+    return lambda x, y: side.step((x, y)), side.engine, None
 
 
 MAKERS = {"longboat": _make_longboat, "fsdp2": _make_fsdp2, "deepspeed": _make_deepspeed}
@@ -288,16 +260,7 @@ def _eval_loss_init(args: argparse.Namespace) -> float:
 
 def _import_deepspeed() -> str | None:
     """Import DeepSpeed on its CPU accelerator over our gloo group; the reason if it cannot."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-        from deepspeed.utils import logger as ds_logger
-
-        ds_logger.setLevel("WARNING")
-        deepspeed.init_distributed(dist_backend="gloo")
-    except Exception as e:
-        return f"deepspeed could not be imported or set up: {type(e).__name__}: {e}"
-    return None
+    return import_deepspeed()
 
 
 def _lib(side: str) -> str:

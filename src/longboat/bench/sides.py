@@ -1,0 +1,236 @@
+"""The sides ``longboat bench`` compares: longboat's strategies and, when installed, torch DDP,
+torch FSDP2 and DeepSpeed, each behind the same small interface (:class:`Side`).
+
+Every side trains with AdamW at the same learning rate and uses its library's defaults beyond
+what is said here. Side names:
+
+``single``, ``replicate``, ``zero1..3``
+    ``longboat.initialize`` with that strategy (ZeRO-3 units: the spec's ``unit_classes``).
+``ddp``
+    ``torch.nn.parallel.DistributedDataParallel`` (the peer of ``replicate``).
+``fsdp2_zero2`` / ``fsdp2_zero3``
+    ``fully_shard`` on each unit block, then the root; ``reshard_after_forward`` False / True.
+``deepspeed_zero0..3``
+    ``deepspeed.initialize`` with that ZeRO stage, CPU accelerator over our gloo group, and
+    ``gradient_clipping: 0`` (DeepSpeed clips to 1.0 by default; the others do not clip).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from longboat.bench.models import Batch, ModelSpec
+
+LONGBOAT_SIDES = ("single", "replicate", "zero1", "zero2", "zero3")
+PEERS = ("ddp", "fsdp2", "deepspeed")
+
+
+class Side(Protocol):
+    """One way of training the model: build once, then step."""
+
+    name: str
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        """Forward, loss, backward, optimizer step, zero_grad; returns the detached loss."""
+        ...
+
+    def state_bytes(self) -> int | None:
+        """Model-state bytes on this rank (parameters, gradients, optimizer state), or None
+        where the library does not expose them."""
+        ...
+
+    def close(self) -> None:
+        """Release hooks and buffers (never the process group)."""
+        ...
+
+
+def peer_sides(peers: tuple[str, ...], strategies: tuple[str, ...]) -> list[str]:
+    """The peer sides to run: each peer at the setting that matches a chosen strategy
+    (DDP for replicate, FSDP2 and DeepSpeed at the matching ZeRO stage)."""
+    out: list[str] = []
+    stages = [int(s[-1]) for s in strategies if s.startswith("zero")]
+    if "ddp" in peers:
+        out.append("ddp")
+    if "fsdp2" in peers:
+        # FSDP2 has two settings: ZeRO-2-like (no reshard) and ZeRO-3-like (its default).
+        want = sorted({2 if k <= 2 else 3 for k in stages}) or [3]
+        out += [f"fsdp2_zero{k}" for k in want]
+    if "deepspeed" in peers:
+        want = sorted(set(stages) | ({0} if "replicate" in strategies else set())) or [0]
+        out += [f"deepspeed_zero{k}" for k in want]
+    return out
+
+
+def library(side: str) -> str:
+    """``longboat``, ``ddp``, ``fsdp2`` or ``deepspeed``."""
+    return side if side == "ddp" else side.split("_")[0] if "_" in side else "longboat"
+
+
+def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
+    from longboat.observe.memory import _storages
+
+    local = []
+    for t in tensors:
+        if t is None:
+            continue
+        # DTensors (FSDP2) count their local shard.
+        local.append(t.to_local() if hasattr(t, "to_local") else t)
+    return _storages(local, set())
+
+
+def _plain_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    params = _storage_bytes(list(model.parameters()))
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    # Gradients are None between steps (zero_grad frees them); every step allocates one
+    # buffer of each (local) parameter's size, so they count as much as the parameters.
+    return 2 * params + _storage_bytes(state)  # type: ignore[arg-type]
+
+
+class LongboatSide:
+    """A longboat strategy through ``longboat.initialize``."""
+
+    def __init__(self, name: str, spec: ModelSpec, model: nn.Module, lr: float,
+                 micro_batch: int) -> None:
+        import longboat
+
+        self.name, self.spec = name, spec
+        config: dict[str, Any] = {"strategy": name, "batch": {"micro_batch_size": micro_batch},
+                                  "log": {"progress": False, "level": "WARNING"}}
+        if name.startswith("zero"):
+            zero: dict[str, Any] = {"stage": int(name[-1])}
+            if name == "zero3" and spec.unit_classes:
+                zero["unit_classes"] = list(spec.unit_classes)
+            config.update(strategy="zero", zero=zero)
+        self.engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr),
+                                          config=config)
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        loss = self.spec.loss(self.engine(*batch[:-1]), batch[-1])
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def state_bytes(self) -> int | None:
+        return self.engine.memory_report().total
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _PlainSide:
+    """A wrapped model trained with a plain torch optimizer (DDP, FSDP2)."""
+
+    def __init__(self, name: str, spec: ModelSpec, model: nn.Module, wrapped: nn.Module,
+                 lr: float) -> None:
+        self.name, self.spec, self.model, self.wrapped = name, spec, model, wrapped
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        loss = self.spec.loss(self.wrapped(*batch[:-1]), batch[-1])
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.detach()
+
+    def state_bytes(self) -> int | None:
+        return _plain_state_bytes(self.model, self.opt)
+
+    def close(self) -> None:
+        pass
+
+
+def make_ddp(spec: ModelSpec, model: nn.Module, lr: float) -> _PlainSide:
+    """torch DDP with its defaults (25 MB buckets)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return _PlainSide("ddp", spec, model, DistributedDataParallel(model), lr)
+
+
+def make_fsdp2(name: str, spec: ModelSpec, model: nn.Module, lr: float) -> _PlainSide:
+    """``fully_shard`` each unit block, then the root; stage 3 reshards after forward."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    reshard = name.endswith("3")
+    for module in model.modules():
+        if type(module).__name__ in spec.unit_classes:
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return _PlainSide(name, spec, model, model, lr)
+
+
+def deepspeed_config(stage: int, micro_batch: int, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of ``deepspeed_zero{stage}`` (recorded in the report)."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro_batch * world_size,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def import_deepspeed() -> str | None:
+    """Import DeepSpeed on its CPU accelerator over our gloo group; the reason if it cannot."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel("WARNING")
+        deepspeed.init_distributed(dist_backend="gloo")
+    except Exception as e:
+        return f"deepspeed could not be imported or set up: {type(e).__name__}: {e}"
+    return None
+
+
+class DeepSpeedSide:
+    """``deepspeed.initialize`` at one ZeRO stage."""
+
+    def __init__(self, name: str, spec: ModelSpec, model: nn.Module, lr: float,
+                 micro_batch: int, world_size: int) -> None:
+        import deepspeed
+
+        self.name, self.spec = name, spec
+        threads = torch.get_num_threads()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=opt,
+            config=deepspeed_config(int(name[-1]), micro_batch, world_size))
+        torch.set_num_threads(threads)  # DeepSpeed may change it
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        loss = self.spec.loss(self.engine(*batch[:-1]), batch[-1])
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def state_bytes(self) -> int | None:
+        return None  # DeepSpeed keeps its partitions in its own flat buffers
+
+    def close(self) -> None:
+        pass
+
+
+def build_side(name: str, spec: ModelSpec, seed: int, lr: float, micro_batch: int,
+               world_size: int) -> Side:
+    """Build ``name`` on a model made right after ``torch.manual_seed(seed)``, so every side
+    starts from the same weights."""
+    torch.manual_seed(seed)
+    model = spec.build()
+    makers: dict[str, Callable[[], Side]] = {
+        "longboat": lambda: LongboatSide(name, spec, model, lr, micro_batch),
+        "ddp": lambda: make_ddp(spec, model, lr),
+        "fsdp2": lambda: make_fsdp2(name, spec, model, lr),
+        "deepspeed": lambda: DeepSpeedSide(name, spec, model, lr, micro_batch, world_size),
+    }
+    return makers[library(name)]()
