@@ -145,6 +145,19 @@ class LogConfig(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
+class CommConfig(_Section):
+    """The collectives doorway: timeout, desync check and comm log (see docs/diagnostics.md)."""
+
+    timeout_s: float = Field(
+        600.0, gt=0, description="seconds a collective may wait for its peers before every "
+        "surviving rank reports who did not arrive and exits")
+    desync_check: bool = Field(
+        True, description="share a fingerprint of each collective first, so ranks out of step "
+        "fail at once naming the ranks and the difference")
+    log: bool = Field(False, description="count bytes and time per operation; a table at close")
+    log_verbose: bool = Field(False, description="with log: also one line per collective")
+
+
 class Config(_Section):
     """The whole configuration of a run."""
 
@@ -162,6 +175,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
 
     def resolved_strategy(self, world_size: int) -> str:
         """The strategy actually used at this world size."""

@@ -21,7 +21,7 @@ _MARKERS = frozenset(
 _SUPPORTED = frozenset(
     {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
      "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization",
-     "seed", "communication_data_type"}
+     "seed", "communication_data_type", "comms_logger"}
 )
 
 # DeepSpeed's optimizer names -> torch.optim class names. DeepSpeed's "Adam" is AdamW unless
@@ -126,6 +126,26 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
                               "use 'fp32', 'fp16' or 'bf16'")
         put("precision.communication_data_type", _COMM_DTYPES[str(comm).lower()],
             "communication_data_type")
+
+    if "comms_logger" in data:
+        block = data["comms_logger"]
+        if not isinstance(block, Mapping):
+            raise ConfigError(f"DeepSpeed key 'comms_logger' must be an object like "
+                              f"{{\"enabled\": true}}, got {block!r}")
+        # debug/prof_all/prof_ops choose what DeepSpeed prints; longboat logs every operation.
+        extra = sorted(set(block) - {"enabled", "verbose"})
+        if extra:
+            raise ConfigError(
+                "DeepSpeed key(s) " + ", ".join(f"'comms_logger.{k}'" for k in extra)
+                + " are not supported yet; remove them (longboat logs every operation)")
+        for k in ("enabled", "verbose"):
+            if k in block and not isinstance(block[k], bool):
+                raise ConfigError(f"DeepSpeed key 'comms_logger.{k}' = {block[k]!r} must be "
+                                  "true or false")
+        if "enabled" in block:
+            put("comm.log", block["enabled"], "comms_logger.enabled")
+        if "verbose" in block:
+            put("comm.log_verbose", block["verbose"], "comms_logger.verbose")
 
     if "zero_optimization" in data:
         z = data["zero_optimization"]
