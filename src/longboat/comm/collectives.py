@@ -153,14 +153,14 @@ class Collectives:
         return _Done()
 
     def _observed(self, name: str, fn: Any, *args: Any, tensor: torch.Tensor | None,
-                  out: torch.Tensor | None = None, reduce_op: str = "", src: int = -1,
+                  out: torch.Tensor | None = None, reduce_op: str = "", check_src: int = -1,
                   nbytes: int = 0, async_op: bool, **kwargs: Any) -> Handle:
         """``_issue`` with the desync check, the record and the comm log."""
         rec = self._record(name, tensor, out, reduce_op)
         t0 = time.perf_counter()
         try:
             if self.desync_check and self._check is not None:
-                self._check.exchange(rec, src)
+                self._check.exchange(rec, check_src)
             t1 = time.perf_counter()
             work = fn(*args, group=self.group, async_op=async_op, **kwargs)
         except RuntimeError as e:
@@ -228,7 +228,8 @@ class Collectives:
         self.seq += 1
         if self.observing:
             self._observed("broadcast", dist.broadcast, tensor, src=src, tensor=tensor,
-                           async_op=False, nbytes=tensor.numel() * tensor.element_size())
+                           check_src=src, async_op=False,
+                           nbytes=tensor.numel() * tensor.element_size())
         else:
             self._issue(dist.broadcast, tensor, src=src, async_op=False)
 
