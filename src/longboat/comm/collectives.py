@@ -47,22 +47,30 @@ class _Timed:
     """An in-flight collective whose ``wait`` adds the time it blocks to its doorway's count
     and turns a timeout or a lost peer into a report."""
 
-    __slots__ = ("_owner", "_rec", "_work")
+    __slots__ = ("_log", "_owner", "_rec", "_work")
 
-    def __init__(self, owner: Collectives, work: Any, rec: CallRecord | None) -> None:
+    def __init__(self, owner: Collectives, work: Any, rec: CallRecord | None,
+                 log: tuple[CommLog, int, float] | None = None) -> None:
         self._owner = owner
         self._work = work
         self._rec = rec
+        self._log = log  # (log, bytes, launch time) when the work has no future to time it
 
     def wait(self) -> Any:
         t0 = time.perf_counter()
         try:
-            return self._work.wait()
+            out = self._work.wait()
         except RuntimeError as e:
             self._owner._failed(e, self._rec)
             raise
         finally:
-            self._owner.blocked_seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self._owner.blocked_seconds += t1 - t0
+        if self._log is not None and self._rec is not None:
+            log, nbytes, launched = self._log
+            log.add(self._rec, nbytes, t1 - launched)
+            self._log = None
+        return out
 
 
 # torch 2.13 renamed the tensor forms and deprecated the old names; torch>=2.4 has the old ones.
@@ -170,10 +178,13 @@ class Collectives:
         self.last = rec
         log = self.commlog if self.log else None
         if async_op:
-            if log is not None:
-                fut = work.get_future()
-                fut.add_done_callback(lambda _f: log.add(rec, nbytes, time.perf_counter() - t1))
             self.blocked_seconds += t1 - t0
+            if log is not None:
+                try:
+                    fut = work.get_future()
+                except RuntimeError:  # e.g. gloo's reduce_scatter: timed to the end of wait()
+                    return _Timed(self, work, rec, (log, nbytes, t1))
+                fut.add_done_callback(lambda _f: log.add(rec, nbytes, time.perf_counter() - t1))
             return _Timed(self, work, rec)
         t2 = time.perf_counter()
         self.blocked_seconds += t2 - t0
