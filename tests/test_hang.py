@@ -9,6 +9,9 @@ from pathlib import Path
 
 from test_launcher import SCRIPTS, _alive, _cli, _run
 
+from longboat.comm.hang import build_report, format_report, is_hang_or_loss
+from longboat.comm.trace import CallRecord
+
 TIMEOUT_S = 3.0
 
 
@@ -22,7 +25,7 @@ def test_stopped_rank_is_named_with_its_last_collective(tmp_path: Path) -> None:
     rep = json.loads((logs / "hang_reports" / "rank0.json").read_text())
     assert rep["kind"] == "timeout" and rep["not_arrived"] == [1], rep
     assert rep["collective"]["op"] == "all_reduce" and rep["collective"]["shape"] == [1], rep
-    assert rep["collective"]["source"] == "hang_sigstop.py:28 in <module>", rep
+    assert rep["collective"]["source"] == "hang_sigstop.py:31 in <module>", rep
     # Rank 1's last collective known to rank 0: the gradient all-reduce of the second step
     # (the first collective is the setup broadcast, then one bucket per step).
     last = rep["peer_last_known"]
@@ -44,3 +47,31 @@ def test_stopped_rank_is_named_with_its_last_collective(tmp_path: Path) -> None:
     for r in (0, 1):
         pid = int((tmp_path / f"pid{r}").read_text())
         assert not _alive(pid), f"rank {r} (pid {pid}) still runs"
+
+
+def test_dead_rank_is_named_and_every_process_ends(tmp_path: Path) -> None:
+    """A rank that dies is named by the launcher at once (the agent then stops the survivors,
+    usually before they see the closed connection, so no hang report is required here)."""
+    proc = _run(_cli("run", "-n", "2", str(SCRIPTS / "hang_sigstop.py"), "30", str(tmp_path),
+                     "exit"))
+    err = proc.stderr
+    assert proc.returncode == 3, err  # the dead rank's status
+    assert "longboat: rank 1 failed with exit code 3" in err, err
+    time.sleep(0.2)
+    for r in (0, 1):
+        assert not _alive(int((tmp_path / f"pid{r}").read_text())), f"rank {r} still runs"
+
+
+def test_lost_peer_report_names_the_missing_rank() -> None:
+    """The report a survivor builds from a closed connection (no store: a world of one here)."""
+    rec = CallRecord(seq=5, op="all_reduce", dtype="float32", shape=(1,), out_shape=None,
+                     reduce_op="sum", group="default", source="t.py:9 in main", caller="")
+    err = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
+    assert is_hang_or_loss(err) and not is_hang_or_loss(RuntimeError("size mismatch"))
+    rep = build_report(rank=0, world_size=3, namespace="x", current=rec, last_done=None,
+                       peer_last=rec, error=err, timeout_s=5)
+    assert rep["kind"] == "peer_lost" and rep["not_arrived"] == [1, 2], rep
+    text = format_report(rep)
+    assert text.startswith("longboat: a peer was lost during a collective on rank 0 of 3"), text
+    assert "waiting in: all_reduce(float32[1]) #5 at t.py:9 in main" in text, text
+    assert "did not arrive: rank(s) 1, 2" in text and "Connection closed by peer" in text, text

@@ -1,6 +1,7 @@
-"""Two ranks train a few steps; then rank 1 stops itself (SIGSTOP) before an all_reduce.
+"""Two ranks train a few steps; then rank 1 stops itself (SIGSTOP), or dies (argv[3] ==
+"exit"), before an all_reduce.
 
-argv: timeout_s out_dir. Rank 0 writes the time it entered the collective that hangs.
+argv: timeout_s out_dir [stop|exit]. Rank 0 writes the time it entered the collective.
 """
 
 import os
@@ -23,7 +24,9 @@ for _ in range(2):
     engine.step()
 flag = torch.ones(1)
 if engine.comm.rank == 1:
+    if sys.argv[3:] == ["exit"]:
+        os._exit(3)
     os.kill(os.getpid(), signal.SIGSTOP)
 out.joinpath("entered").write_text(repr(time.time()))
-engine.comm.all_reduce(flag)  # line 28: rank 0 waits here for rank 1
+engine.comm.all_reduce(flag)  # line 31: rank 0 waits here for rank 1
 print("not reached", flush=True)

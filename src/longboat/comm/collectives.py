@@ -24,7 +24,14 @@ import torch.distributed as dist
 
 from longboat.comm.commlog import CommLog
 from longboat.comm.desync import DesyncCheck, DesyncError
-from longboat.comm.hang import CollectiveTimeout, PeerLost, build_report, raise_report
+from longboat.comm.hang import (
+    CollectiveTimeout,
+    PeerLost,
+    build_report,
+    is_hang_or_loss,
+    namespace,
+    raise_report,
+)
 from longboat.comm.trace import CallRecord, dtype_name, where_called
 
 __all__ = ["CollectiveTimeout", "Collectives", "DesyncError", "Handle", "PeerLost"]
@@ -137,11 +144,11 @@ class Collectives:
 
     def _failed(self, err: RuntimeError, rec: CallRecord | None) -> None:
         """A collective raised: timeouts and lost peers become a report and its exception."""
-        if isinstance(err, (DesyncError, CollectiveTimeout, PeerLost)):
+        if isinstance(err, (DesyncError, CollectiveTimeout, PeerLost)) or not is_hang_or_loss(err):
             return
         peer_last = self._check.last_agreed if self._check is not None else None
         rep = build_report(rank=self.rank, world_size=self.world_size,
-                           namespace=f"longboat/hang/{self._group_name}", current=rec,
+                           namespace=namespace(self._group_name), current=rec,
                            last_done=self.last, peer_last=peer_last, error=err,
                            timeout_s=self.timeout_s)
         raise_report(rep, err)

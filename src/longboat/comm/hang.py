@@ -43,6 +43,23 @@ def _store() -> Any:
         return None
 
 
+# Words the backends and the store use when a peer went away (as launch/failures.py reads them).
+_PEER_LOSS = ("connection closed", "connection reset", "broken pipe", "connection refused",
+              "distnetworkerror", "peer", "socket closed")
+
+
+def is_hang_or_loss(err: BaseException) -> bool:
+    """True for a timeout or a lost peer; other errors (a bad argument) pass through unchanged."""
+    text = f"{type(err).__name__} {err}".lower()
+    return _is_timeout(err) or any(m in text for m in _PEER_LOSS)
+
+
+def namespace(group: str) -> str:
+    """Store keys for this group's reports; the restart count keeps attempts apart when a
+    launcher (torchrun) reuses one store for every attempt."""
+    return f"longboat/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{group}"
+
+
 def _is_timeout(err: BaseException) -> bool:
     text = str(err).lower()
     return "timed out" in text or "timeout" in text
@@ -106,7 +123,7 @@ def format_report(rep: dict[str, Any]) -> str:
     if rep["not_arrived"]:
         known = _describe(rep["peer_last_known"]) if rep["peer_last_known"] else "unknown"
         lines.append(f"  did not arrive: rank(s) {', '.join(map(str, rep['not_arrived']))}"
-                     f" (their last collective known here: {known})")
+                     f" (last collective all ranks agreed on: {known}; line as on this rank)")
     for r in range(rep["world_size"]):
         state = rep["ranks"].get(str(r))
         if state is None:
