@@ -24,7 +24,7 @@ from longboat.comm.trace import CallRecord, python_stack
 
 REPORT_DIR_VAR = "LONGBOAT_REPORT_DIR"
 # How long a rank waits for its peers' states; the whole report stays within 1 s of the timeout.
-_ANSWER_WAIT_S = 0.7
+_ANSWER_WAIT_S = 0.5
 
 
 class CollectiveTimeout(RuntimeError):
