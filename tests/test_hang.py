@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from test_launcher import SCRIPTS, _alive, _cli, _run
 
 from longboat.comm.hang import build_report, format_report, is_hang_or_loss
@@ -15,36 +16,42 @@ from longboat.comm.trace import CallRecord
 TIMEOUT_S = 3.0
 
 
-def test_stopped_rank_is_named_with_its_last_collective(tmp_path: Path) -> None:
+@pytest.mark.parametrize("n", [2, 3])
+def test_stopped_rank_is_named_with_its_last_collective(tmp_path: Path, n: int) -> None:
     logs = tmp_path / "logs"
-    proc = _run(_cli("run", "-n", "2", "--log-dir", str(logs),
+    proc = _run(_cli("run", "-n", str(n), "--log-dir", str(logs),
                      str(SCRIPTS / "hang_sigstop.py"), str(TIMEOUT_S), str(tmp_path)))
     err = proc.stderr
+    out = proc.stdout + err
+    stopped, survivors = n - 1, list(range(n - 1))
     assert proc.returncode != 0, err
-    # Rank 0's own report, printed by rank 0 and written for the launcher.
-    rep = json.loads((logs / "hang_reports" / "rank0.json").read_text())
-    assert rep["kind"] == "timeout" and rep["not_arrived"] == [1], rep
-    assert rep["collective"]["op"] == "all_reduce" and rep["collective"]["shape"] == [1], rep
-    assert rep["collective"]["source"] == "hang_sigstop.py:31 in <module>", rep
-    # Rank 1's last collective known to rank 0: the gradient all-reduce of the second step
-    # (the first collective is the setup broadcast, then one bucket per step).
-    last = rep["peer_last_known"]
-    assert last["op"] == "all_reduce" and last["source"].startswith("hang_sigstop.py:"), last
-    assert "1" not in rep["ranks"], "a stopped rank cannot answer"
-    # Detected within the timeout plus 1 s of entering the collective.
-    entered = float((tmp_path / "entered").read_text())
-    detected = (logs / "hang_reports" / "rank0.json").stat().st_mtime
-    assert detected - entered <= TIMEOUT_S + 1.0, detected - entered
-    assert "[rank0]: longboat: collective timed out after 3 s on rank 0 of 2" in proc.stdout + err
-    assert "did not arrive: rank(s) 1" in proc.stdout + err
+    for r in survivors:
+        entered = float((tmp_path / f"entered{r}").read_text())
+        # Each survivor's own report, printed and written for the launcher.
+        path = logs / "hang_reports" / f"rank{r}.json"
+        rep = json.loads(path.read_text())
+        assert rep["kind"] == "timeout" and rep["not_arrived"] == [stopped], rep
+        assert rep["collective"]["op"] == "all_reduce" and rep["collective"]["shape"] == [1]
+        assert rep["collective"]["source"] == "hang_sigstop.py:31 in <module>", rep
+        # The stopped rank's last collective known here: the previous step's gradient bucket.
+        last = rep["peer_last_known"]
+        assert last["op"] == "all_reduce" and last["seq"] == rep["collective"]["seq"] - 1
+        assert last["source"] == "hang_sigstop.py:23 in <module>", last
+        # Survivors answered each other through the store; the stopped rank could not.
+        assert sorted(rep["ranks"]) == [str(s) for s in survivors], rep["ranks"]
+        # Detected within the timeout plus 1 s of entering the collective.
+        assert path.stat().st_mtime - entered <= TIMEOUT_S + 1.0, path.stat().st_mtime - entered
+        assert f"[rank{r}]: longboat: collective timed out after 3 s on rank {r} of {n}" in out
+        assert f"[rank{r}]:   did not arrive: rank(s) {stopped} " in out, out
     # The launcher's merged report and its usual culprit line.
-    assert "longboat: collective timeout reported by rank(s) 0" in err, err
-    assert "longboat:   rank 1 did not arrive (named by rank(s) 0); last collective known: " \
-           "all_reduce(" in err, err
-    assert "longboat: rank 0 failed with exit code 1" in err, err
-    # Every process ended (rank 1 was stopped: SIGCONT follows the launcher's SIGTERM).
+    names = ", ".join(map(str, survivors))
+    assert f"longboat: collective timeout reported by rank(s) {names}" in err, err
+    assert f"longboat:   rank {stopped} did not arrive (named by rank(s) {names}); last " \
+           "collective known: all_reduce(" in err, err
+    assert "failed with exit code 1" in err, err
+    # Every process ended (the stopped rank too: SIGCONT follows the launcher's SIGTERM).
     time.sleep(0.2)
-    for r in (0, 1):
+    for r in range(n):
         pid = int((tmp_path / f"pid{r}").read_text())
         assert not _alive(pid), f"rank {r} (pid {pid}) still runs"
 

@@ -1,7 +1,7 @@
-"""Two ranks train a few steps; then rank 1 stops itself (SIGSTOP), or dies (argv[3] ==
+"""Ranks train a few steps; then the last rank stops itself (SIGSTOP), or dies (argv[3] ==
 "exit"), before an all_reduce.
 
-argv: timeout_s out_dir [stop|exit]. Rank 0 writes the time it entered the collective.
+argv: timeout_s out_dir [stop|exit]. Each survivor writes the time it entered the collective.
 """
 
 import os
@@ -23,10 +23,10 @@ for _ in range(2):
     engine.backward(engine(torch.ones(2, 4)).sum())
     engine.step()
 flag = torch.ones(1)
-if engine.comm.rank == 1:
+if engine.comm.rank == engine.comm.world_size - 1:
     if sys.argv[3:] == ["exit"]:
         os._exit(3)
     os.kill(os.getpid(), signal.SIGSTOP)
-out.joinpath("entered").write_text(repr(time.time()))
-engine.comm.all_reduce(flag)  # line 31: rank 0 waits here for rank 1
+out.joinpath(f"entered{engine.comm.rank}").write_text(repr(time.time()))
+engine.comm.all_reduce(flag)  # line 31: the others wait here
 print("not reached", flush=True)
