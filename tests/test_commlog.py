@@ -3,6 +3,7 @@ nccl-tests' definitions; the DeepSpeed ``comms_logger`` key maps onto ``comm.log
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ from reference import TinyNet
 
 import longboat
 from longboat.comm.collectives import Collectives
+from longboat.comm.commlog import CommLog
+from longboat.comm.trace import CallRecord
 from longboat.config import ConfigError, load_config
 
 
@@ -83,3 +86,19 @@ def test_deepspeed_comms_logger_maps_to_comm_log() -> None:
 def test_unknown_comm_key_names_the_closest() -> None:
     with pytest.raises(ConfigError, match=r"did you mean 'comm\.timeout_s'"):
         load_config({"comm": {"timeout": 5}})
+
+
+def test_verbose_log_has_one_line_per_collective(caplog: pytest.LogCaptureFixture) -> None:
+    log = CommLog(world_size=2, rank=1, verbose=True)
+    rec = CallRecord(seq=3, op="all_gather", dtype="bfloat16", shape=(6,), out_shape=(12,),
+                     reduce_op="", group="default", source="t.py:5 in main", caller="")
+    with caplog.at_level(logging.INFO, logger="longboat.comm"):
+        log.add(rec, 24, 0.002)
+        log.add(rec, 24, 0.004)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 1: all_gather(bfloat16[6] -> [12]) #3 at t.py:5 in main 24 B 2.000 ms",
+        "rank 1: all_gather(bfloat16[6] -> [12]) #3 at t.py:5 in main 24 B 4.000 ms"]
+    (row,) = log.summary()
+    assert (row["count"], row["bytes"]) == (2, 48)
+    assert row["mean_s"] == pytest.approx(0.003)
+    assert row["busbw_gbps"] == pytest.approx(48 / 0.006 / 1e9 * 0.5)
