@@ -176,6 +176,19 @@ class ProfileConfig(_Section):
                         "report achieved flop/s beside a measured matmul rate")
 
 
+class CommConfig(_Section):
+    """The collectives doorway: timeout, desync check and comm log (see docs/diagnostics.md)."""
+
+    timeout_s: float = Field(
+        600.0, gt=0, description="seconds a collective may wait for its peers before every "
+        "surviving rank reports who did not arrive and exits")
+    desync_check: bool = Field(
+        True, description="share a fingerprint of each collective first, so ranks out of step "
+        "fail at once naming the ranks and the difference")
+    log: bool = Field(False, description="count bytes and time per operation; a table at close")
+    log_verbose: bool = Field(False, description="with log: also one line per collective")
+
+
 class Config(_Section):
     """The whole configuration of a run."""
 
@@ -195,6 +208,7 @@ class Config(_Section):
     log: LogConfig = Field(default_factory=LogConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
 
     def resolved_strategy(self, world_size: int) -> str:
         """The strategy actually used at this world size."""

@@ -22,7 +22,7 @@ _SUPPORTED = frozenset(
     {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
      "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization",
      "seed", "communication_data_type", "tensorboard", "csv_monitor", "wall_clock_breakdown",
-     "flops_profiler"}
+     "flops_profiler", "comms_logger"}
 )
 
 # DeepSpeed's optimizer names -> torch.optim class names. DeepSpeed's "Adam" is AdamW unless
@@ -154,6 +154,12 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
         block = _block(data["flops_profiler"], "flops_profiler", {"enabled"})
         if "enabled" in block:
             put("profile.flops", block["enabled"], "flops_profiler.enabled")
+    if "comms_logger" in data:
+        # debug/prof_all/prof_ops choose what DeepSpeed prints; longboat logs every operation.
+        block = _block(data["comms_logger"], "comms_logger", {"enabled", "verbose"})
+        for k, key in (("enabled", "comm.log"), ("verbose", "comm.log_verbose")):
+            if k in block:
+                put(key, block[k], f"comms_logger.{k}")
 
     if "zero_optimization" in data:
         z = data["zero_optimization"]

@@ -253,6 +253,10 @@ class Engine:
         self.monitor.close()
         self.strategy.close()
         self.checkpointing.stop.uninstall()
+        if self.comm.log and self.world.is_main:
+            # Rank 0's view; every rank's numbers are in engine.comm.log_summary().
+            print(self.comm.commlog.table(), end="", flush=True)  # type: ignore[union-attr]
+        self.comm.close()
         if self._owns_group:
             destroy_process_group()
 
@@ -293,8 +297,10 @@ def initialize(
     cfg = load_config(config)
     world = world or World.from_env()
     setup_logging(world, cfg.log.level)
-    owns = init_process_group(world)
-    comm = Collectives()
+    owns = init_process_group(world, timeout_s=cfg.comm.timeout_s)
+    c = cfg.comm
+    comm = Collectives(desync_check=c.desync_check, log=c.log, log_verbose=c.log_verbose,
+                       timeout_s=c.timeout_s)
     if comm.world_size != world.world_size:
         raise RuntimeError(f"process group has {comm.world_size} ranks but the environment "
                            f"says {world.world_size}")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longboat.launch.failures import WorkerExit, summarize
+from longboat.launch.hangs import merge, read_reports, report_dir, wake_stopped_workers
 from longboat.launch.listen import bind_listener
 from longboat.launch.output import report, worker_console
 from longboat.launch.reaper import OrphanReaper
@@ -220,6 +221,8 @@ def launch(opts: RunOptions) -> int:
         # Entered after the log directory, so leftovers are ended before it is removed.
         stack.enter_context(_agent_environment(opts, marker))
         stack.enter_context(_restored_signal_handlers())
+        reports = stack.enter_context(report_dir(log_dir))
+        stack.enter_context(wake_stopped_workers())
         stack.enter_context(reaper)
         stack.enter_context(worker_console(opts.node_rank, opts.nproc_per_node, opts.max_restarts))
 
@@ -250,6 +253,9 @@ def launch(opts: RunOptions) -> int:
                if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}),
         )
         code = _run_agent(config, opts, log_dir, port)
+        if code:
+            for line in merge(read_reports(reports)):
+                report(line)
 
     if reaper.ended:
         pids = ", ".join(map(str, sorted(reaper.ended)))

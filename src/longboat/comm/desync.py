@@ -1,0 +1,110 @@
+"""The desync check: before each collective every rank shares a small fingerprint of it.
+
+The fingerprints travel on a separate gloo group (so the check works under NCCL as well), and
+every rank sees every rank's fingerprint, so every rank detects a mismatch at the same collective
+and raises :class:`DesyncError` there, instead of hanging or computing garbage.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from longboat.comm.trace import FINGERPRINT_LEN, CallRecord, fingerprint
+
+# Bytes of each rank's description exchanged once a mismatch is found.
+_DESCRIPTION_BYTES = 512
+
+
+class DesyncError(RuntimeError):
+    """Ranks entered different collectives, or the same one with different shapes or dtypes."""
+
+
+class DesyncCheck:
+    """Fingerprint exchange over a dedicated gloo group (created collectively at setup)."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float,
+                 group: dist.ProcessGroup | None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        self.group = dist.new_group(ranks=ranks, backend="gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self._mine = torch.zeros(FINGERPRINT_LEN, dtype=torch.int64)
+        self._all = torch.zeros(world_size, FINGERPRINT_LEN, dtype=torch.int64)
+        self._views = list(self._all.unbind(0))
+        # Every rank's fingerprint at the last exchange that agreed (what the hang report
+        # knows of a peer that stops answering).
+        self.last_agreed: CallRecord | None = None
+
+    def exchange(self, rec: CallRecord, src: int) -> None:
+        """Share ``rec``'s fingerprint; raise :class:`DesyncError` on every rank if they differ.
+
+        A peer that stops or dies makes this raise the backend's error (timeout, closed
+        connection); the doorway turns that into a hang report.
+        """
+        self._mine.copy_(torch.tensor(fingerprint(rec, src), dtype=torch.int64))
+        dist.all_gather(self._views, self._mine, group=self.group)
+        if bool((self._all == self._all[0]).all()):
+            self.last_agreed = rec
+            return
+        raise DesyncError(self._explain(rec))
+
+    def _descriptions(self, rec: CallRecord) -> list[str]:
+        """Every rank's own words for the collective it entered (only after a mismatch)."""
+        text = rec.describe().encode()[:_DESCRIPTION_BYTES]
+        mine = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
+        mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in out]
+
+    def _explain(self, rec: CallRecord) -> str:
+        words = self._descriptions(rec)
+        prints = [tuple(row.tolist()) for row in self._all]
+        # The largest group of agreeing ranks is taken as the expected behaviour (ties: the
+        # group of the lowest rank); every other group is named against it.
+        counts = Counter(prints)
+        best = max(counts.values())
+        ref_print = next(p for p in prints if counts[p] == best)
+        ref_ranks = [r for r, p in enumerate(prints) if p == ref_print]
+        lines = []
+        for fp in dict.fromkeys(prints):
+            if fp == ref_print:
+                continue
+            ranks = [r for r, p in enumerate(prints) if p == fp]
+            lines.append(
+                f"{_ranks(ranks)} entered {_strip_seq(words[ranks[0]])} where "
+                f"{_ranks(ref_ranks)} entered {_strip_seq(words[ref_ranks[0]])}; "
+                f"{_difference(fp, ref_print)}")
+        head = (f"collectives out of step at collective #{rec.seq} (seen by rank {self.rank} "
+                f"of {self.world_size}): ")
+        return head + "\n  ".join(lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _strip_seq(description: str) -> str:
+    sig, _, rest = description.partition(" #")
+    _, _, where = rest.partition(" ")
+    return f"{sig} {where}".strip()
+
+
+def _difference(a: tuple[int, ...], b: tuple[int, ...]) -> str:
+    """Which field of two fingerprints differs, and what that usually means."""
+    if a[1] != b[1]:
+        return "different operations: a rank skipped or added a collective"
+    if a[2] != b[2]:
+        return "different reduce operations"
+    if a[3] != b[3]:
+        return "different dtypes: cast the tensor to the same dtype on every rank"
+    if a[4:10] != b[4:10]:
+        return "different shapes: every rank must pass tensors of the same shape"
+    if a[10] != b[10]:
+        return "different source ranks for the broadcast"
+    return "different collective counts: a rank issued a collective outside this doorway"
