@@ -55,7 +55,10 @@ def _engine_traffic(steps: int) -> tuple[list[dict[str, Any]], int, int]:
     model = TinyNet()
     engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
         "batch": {"micro_batch_size": 2}, "comm": {"log": True},
-        "replicate": {"overlap_optimizer": False}})
+        "replicate": {"overlap_optimizer": False},
+        # The console monitor broadcasts whether rank 0 has a terminal; off, so that only the
+        # strategy's traffic is counted.
+        "monitor": {"console": False}})
     # Gradients: every trainable fp32 parameter once per step. Setup: rank 0's parameters
     # (frozen ones too) and buffers broadcast once.
     trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
