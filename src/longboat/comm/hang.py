@@ -156,6 +156,12 @@ def publish(rep: dict[str, Any]) -> str:
 
 
 def raise_report(rep: dict[str, Any], error: BaseException) -> None:
+    """Publish the report, then raise a one-line summary of it: the report itself (with the
+    backend's error) is already on stderr, and repeating it in the traceback buries it."""
     text = publish(rep)
     cls = CollectiveTimeout if rep["kind"] == "timeout" else PeerLost
-    raise cls(text) from error
+    summary = text.splitlines()[0].removeprefix("longboat: ")
+    if rep["not_arrived"]:
+        summary += (f": rank(s) {', '.join(map(str, rep['not_arrived']))} did not arrive at "
+                    f"{_describe(rep['collective'])}")
+    raise cls(f"{summary} (report above)") from None

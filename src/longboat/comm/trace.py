@@ -87,8 +87,10 @@ def where_called(depth: int = 2) -> tuple[str, str]:
 
 
 def python_stack(limit: int = 12) -> str:
-    """This thread's Python stack without the frames of ``comm/`` (which only report)."""
-    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_COMM_DIR)]
+    """This thread's Python stack without the frames of ``comm/`` (which only report) and of
+    torch (autograd's machinery between ``engine.backward`` and a gradient hook says nothing)."""
+    frames = [f for f in traceback.extract_stack()
+              if not f.filename.startswith((_COMM_DIR, _TORCH_DIR))]
     return "".join(traceback.format_list(frames[-limit:]))
 
 
