@@ -35,8 +35,8 @@ def run_plan(model: str, model_args: str | None, micro_batch: int, seq_len: int 
                              "path of a file")
     base = lb_config.load_config(config_file)
     if precision is not None:  # through validation again: fp16-only keys must still agree
-        data = base.model_dump()
-        data["precision"]["dtype"] = precision
+        data = base.model_dump(exclude_unset=True)
+        data.setdefault("precision", {})["dtype"] = precision
         base = lb_config.load_config(data)
     names = tuple(s.strip() for s in strategies.split(",")) if strategies else STRATEGIES
     target = resolve(model, kwargs, seq_len)

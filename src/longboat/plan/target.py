@@ -12,7 +12,7 @@ A model is named by a built-in name or by ``package.module:callable`` (called wi
 with ``example_input(model, micro_batch: int)``, returning the positional arguments of
 ``model(...)`` (a tensor or a tuple of tensors), and may define ``example_loss(output)``
 returning a scalar; without it the loss is ``output.float().mean()`` (a cross entropy would
-add about one more logits-sized buffer). Both run on the meta device, so ``torch.randint`` and
+add about one more logits-sized buffer). Both run on fake tensors, so ``torch.randint`` and
 friends allocate nothing there. A model without ``example_input`` is refused by name.
 """
 

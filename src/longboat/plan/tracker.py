@@ -2,7 +2,7 @@
 
 A :class:`LiveBytes` dispatch mode sees every operator's outputs. Each new storage is counted
 once, when it first appears, and uncounted when Python frees it (a weak reference's callback);
-views share their base's storage and add nothing. On the meta device this gives, without
+views share their base's storage and add nothing. On fake (meta) tensors this gives, without
 allocating anything, the bytes a real run would hold at every moment: its peak is what the
 caching allocator (GPU) or ``malloc`` (CPU) must provide for tensors.
 """
@@ -13,6 +13,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -51,10 +52,11 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
-            # A meta tensor has no value; the engine reads the loss (and fp16's overflow
-            # flag) as a number, and zero is a harmless answer for both.
-            return 0
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            # A fake tensor has no value, but the engine reads the loss as a number and torch's
+            # optimizers read their step count; 1 suits both (Adam divides by 1 - beta**step,
+            # so 0 would not). See [Note: fake tensors] in simulate.py.
+            return 1
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
