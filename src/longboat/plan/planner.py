@@ -7,7 +7,8 @@ byte for byte, and nothing is allocated: a billion-parameter model is planned on
 [Note: recommendation] Among the strategies whose predicted peak fits the budget (all of them
 without a budget), the one that communicates least per step wins, in the order replicate,
 zero-1, zero-2, zero-3: replicate all-reduces gradients once; zero-1 and zero-2 send the same
-bytes (reduce-scatter plus all-gather of parameters) but shard more state; zero-3 gathers
+bytes per step (reduce-scatter plus all-gather of parameters), but with gradient accumulation
+zero-2 reduce-scatters after every micro-batch and zero-1 only at the boundary; zero-3 gathers
 parameters again in forward and backward. At one rank the only strategy is single.
 """
 
