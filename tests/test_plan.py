@@ -301,3 +301,20 @@ def test_strategy_config_keeps_the_users_settings():
     assert (cfg.strategy, cfg.zero.stage, cfg.zero.bucket_mb) == ("zero", 3, 3.0)
     assert cfg.zero.unit_classes == ["_Block"] and cfg.precision.dtype == "bf16"
     assert cfg.batch.micro_batch_size == 4
+
+
+def test_a_config_file_reaches_the_strategies(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[zero]\nunit_classes = ["_Block"]\n')
+    args = ["--model", "gpt", "--model-args", json.dumps(GPT_ARGS), "--micro-batch", "2",
+            "--strategies", "zero-3", "--json"]
+    res = _invoke(*args, "--config", str(cfg))
+    assert res.exit_code == 0, res.output
+    expected = make_plan(resolve("gpt", GPT_ARGS), load_config(cfg), 2, 2, "adamw", ["zero-3"])
+    assert json.loads(res.output)["strategies"][0]["peak"] == expected.strategies[0].peak
+    default = json.loads(_invoke(*args).output)["strategies"][0]["peak"]
+    assert default != expected.strategies[0].peak  # units by class, not by size: another plan
+    cfg.write_text('[zero]\nunit_clases = ["_Block"]\n')
+    res = _invoke(*args, "--config", str(cfg))
+    assert res.exit_code == 2
+    assert "unit_classes" in res.output  # the closest valid key

@@ -182,7 +182,7 @@ def plan(
         None, "--config", help="a longboat config: bucket sizes, ZeRO units, precision"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
-    """Predict per-rank memory and communication of each strategy, on meta tensors."""
+    """Predict per-rank memory and communication of each strategy, allocating nothing."""
     from longboat.config import ConfigError
     from longboat.plan.run_cli import run_plan
     from longboat.plan.target import PlanInputError
