@@ -62,13 +62,21 @@ def expected_bytes(strategy: str, a: int, n: int, k: int) -> dict[str, int]:
             "communication_buffers": 0}
 
 
-def _storages(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int]]) -> int:
+def _storage_key(st: torch.UntypedStorage) -> tuple[object, ...]:
+    # Meta storages (``longboat plan``) have no address: every one reports 0. Their C++
+    # object identifies them instead, and is shared by views as an address would be.
+    if st.device.type == "meta":
+        return ("meta", st._cdata)
+    return (st.data_ptr(), st.nbytes())
+
+
+def _storages(tensors: Iterable[torch.Tensor], seen: set[tuple[object, ...]]) -> int:
     total = 0
     for t in tensors:
         if t is None:
             continue
         st = t.untyped_storage()
-        key = (st.data_ptr(), st.nbytes())
+        key = _storage_key(st)
         if st.nbytes() == 0 or key in seen:
             continue
         seen.add(key)
@@ -113,5 +121,5 @@ class MemoryReport:
 
 def measure(groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     """Bytes per category, each storage counted once (in the first category that holds it)."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[object, ...]] = set()
     return {c: _storages(groups.get(c, []), seen) for c in CATEGORIES}

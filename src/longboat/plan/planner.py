@@ -1,0 +1,145 @@
+"""``longboat plan``: per-rank memory and communication of each strategy, and which fits.
+
+Every strategy is simulated by :func:`longboat.plan.simulate.simulate` (the engine on meta
+tensors), so the model-state bytes are those ``engine.memory_report()`` measures on a real run,
+byte for byte, and nothing is allocated: a billion-parameter model is planned on a laptop.
+
+[Note: recommendation] Among the strategies whose predicted peak fits the budget (all of them
+without a budget), the one that communicates least per step wins, in the order replicate,
+zero-1, zero-2, zero-3: replicate all-reduces gradients once; zero-1 and zero-2 send the same
+bytes per step (reduce-scatter plus all-gather of parameters), but with gradient accumulation
+zero-2 reduce-scatters after every micro-batch and zero-1 only at the boundary; zero-3 gathers
+parameters again in forward and backward. At one rank the only strategy is single.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from longboat.config import Config
+from longboat.observe.memory import CATEGORIES
+from longboat.plan.simulate import Simulated, simulate
+from longboat.plan.target import PlanInputError, Target
+
+STRATEGIES = ("single", "replicate", "zero-1", "zero-2", "zero-3")
+PREFERENCE = ("replicate", "zero-1", "zero-2", "zero-3")  # see [Note: recommendation]
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+
+
+def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
+    """``base`` (its bucket sizes, units, precision...) with ``strategy`` and the micro-batch."""
+    if strategy not in STRATEGIES:
+        raise PlanInputError(f"--strategies: unknown strategy {strategy!r}; choose from "
+                             f"{', '.join(STRATEGIES)}")
+    batch = base.batch.model_copy(update={"micro_batch_size": micro_batch,
+                                          "train_batch_size": None,
+                                          "gradient_accumulation_steps": 1})
+    update: dict[str, Any] = {"strategy": strategy.split("-")[0], "batch": batch,
+                              "log": base.log.model_copy(update={"progress": False})}
+    if strategy.startswith("zero-"):
+        update["zero"] = base.zero.model_copy(update={"stage": int(strategy[-1])})
+    return base.model_copy(update=update)
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """One strategy's prediction for one rank."""
+
+    strategy: str
+    world_size: int
+    model_state: dict[str, int]
+    activations: int
+    transient: int
+    peak: int
+    comm_bytes: dict[str, int]
+    fits: bool | None  # None without a budget
+
+    @property
+    def comm_total(self) -> int:
+        return sum(self.comm_bytes.values())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole answer of ``longboat plan``."""
+
+    model: str
+    trainable_params: int
+    world_size: int
+    micro_batch: int
+    precision: str
+    optimizer: str
+    budget: int | None
+    strategies: list[StrategyPlan]
+    recommended: str | None
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for s, plan in zip(out["strategies"], self.strategies, strict=True):
+            s["comm_total"] = plan.comm_total
+        return out
+
+
+def _recommend(plans: Sequence[StrategyPlan], world_size: int, budget: int | None
+               ) -> tuple[str | None, str]:
+    fitting = [p for p in plans if p.fits is not False]
+    if world_size == 1:
+        single = [p for p in fitting if p.strategy == "single"]
+        if single:
+            return "single", "one rank: nothing to share"
+    by_name = {p.strategy: p for p in fitting}
+    for name in PREFERENCE:
+        if name in by_name:
+            why = ("the fastest-communicating strategy that fits "
+                   f"(preference: {' > '.join(PREFERENCE)})")
+            if budget is None:
+                why = f"no --budget given; {why}"
+            return name, why
+    if budget is None:
+        return None, "no candidate strategy"
+    names = ", ".join(p.strategy for p in plans)
+    return None, f"none of {names} fits in {budget:,} bytes per rank"
+
+
+def make_plan(target: Target, base: Config, world_size: int, micro_batch: int,
+              optimizer: str = "adamw", strategies: Sequence[str] = STRATEGIES,
+              budget: int | None = None) -> Plan:
+    """Simulate each of ``strategies`` at ``world_size`` ranks and recommend one."""
+    if world_size < 1:
+        raise PlanInputError(f"--world-size {world_size} is invalid: use 1 or more")
+    if micro_batch < 1:
+        raise PlanInputError(f"--micro-batch {micro_batch} is invalid: use 1 or more")
+    if optimizer not in OPTIMIZERS:
+        raise PlanInputError(f"--optimizer {optimizer!r} is unknown; choose from "
+                             f"{', '.join(OPTIMIZERS)}")
+    plans: list[StrategyPlan] = []
+    trainable = 0
+    for name in strategies:
+        cfg = strategy_config(base, name, micro_batch)
+        # single is one process on its own, whatever the world size (for comparison).
+        n = 1 if name == "single" else world_size
+        sim: Simulated = simulate(target, cfg, n, micro_batch, OPTIMIZERS[optimizer])
+        trainable = sim.trainable_params
+        plans.append(StrategyPlan(
+            strategy=name, world_size=n, model_state=sim.model_state,
+            activations=sim.activations, transient=sim.transient, peak=sim.peak,
+            comm_bytes=sim.comm_bytes, fits=None if budget is None else sim.peak <= budget))
+    recommended, reason = _recommend(plans, world_size, budget)
+    return Plan(model=target.name, trainable_params=trainable, world_size=world_size,
+                micro_batch=micro_batch, precision=base.precision.dtype, optimizer=optimizer,
+                budget=budget, strategies=plans, recommended=recommended, reason=reason)
+
+
+__all__ = ["CATEGORIES", "OPTIMIZERS", "PREFERENCE", "STRATEGIES", "Plan", "StrategyPlan",
+           "make_plan", "strategy_config"]

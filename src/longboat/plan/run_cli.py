@@ -1,0 +1,49 @@
+"""The work behind the ``longboat plan`` command (the CLI only parses)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from longboat import config as lb_config
+from longboat.plan.planner import STRATEGIES, make_plan
+from longboat.plan.render import parse_bytes, render
+from longboat.plan.target import PlanInputError, resolve
+
+
+def run_plan(model: str, model_args: str | None, micro_batch: int, seq_len: int | None,
+             world_size: int, precision: str | None, optimizer: str, budget: str | None,
+             strategies: str | None, config_file: Path | None, as_json: bool) -> tuple[str, int]:
+    """Plan and format; returns (text, exit status). Raises :class:`PlanInputError` or
+    :class:`~longboat.config.ConfigError` for usage errors.
+
+    Exit status 1 when a budget was given and no strategy fits it (a verdict, not a usage
+    error); 0 otherwise.
+    """
+    kwargs: dict[str, Any] = {}
+    if model_args:
+        try:
+            kwargs = json.loads(model_args)
+        except json.JSONDecodeError as e:
+            raise PlanInputError(f"--model-args is not JSON ({e}); write e.g. "
+                                 "'{\"d_model\": 1024}'") from None
+        if not isinstance(kwargs, dict):
+            raise PlanInputError("--model-args must be a JSON object of keyword arguments")
+    if config_file is not None and not config_file.is_file():
+        raise PlanInputError(f"config file {str(config_file)!r} does not exist: give the "
+                             "path of a file")
+    base = lb_config.load_config(config_file)
+    if precision is not None:  # through validation again: fp16-only keys must still agree
+        data = base.model_dump(exclude_unset=True)
+        data.setdefault("precision", {})["dtype"] = precision
+        base = lb_config.load_config(data)
+    names = tuple(s.strip() for s in strategies.split(",")) if strategies else STRATEGIES
+    target = resolve(model, kwargs, seq_len)
+    try:
+        plan = make_plan(target, base, world_size, micro_batch, optimizer, names,
+                         parse_bytes(budget) if budget else None)
+    except TypeError as e:  # the model's constructor refused the arguments
+        raise PlanInputError(f"--model {model!r} with --model-args {kwargs}: {e}") from None
+    text = json.dumps(plan.to_json(), indent=2) if as_json else render(plan)
+    return text, 1 if plan.budget is not None and plan.recommended is None else 0

@@ -1,0 +1,64 @@
+"""Live tensor bytes over time, counted from the storages that operators create.
+
+A :class:`LiveBytes` dispatch mode sees every operator's outputs. Each new storage is counted
+once, when it first appears, and uncounted when Python frees it (a weak reference's callback);
+views share their base's storage and add nothing. On fake (meta) tensors this gives, without
+allocating anything, the bytes a real run would hold at every moment: its peak is what the
+caching allocator (GPU) or ``malloc`` (CPU) must provide for tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytes(TorchDispatchMode):
+    """Track the bytes of live tensor storages created while the mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0  # since the last reset_peak()
+        self.max_peak = 0  # since the mode was created
+        self._refs: dict[int, weakref.ref[Any]] = {}
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now."""
+        self.peak = self.live
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        ref = self._refs.get(key)
+        if ref is not None and ref() is st:
+            return  # a view of (or the same) storage already counted
+        n = st.nbytes()
+
+        def gone(_ref: Any, n: int = n, key: int = key) -> None:
+            self.live -= n
+            if self._refs.get(key) is _ref:
+                del self._refs[key]
+
+        self._refs[key] = weakref.ref(st, gone)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        self.max_peak = max(self.max_peak, self.live)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            # A fake tensor has no value, but the engine reads the loss as a number and torch's
+            # optimizers read their step count; 1 suits both (Adam divides by 1 - beta**step,
+            # so 0 would not). See [Note: fake tensors] in simulate.py.
+            return 1
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
