@@ -253,9 +253,10 @@ class Engine:
         self.monitor.close()
         self.strategy.close()
         self.checkpointing.stop.uninstall()
-        if self.comm.log and self.world.is_main:
+        commlog = self.comm.commlog
+        if commlog is not None and self.world.is_main:
             # Rank 0's view; every rank's numbers are in engine.comm.log_summary().
-            print(self.comm.commlog.table(), end="", flush=True)  # type: ignore[union-attr]
+            print(commlog.table(), end="", flush=True)
         self.comm.close()
         if self._owns_group:
             destroy_process_group()
