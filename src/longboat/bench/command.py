@@ -19,7 +19,8 @@ class BenchUsageError(ValueError):
 
 
 def _names(flag: str, value: str, valid: tuple[str, ...], allow_empty: bool) -> tuple[str, ...]:
-    items = tuple(x.strip() for x in value.split(",") if x.strip())
+    # "zero-2" as `longboat plan` and the memory report spell it is accepted too.
+    items = tuple(x.strip().replace("zero-", "zero") for x in value.split(",") if x.strip())
     if not items and not allow_empty:
         raise BenchUsageError(f"{flag} is empty: give one or more of {','.join(valid)}")
     for x in items:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,9 @@ def run_plan(model: str, model_args: str | None, micro_batch: int, seq_len: int 
         data = base.model_dump(exclude_unset=True)
         data.setdefault("precision", {})["dtype"] = precision
         base = lb_config.load_config(data)
-    names = tuple(s.strip() for s in strategies.split(",")) if strategies else STRATEGIES
+    # "zero2" as `longboat bench` spells it is accepted too.
+    names = (tuple(re.sub(r"^zero(\d)$", r"zero-\1", s.strip()) for s in strategies.split(","))
+             if strategies else STRATEGIES)
     target = resolve(model, kwargs, seq_len)
     try:
         plan = make_plan(target, base, world_size, micro_batch, optimizer, names,
