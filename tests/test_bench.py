@@ -145,6 +145,14 @@ def test_bad_flags_exit_2(tmp_path: Path, flags: list[str], words: list[str]) ->
     assert not (tmp_path / "bench.json").exists()
 
 
+def test_plan_spelling_of_a_stage_is_accepted() -> None:
+    from longboat.bench.command import settings_from_flags
+    s = settings_from_flags(model="tiny-gpt", strategies="replicate,zero-2,zero2", peers="",
+                            world_sizes="1", micro_batch=1, seq_len=16, warmup=1, steps=1,
+                            scaling="weak", threads=1, memory=False)
+    assert s.strategies == ("replicate", "zero2")
+
+
 def _hide(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
     """Make ``package`` look not installed to importlib.util.find_spec."""
     import importlib.util
