@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port, machine, versions
+from common import free_port, join_loopback, machine, versions
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "checkpoint_io.json"
 STRATEGIES = {
@@ -148,13 +147,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace, name: str, root: P
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world_size),
-                      LOCAL_WORLD_SIZE=str(args.world_size))
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    join_loopback(rank, args.world_size, port, args.threads)
     try:
         results = {s: _measure(rank, args.world_size, args, s, Path(root))
                    for s in args.strategies}

@@ -1,4 +1,5 @@
-"""What every benchmark records and needs: a free loopback port, versions, the machine."""
+"""What every benchmark records and needs: a free loopback port, a gloo group on it, versions,
+the machine."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import importlib.metadata
 import os
 import platform
 import socket
+import sys
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 
 def free_port() -> int:
@@ -15,6 +19,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def join_loopback(rank: int, world_size: int, port: int, threads: int,
+                  timeout_s: float | None = None, **env: str) -> None:
+    """Join a gloo group of ``world_size`` ranks meeting on 127.0.0.1:``port`` as ``rank``.
+
+    Sets the variables torchrun would, so ``longboat.initialize`` finds the job and reuses the
+    group opened here (``env`` adds others), and runs ``threads`` torch threads."""
+    n = str(world_size)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, **env)
+    if sys.platform.startswith("linux"):
+        # Pin gloo to loopback: by default it resolves the hostname, which on some machines
+        # names an interface the other rank cannot reach.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
 
 
 def package_version(dist_name: str) -> str | None:

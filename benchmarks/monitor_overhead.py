@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port, machine, versions
+from common import free_port, join_loopback, machine, versions
 
 QUIET = {"level": "WARNING"}
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -93,12 +91,7 @@ def _round(name: str, args: argparse.Namespace, workdir: str, r: int) -> float:
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_loopback(rank, 2, port, args.threads)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             box = [tmp]

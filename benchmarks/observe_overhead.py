@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port, machine, versions
+from common import free_port, join_loopback, machine, versions
 
 from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
 
@@ -60,13 +58,7 @@ def _model(args: argparse.Namespace) -> GPT:
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world_size),
-                      LOCAL_WORLD_SIZE=str(args.world_size))
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    join_loopback(rank, args.world_size, port, args.threads)
     try:
         _run(rank, args)
     finally:

@@ -52,14 +52,13 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port, machine, versions
+from common import free_port, join_loopback, machine, versions
 
 from longboat.config import load_config
 from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
@@ -130,16 +129,12 @@ def _warm_up(strategy: str, gen: torch.Generator) -> None:
 
 def _worker(rank: int, args: argparse.Namespace, strategy: str, world: int, port: int,
             out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(args.threads)
+    if world > 1:
+        join_loopback(rank, world, port, args.threads, args.timeout)
+    else:
+        torch.set_num_threads(args.threads)
     import longboat
 
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.timeout))
     result: dict[str, Any] = {"rank": rank, "strategy": strategy}
     try:
         gen = torch.Generator().manual_seed(rank)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port, machine, versions
+from common import free_port, join_loopback, machine, versions
 from torch.nn.parallel import DistributedDataParallel
 
 from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
@@ -121,21 +120,7 @@ def _timed_step(step: StepFn, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, sides: tuple[str, ...]) -> None:
-    # longboat.initialize finds the job through these variables and reuses the group we open.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.world_size),
-        LOCAL_WORLD_SIZE=str(args.world_size),
-    )
-    if sys.platform.startswith("linux"):
-        # Pin gloo to loopback: by default it resolves the hostname, which on some machines
-        # names an interface the other rank cannot reach.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    join_loopback(rank, args.world_size, port, args.threads)
     try:
         _run(rank, args, sides)
     finally:

@@ -97,7 +97,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port, machine, versions
+from common import free_port, join_loopback, machine, versions
 
 from longboat.bench.models import reference_gpt_spec
 from longboat.bench.sides import DeepSpeedSide, deepspeed_config, import_deepspeed, make_fsdp2
@@ -387,27 +387,13 @@ def _run_memory(rank: int, args: argparse.Namespace, side: str, result: dict[str
 
 def _worker(rank: int, args: argparse.Namespace, port: int, phase: str,
             sides: tuple[str, ...], out_dir: str) -> None:
-    # longboat.initialize finds the job through these variables and reuses the group we open.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.world_size),
-        LOCAL_WORLD_SIZE=str(args.world_size),
-        LOCAL_SIZE=str(args.world_size),  # DeepSpeed's CPU accelerator counts "devices" by it
-    )
-    if sys.platform.startswith("linux"):
-        # Pin gloo to loopback: by default it resolves the hostname, which on some machines
-        # names an interface the other rank cannot reach.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # DeepSpeed still calls the tensor collectives by their pre-2.13 names; one warning per
     # call site and rank would bury the table.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
                             category=FutureWarning)
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size,
-                            timeout=timedelta(seconds=args.timeout))
+    # DeepSpeed's CPU accelerator counts "devices" by LOCAL_SIZE.
+    join_loopback(rank, args.world_size, port, args.threads, args.timeout,
+                  LOCAL_SIZE=str(args.world_size))
     result: dict[str, Any] = {"phase": phase, "sides": list(sides), "rank": rank}
     try:
         if phase == "timing":
