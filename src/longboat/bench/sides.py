@@ -91,7 +91,21 @@ def _plain_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return 2 * params + _storage_bytes(state)  # type: ignore[arg-type]
 
 
-class LongboatSide:
+class _EngineSide:
+    """A side whose engine runs the forward, ``backward(loss)`` and ``step()`` itself: longboat's
+    and DeepSpeed's have the same shape."""
+
+    spec: ModelSpec
+    engine: Any
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        loss = self.spec.loss(self.engine(*batch[:-1]), batch[-1])
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+
+class LongboatSide(_EngineSide):
     """A longboat strategy through ``longboat.initialize``."""
 
     def __init__(self, name: str, spec: ModelSpec, model: nn.Module, lr: float,
@@ -108,12 +122,6 @@ class LongboatSide:
             config.update(strategy="zero", zero=zero)
         self.engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr),
                                           config=config)
-
-    def step(self, batch: Batch) -> torch.Tensor:
-        loss = self.spec.loss(self.engine(*batch[:-1]), batch[-1])
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.detach()
 
     def state_bytes(self) -> int | None:
         return self.engine.memory_report().total
@@ -193,7 +201,7 @@ def import_deepspeed() -> str | None:
     return None
 
 
-class DeepSpeedSide:
+class DeepSpeedSide(_EngineSide):
     """``deepspeed.initialize`` at one ZeRO stage."""
 
     def __init__(self, name: str, spec: ModelSpec, model: nn.Module, lr: float,
@@ -207,12 +215,6 @@ class DeepSpeedSide:
             model=model, optimizer=opt,
             config=deepspeed_config(int(name[-1]), micro_batch, world_size))
         torch.set_num_threads(threads)  # DeepSpeed may change it
-
-    def step(self, batch: Batch) -> torch.Tensor:
-        loss = self.spec.loss(self.engine(*batch[:-1]), batch[-1])
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.detach()
 
     def state_bytes(self) -> int | None:
         return None  # DeepSpeed keeps its partitions in its own flat buffers
