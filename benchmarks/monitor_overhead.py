@@ -8,11 +8,16 @@ round so that drift in the machine's load hits all alike:
 - ``console``: the default console, piped (an event every 50 steps);
 - ``csv+tb``: CSV and TensorBoard every step, plus the console;
 - ``breakdown``: ``profile.wall_clock_breakdown`` with CSV every step;
-- ``all``: breakdown and flops, CSV and TensorBoard every step.
+- ``all``: breakdown and flops, CSV and TensorBoard every step;
+- ``off-nocheck`` and ``csv+tb-nocheck``: ``off`` and ``csv+tb`` with ``comm.desync_check``
+  off, the second measured against the first: what the event costs without the check in front
+  of its all-gather (the check is a blocking round trip, so it makes the ranks wait for each
+  other once more per event).
 
 A round's time is the slowest rank's wall time over its steps (after ``--warmup`` steps), one
 all-reduce MAX outside the timed region; the report is the median over ``--repeats`` rounds and
-each setting's overhead against ``off`` (median of per-round ratios). The goal is <= 3%.
+each setting's overhead against its baseline, ``off`` or ``off-nocheck`` (median of per-round
+ratios). The goal is <= 3%.
 
 Usage::
 
@@ -49,6 +54,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "all": {"log": QUIET, "monitor": {"csv": {"enabled": True}, "tensorboard": {"enabled": True}},
             "profile": {"wall_clock_breakdown": True, "flops": True}},
 }
+NOCHECK = {"comm": {"desync_check": False}}
+SETTINGS["off-nocheck"] = {**SETTINGS["off"], **NOCHECK}
+SETTINGS["csv+tb-nocheck"] = {**SETTINGS["csv+tb"], **NOCHECK}
+
+
+def baseline(name: str) -> str:
+    """The setting ``name`` is measured against."""
+    return "off-nocheck" if name.endswith("-nocheck") else "off"
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,11 +123,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     rows = {}
     for name, ts in times.items():
-        ratio = statistics.median(t / o for t, o in zip(ts, times["off"], strict=True))
-        rows[name] = {"median_step_ms": statistics.median(ts) * 1e3,
-                      "overhead_vs_off": ratio - 1, "rounds_ms": [t * 1e3 for t in ts]}
-        print(f"{name:10s} {rows[name]['median_step_ms']:8.3f} ms/step  "
-              f"{rows[name]['overhead_vs_off']:+7.2%} vs off")
+        base = baseline(name)
+        ratio = statistics.median(t / o for t, o in zip(ts, times[base], strict=True))
+        rows[name] = {"median_step_ms": statistics.median(ts) * 1e3, "baseline": base,
+                      "overhead": ratio - 1, "rounds_ms": [t * 1e3 for t in ts]}
+        print(f"{name:15s} {rows[name]['median_step_ms']:8.3f} ms/step  "
+              f"{rows[name]['overhead']:+7.2%} vs {base}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
