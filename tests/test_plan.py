@@ -14,6 +14,7 @@ import torch
 from reference import TinyNet
 from typer.testing import CliRunner
 
+from longboat.comm.collectives import Collectives
 from longboat.config import load_config
 from longboat.launch.cli import app
 from longboat.models import GPT, gpt_loss, gpt_param_count, synthetic_tokens
@@ -318,3 +319,12 @@ def test_a_config_file_reaches_the_strategies(tmp_path):
     res = _invoke(*args, "--config", str(cfg))
     assert res.exit_code == 2
     assert "unit_classes" in res.output  # the closest valid key
+
+
+def test_meta_doorway_offers_everything_the_real_one_does():
+    """The planner hands the engine a MetaCollectives where a rank has a Collectives; an attribute
+    the engine or a strategy reads on one must exist on the other (a missing one once failed every
+    plan at engine.close())."""
+    real, meta = Collectives(), MetaCollectives(2)  # the real one: a world of one, no group
+    missing = sorted(n for n in dir(real) if not n.startswith("_") and not hasattr(meta, n))
+    assert not missing, f"MetaCollectives lacks {missing}"

@@ -59,9 +59,20 @@ class MetaCollectives:
     world_size: int
     rank: int = 0
     active: bool = False  # nothing to join or leave
+    group: None = None
+    timeout_s: float = 600.0
     blocked_seconds: float = 0.0
-    commlog: None = None  # the planner counts bytes itself, in ``sent``
+    seq: int = 0
+    last: None = None
+    # No observation: the planner counts bytes itself, in ``sent``.
+    desync_check: bool = False
+    log: bool = False
+    observing: bool = False
+    commlog: None = None
     sent: dict[str, int] = field(default_factory=dict)
+
+    def log_summary(self) -> list[dict[str, Any]]:
+        return []
 
     def _count(self, op: str, nbytes: float) -> _Done:
         if self.world_size > 1:
