@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from longboat.bench.models import resolve_model
 from longboat.bench.runner import BenchSettings, run_bench
 from longboat.bench.sides import LONGBOAT_SIDES, PEERS
+from longboat.strategies import zero_stage
 
 
 class BenchUsageError(ValueError):
@@ -19,8 +20,9 @@ class BenchUsageError(ValueError):
 
 
 def _names(flag: str, value: str, valid: tuple[str, ...], allow_empty: bool) -> tuple[str, ...]:
-    # "zero-2" as `longboat plan` and the memory report spell it is accepted too.
-    items = tuple(x.strip().replace("zero-", "zero") for x in value.split(",") if x.strip())
+    # "zero-2" as `longboat plan` spells it is accepted too.
+    items = tuple(f"zero{stage}" if (stage := zero_stage(x)) else x.strip()
+                  for x in value.split(",") if x.strip())
     if not items and not allow_empty:
         raise BenchUsageError(f"{flag} is empty: give one or more of {','.join(valid)}")
     for x in items:

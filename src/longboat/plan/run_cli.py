@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ from longboat import config as lb_config
 from longboat.plan.planner import STRATEGIES, make_plan
 from longboat.plan.render import parse_bytes, render
 from longboat.plan.target import PlanInputError, resolve
+from longboat.strategies import zero_stage
 
 
 def run_plan(model: str, model_args: str | None, micro_batch: int, seq_len: int | None,
@@ -40,8 +40,8 @@ def run_plan(model: str, model_args: str | None, micro_batch: int, seq_len: int 
         data.setdefault("precision", {})["dtype"] = precision
         base = lb_config.load_config(data)
     # "zero2" as `longboat bench` spells it is accepted too.
-    names = (tuple(re.sub(r"^zero(\d)$", r"zero-\1", s.strip()) for s in strategies.split(","))
-             if strategies else STRATEGIES)
+    names = (tuple(f"zero-{stage}" if (stage := zero_stage(s)) else s.strip()
+                   for s in strategies.split(",")) if strategies else STRATEGIES)
     target = resolve(model, kwargs, seq_len)
     try:
         plan = make_plan(target, base, world_size, micro_batch, optimizer, names,

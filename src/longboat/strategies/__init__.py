@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from longboat.config import ConfigError
@@ -27,4 +28,11 @@ def build_strategy(name: str, ctx: StrategyContext) -> Strategy:
     return REGISTRY[name](ctx)
 
 
-__all__ = ["REGISTRY", "Strategy", "StrategyContext", "build_strategy"]
+def zero_stage(name: str) -> int | None:
+    """The stage named by ``name`` as the tools spell a ZeRO strategy (``zero2`` in
+    ``longboat bench``, ``zero-2`` in ``longboat plan`` and the memory report), else None."""
+    m = re.fullmatch(r"zero-?([123])", name.strip())
+    return int(m.group(1)) if m else None
+
+
+__all__ = ["REGISTRY", "Strategy", "StrategyContext", "build_strategy", "zero_stage"]
