@@ -33,7 +33,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 def config(layout: str, world: int, **extra: Any) -> dict[str, Any]:
     return {**QUIET, **LAYOUTS[layout],
             "batch": {"train_batch_size": GLOBAL_BATCH, "micro_batch_size": GLOBAL_BATCH // world},
-            "scheduler": {"type": "StepLR", "params": {"step_size": 2, "gamma": 0.7}}, **extra}
+            # reference.Recipe's schedule, so a run can be replayed by the plain loop
+            "scheduler": {"type": "StepLR", "params": {"step_size": 3, "gamma": 0.5}}, **extra}
 
 
 def build(cfg: dict[str, Any], model_name: str = "tiny") -> longboat.Engine:
@@ -53,25 +54,40 @@ def build(cfg: dict[str, Any], model_name: str = "tiny") -> longboat.Engine:
 
 
 def train(engine: longboat.Engine, steps: int, ckpt: str | None = None,
-          save_at: tuple[int, ...] = (), noise: bool = True) -> None:
+          save_at: tuple[int, ...] = (), noise: bool = True) -> dict[str, Any]:
     """Train until ``engine.global_step == steps``, saving at the steps in ``save_at``.
 
     With ``noise``, inputs get noise from torch's RNG (different on each rank) and a scale from
     Python's and numpy's, so a resume that lost any RNG state would diverge. (Runs at different
-    world sizes only agree without it.)
+    world sizes only agree without it.) Returns the sample ids of each step (a list per
+    micro-batch) and the weights at each step in ``save_at``.
     """
-    loader = engine.loader(reference.dataset(GLOBAL_BATCH * EPOCH))
+    loader = engine.loader(reference.indexed(reference.dataset(GLOBAL_BATCH * EPOCH)))
     loss_fn = nn.CrossEntropyLoss()
+    ids: list[list[list[int]]] = []
+    step_ids: list[list[int]] = []
+    saved: dict[int, dict[str, torch.Tensor]] = {}
     while engine.global_step < steps:
-        for x, y in loader:
+        for sample_ids, x, y in loader:
             if noise:
                 scale = 0.01 * (random.random() + float(np.random.rand()))
                 x = x + scale * torch.randn_like(x)
             engine.backward(loss_fn(engine(x), y))
-            if engine.step() and engine.global_step in save_at:
-                engine.save_checkpoint(ckpt)
+            step_ids.append(sample_ids.tolist())
+            if engine.step():
+                ids.append(step_ids)
+                step_ids = []
+                if engine.global_step in save_at:
+                    if ckpt is not None:
+                        engine.save_checkpoint(ckpt)
+                    saved[engine.global_step] = weights(engine)
             if engine.global_step == steps:
                 break
+    return {"ids": ids, "saved": saved}
+
+
+def weights(engine: longboat.Engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.state_dict().items()}
 
 
 def result(engine: longboat.Engine) -> dict[str, Any]:
@@ -93,9 +109,15 @@ def result(engine: longboat.Engine) -> dict[str, Any]:
 def run(layout: str, world: int, steps: int, ckpt: str | None = None,
         save_at: tuple[int, ...] = (), load: bool = False, model_name: str = "tiny",
         noise: bool = True, **extra: Any) -> dict[str, Any]:
-    """Build, optionally resume from ``ckpt``, train to ``steps``; the result."""
+    """Build, optionally resume from ``ckpt``, train to ``steps``; the result, with what the
+    load restored (``loaded_step``, ``loaded`` weights beside the ``fresh`` ones it replaced)
+    and what training saw and saved (``trained``: see :func:`train`)."""
     engine = build(config(layout, world, **extra), model_name)
+    out: dict[str, Any] = {}
     if load:
+        out["fresh"] = weights(engine)
         engine.load_checkpoint(ckpt)
-    train(engine, steps, ckpt, save_at, noise)
-    return result(engine)
+        out["loaded_step"] = engine.global_step
+        out["loaded"] = weights(engine)
+    out["trained"] = train(engine, steps, ckpt, save_at, noise)
+    return {**result(engine), **out}

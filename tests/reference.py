@@ -1,19 +1,34 @@
-"""Shared pieces of the equivalence tests: a small model, a data set and a training loop that
-runs unchanged in a single process (the reference) and on every rank of a pool."""
+"""The plain PyTorch reference every equivalence test compares with. It imports nothing from
+longboat (``test_reference_is_plain`` holds it to that), and shares no code with it.
+
+It trains a model the way a single-process PyTorch script would, on exactly the samples the
+distributed ranks saw: for each optimizer step, ``zero_grad``; for each micro-batch and each rank
+(in rank order), forward that rank's samples and backward ``loss / (accumulation x ranks)``, so
+that the gradient is the average over all ranks' micro-batches as data parallelism defines it;
+then ``clip_grad_norm_``, ``optimizer.step()``, ``scheduler.step()``.
+
+One thing plain PyTorch cannot say by itself is what buffers (BatchNorm's running statistics)
+become when several ranks run forwards: the data-parallel convention (DDP's
+``broadcast_buffers``) is that rank 0's buffers count. The loop states it in plain terms: every
+rank's forward of a micro-batch starts from the same buffers, and after the micro-batch the
+buffers are what rank 0's forward left.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import longboat
+# -- models ------------------------------------------------------------------------------------
 
 
 class TinyNet(nn.Module):
-    """An MLP with a LayerNorm and a tied input/output projection (tied parameters)."""
+    """An MLP with a LayerNorm and a frozen layer."""
 
     def __init__(self, d_in: int = 12, d_hidden: int = 24, n_out: int = 12) -> None:
         super().__init__()
@@ -47,45 +62,236 @@ class TiedNet(nn.Module):
         return self.head(h)
 
 
-MODELS = {"tiny": TinyNet, "tied": TiedNet}
+class Experts(nn.Module):
+    """Routed experts (as in a mixture of experts): expert k runs only on the samples routed to
+    it, so it is used on some micro-batches and some ranks and not on others."""
+
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(h)
+        for k, expert in enumerate(self.experts):
+            mask = route == k
+            if bool(mask.any()):
+                out = out.index_put((mask.nonzero().squeeze(1),), expert(h[mask]))
+        return h + out
+
+
+class ZooNet(nn.Module):
+    """Everything that hides data-parallel mistakes in one small model: BatchNorm (buffers), an
+    LSTM (a recurrent layer), a frozen layer, two modules sharing one weight (tied), routed
+    experts (conditionally used parameters), a parameter that is never used, and sizes (9, 5, 7)
+    that do not divide 2 or 4 ranks. Inputs: ``x`` [B, 3, 5] and ``route`` [B] in {0, 1, 2}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 9, bias=False)  # a bias before BatchNorm has no gradient
+        self.norm = nn.BatchNorm1d(9)
+        self.rnn = nn.LSTM(9, 9, batch_first=True)
+        self.frozen = nn.Linear(9, 9)
+        self.frozen.requires_grad_(False)
+        self.mix = nn.Linear(9, 9)
+        self.moe = Experts(9, 3)
+        self.decode = nn.Linear(9, 9, bias=False)
+        self.decode.weight = self.mix.weight  # tied across two modules
+        self.head = nn.Linear(9, 5)
+        self.never = nn.Parameter(torch.randn(7))  # trainable, in the optimizer, never used
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.embed(x)
+        h = self.norm(h.reshape(b * t, -1)).reshape(b, t, -1)
+        h, _ = self.rnn(h)
+        h = h[:, -1]
+        h = torch.tanh(self.mix(h)) + 0.1 * self.frozen(h)
+        h = self.moe(h, route)
+        return self.head(torch.tanh(self.decode(h)))
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"tiny": TinyNet, "tied": TiedNet, "zoo": ZooNet}
+
+
+# -- data --------------------------------------------------------------------------------------
 
 
 def dataset(n: int, seed: int = 1) -> TensorDataset:
+    """``n`` samples (x [12], y in 0..11) for TinyNet and TiedNet."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 12, generator=g)
     y = torch.randint(0, 12, (n,), generator=g)
     return TensorDataset(x, y)
 
 
-def train(config: dict[str, Any], steps: int, optimizer: str = "sgd",
-          perturb_rank: bool = True, model_name: str = "tiny") -> dict[str, torch.Tensor]:
-    """Train a test model for ``steps`` optimizer steps; return its final state (CPU tensors)."""
-    torch.manual_seed(0)
-    model = MODELS[model_name]()
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if perturb_rank and rank:
-        with torch.no_grad():  # the strategy must start every rank from rank 0's weights
-            for p in model.parameters():
-                p.add_(torch.randn_like(p))
-    opt = (torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9) if optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
-    config = {"log": {"progress": False, "level": "WARNING"}, **config}
-    engine = longboat.initialize(model, opt, config)
-    n = engine.batch.train_batch_size * steps
-    loader = engine.loader(dataset(n))
-    loss_fn = nn.CrossEntropyLoss()
-    done = 0
-    while done < steps:
-        for x, y in loader:
-            engine.backward(loss_fn(engine(x), y))
-            done += engine.step()
-            if done == steps:
-                break
-    state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
-    engine.close()
-    return state
+# Routes: expert 0 is common, 1 less so, 2 rare, so that within a step of 16 samples expert 2 is
+# often used by one rank only, or on one micro-batch only, or by no rank at all.
+ROUTE_WEIGHTS = (0.6, 0.32, 0.08)
+
+
+def zoo_dataset(n: int, seed: int = 1) -> TensorDataset:
+    """``n`` samples (sample id, x [3, 5], route, y in 0..4) for ZooNet."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 5, generator=g)
+    route = torch.multinomial(torch.tensor(ROUTE_WEIGHTS), n, replacement=True, generator=g)
+    y = torch.randint(0, 5, (n,), generator=g)
+    return TensorDataset(torch.arange(n), x, route, y)
+
+
+def indexed(data: TensorDataset) -> TensorDataset:
+    """``data`` with the sample id in front, so a rank can say which samples it saw."""
+    return TensorDataset(torch.arange(len(data)), *data.tensors)
+
+
+# -- the recipe both sides follow --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One training run, described in plain terms, so that the reference and a distributed run
+    build the same model, optimizer and schedule."""
+
+    model: str = "tiny"
+    optimizer: str = "adamw"  # adamw (weight decay 0.1), sgd (momentum 0.9), adam
+    clip: float = 0.0  # global 2-norm; 0 = off
+    scheduler: bool = False  # StepLR(step_size=3, gamma=0.5)
+    precision: str = "fp32"  # fp32, bf16 (autocast), fp16 (autocast + loss scale)
+    loss_scale: float = 2.0**8  # fp16: the initial scale on both sides
+    # fp16: good steps after which the scale doubles (an overflow halves it at once)
+    loss_scale_window: int = 1000
+
+    def build(self) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(0)
+        model = MODELS[self.model]()
+        if self.optimizer == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3,
+                                                           weight_decay=0.1)
+        elif self.optimizer == "adam":
+            opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = (torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+                 if self.scheduler else None)
+        return model, opt, sched
+
+
+def forward_loss(model: Callable[..., torch.Tensor], batch: Sequence[torch.Tensor],
+                 autocast: torch.dtype | None = None) -> torch.Tensor:
+    """Cross-entropy of the model on ``batch`` = (inputs..., targets), the forward under
+    ``torch.autocast`` to ``autocast`` when given, the loss in fp32."""
+    *inputs, y = batch
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = model(*inputs)
+    return nn.functional.cross_entropy(out.float(), y)
+
+
+# -- the plain loop ----------------------------------------------------------------------------
+
+
+@dataclass
+class PlainRun:
+    """What the reference computed."""
+
+    losses: list[list[list[float]]]  # [step][micro-batch][rank]
+    state: dict[str, torch.Tensor]  # the model's state_dict (parameters and buffers)
+    optim: dict[str, dict[str, Any]]  # parameter name -> its optimizer state
+    lrs: list[float]  # learning rate of the first group after each step
+    # [step][micro-batch][rank] -> names of the parameters that received a gradient
+    used: list[list[list[set[str]]]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # fp16: steps skipped for overflow (1-based)
+
+
+def plain_train(recipe: Recipe, data: TensorDataset,
+                order: Sequence[Sequence[Sequence[Sequence[int]]]],
+                poison: tuple[int, int] | None = None) -> PlainRun:
+    """Train as one process would on ``order[step][micro][rank]`` = that rank's sample ids
+    (``data``'s first tensor is the sample id). ``poison = (step, rank)`` (1-based step)
+    multiplies that rank's loss by inf in that step, so that fp16's scaler skips it."""
+    model, opt, sched = recipe.build()
+    world = len(order[0][0])
+    accum = len(order[0])
+    names = {id(p): n for n, p in model.named_parameters()}
+    current: set[str] = set()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda q: current.add(names[id(q)]))
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.precision)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=recipe.loss_scale,
+                                   growth_interval=recipe.loss_scale_window)
+              if recipe.precision == "fp16" else None)
+    run = PlainRun(losses=[], state={}, optim={}, lrs=[])
+    for step_order in order:
+        opt.zero_grad(set_to_none=True)
+        step_losses, step_used = [], []
+        for micro in step_order:
+            before = {n: b.clone() for n, b in model.named_buffers()}
+            after_rank0: dict[str, torch.Tensor] = {}
+            losses, used = [], []
+            for r, ids in enumerate(micro):
+                if r:  # every rank's forward starts from the same buffers
+                    _set_buffers(model, before)
+                _, *batch = data[list(ids)]  # (sample ids, inputs..., targets)
+                current.clear()
+                loss = forward_loss(model, batch, low)
+                if poison == (len(run.losses) + 1, r):
+                    loss = loss * float("inf")
+                scaled = loss / (accum * world)
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                losses.append(float(loss.detach()))
+                used.append(set(current))
+                if r == 0:
+                    after_rank0 = {n: b.clone() for n, b in model.named_buffers()}
+            _set_buffers(model, after_rank0)  # rank 0's buffers count
+            step_losses.append(losses)
+            step_used.append(used)
+        run.losses.append(step_losses)
+        run.used.append(step_used)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if recipe.clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, recipe.clip)
+        if scaler is not None:
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() < scale:
+                run.skipped.append(len(run.losses))
+                run.lrs.append(opt.param_groups[0]["lr"])
+                continue  # a skipped step does not move the schedule
+        else:
+            opt.step()
+        if sched is not None:
+            sched.step()
+        run.lrs.append(opt.param_groups[0]["lr"])
+    run.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for p, st in opt.state.items():
+        run.optim[names[id(p)]] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                   for k, v in st.items()}
+    return run
+
+
+def _set_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(values[n])
+
+
+# -- comparisons -------------------------------------------------------------------------------
 
 
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference over tensors, each relative to the largest magnitude in ``b``'s
+    tensor; tensors that are not floating point must be equal."""
     assert a.keys() == b.keys(), f"keys differ: {set(a) ^ set(b)}"
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)
+    worst = 0.0
+    for k in a:
+        x, y = a[k], b[k]
+        assert x.shape == y.shape, f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
+        if not y.is_floating_point():
+            assert torch.equal(x, y), f"{k}: {x} vs {y}"
+            continue
+        scale = float(y.abs().max()) if y.numel() else 0.0
+        diff = float((x - y).abs().max()) if y.numel() else 0.0
+        worst = max(worst, diff / max(scale, 1e-12))
+    return worst

@@ -48,4 +48,8 @@ def test_views_cover_the_buffer_without_overlap():
         bucket.view_of(i).fill_(i + 1)
     assert bucket.buffer is not None
     assert torch.equal(bucket.buffer[:11], torch.full((11,), 1.0))
-    assert int((bucket.buffer == 0).sum()) == 0
+    # Gradients fill the first numel elements; one usage flag per parameter follows them.
+    assert int((bucket.buffer[: bucket.numel] == 0).sum()) == 0
+    assert bucket.size == bucket.numel + 3 == bucket.buffer.numel()
+    bucket.flags().fill_(7)
+    assert int((bucket.buffer[bucket.numel:] == 7).sum()) == 3

@@ -15,8 +15,18 @@ STRATEGIES = ["replicate", "zero1", "zero2", "zero3"]
 
 @pytest.fixture(scope="module")
 def uninterrupted() -> dict:
-    """The run that never changed layout: one process, the same global batch and seed."""
-    return h.run("single", 1, STEPS, noise=False)
+    """The run that never changed layout: one process, the same global batch and seed (itself
+    checked against the plain loop below)."""
+    return h.run("single", 1, STEPS, save_at=(SAVE_AT,), noise=False)
+
+
+def test_the_uninterrupted_run_equals_plain_pytorch(uninterrupted):
+    recipe = reference.Recipe(model="tiny", optimizer="adamw", scheduler=True)
+    order = [[[ids] for ids in step] for step in uninterrupted["trained"]["ids"]]
+    plain = reference.plain_train(
+        recipe, reference.indexed(reference.dataset(h.GLOBAL_BATCH * h.EPOCH)), order)
+    assert reference.max_rel_diff(uninterrupted["state"], plain.state) < 1e-5
+    assert uninterrupted["lr"] == [plain.lrs[-1]]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +50,11 @@ def _resume_everywhere(ranks, ckpt: str, worlds: list[int], uninterrupted: dict)
         for layout in STRATEGIES:
             results = ranks(world, h.run, layout, world, STEPS, ckpt, (), True, noise=False)
             for r, res in enumerate(results):
+                # The load restored step SAVE_AT's weights (not what a fresh run starts with).
+                assert res["loaded_step"] == SAVE_AT, (layout, world, res["loaded_step"])
+                at_save = uninterrupted["trained"]["saved"][SAVE_AT]
+                assert reference.max_rel_diff(res["loaded"], at_save) < 1e-5, (layout, world)
+                assert reference.max_rel_diff(res["fresh"], at_save) > 1e-3, (layout, world)
                 diff = reference.max_rel_diff(res["state"], uninterrupted["state"])
                 if diff >= 1e-5 or res["lr"] != uninterrupted["lr"]:
                     failures.append(f"{layout} x {world} rank {r}: max relative difference "

@@ -33,8 +33,19 @@ def test_resume_is_bit_exact(ranks, tmp_path, layout, world):
     whole = ranks(world, h.run, layout, world, STEPS, ckpt, (3,))
     resumed = ranks(world, h.run, layout, world, STEPS, ckpt, (), True)
     for r in range(world):
+        _loaded_what_was_saved(whole[r], resumed[r], 3)
         assert resumed[r]["step"] == STEPS
         assert not _same(whole[r], resumed[r]), f"rank {r} differs: {_same(whole[r], resumed[r])}"
+
+
+def _loaded_what_was_saved(whole: dict, resumed: dict, step: int) -> None:
+    """The load itself restored the step and the weights saved at ``step``, which differ from
+    the fresh ones (a load that did nothing would fail here, whatever training did next)."""
+    assert resumed["loaded_step"] == step
+    saved = whole["trained"]["saved"][step]
+    for k, v in saved.items():
+        assert torch.equal(resumed["loaded"][k], v), f"{k} was not restored"
+    assert any(not torch.equal(resumed["fresh"][k], v) for k, v in saved.items())
 
 
 def test_fp16_resume_keeps_the_loss_scale(ranks, tmp_path):
@@ -45,4 +56,5 @@ def test_fp16_resume_keeps_the_loss_scale(ranks, tmp_path):
     resumed = ranks(2, h.run, "zero2", 2, STEPS, ckpt, (), True, **fp16)
     assert whole[0]["scaler"]["scale"] > 2.0**4  # it moved after the checkpoint
     for r in range(2):
+        _loaded_what_was_saved(whole[r], resumed[r], 3)
         assert not _same(whole[r], resumed[r]), f"rank {r} differs: {_same(whole[r], resumed[r])}"

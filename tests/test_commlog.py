@@ -59,9 +59,10 @@ def _engine_traffic(steps: int) -> tuple[list[dict[str, Any]], int, int]:
         # The console monitor broadcasts whether rank 0 has a terminal; off, so that only the
         # strategy's traffic is counted.
         "monitor": {"console": False}})
-    # Gradients: every trainable fp32 parameter once per step. Setup: rank 0's parameters
-    # (frozen ones too) and buffers broadcast once.
-    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    # Gradients: every trainable fp32 parameter once per step, with one 4-byte usage flag per
+    # parameter in its bucket ([Note: usage flags]). Setup: rank 0's parameters (frozen ones
+    # too) and buffers broadcast once.
+    trainable = sum((p.numel() + 1) * 4 for p in model.parameters() if p.requires_grad)
     state = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     try:
         for _ in range(steps):

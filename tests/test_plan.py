@@ -90,8 +90,10 @@ def test_model_state_equals_memory_report_at_two_ranks(ranks, strategy, model, o
     target = resolve("gpt", GPT_ARGS) if model == "gpt" else _tiny_target()
     base = load_config(_config(strategy, model, extra))
     plan = make_plan(target, base, 2, MICRO, optimizer, [strategy])
-    predicted = plan.strategies[0].model_state
     for rank, measured in enumerate(ranks(2, _measured, strategy, model, optimizer, extra)):
+        # Each rank's own plan: ZeRO's ranks differ by padding and per-parameter scalars.
+        predicted = make_plan(target, base, 2, MICRO, optimizer, [strategy],
+                              rank=rank).strategies[0].model_state
         assert predicted == measured, f"rank {rank}: plan {predicted} != measured {measured}"
     if model == "gpt" and strategy != "replicate":  # odd sizes: padding is counted too
         a = plan.trainable_params
@@ -159,12 +161,15 @@ def test_communication_bytes_follow_the_ring_formulas():
     base = load_config(_config("replicate", "gpt", {}))
     plan = make_plan(target, base, n, MICRO, "adamw", ["replicate", "zero-1"])
     rep, z1 = plan.strategies
-    # Ring all-reduce: 2(n-1)/n of the 4a gradient bytes, over all buckets.
-    assert rep.comm_bytes == {"all_reduce": 2 * (n - 1) * 4 * a // n}
+    tensors = len(list(target.build().parameters()))
+    # Ring all-reduce: 2(n-1)/n of the 4a gradient bytes over all buckets, and of one 4-byte
+    # usage flag per parameter ([Note: usage flags]).
+    assert rep.comm_bytes == {"all_reduce": 2 * (n - 1) * 4 * (a + tensors) // n}
     padded = z1.model_state["parameters"] // 4  # stage 1 keeps the padded flat parameters
     assert padded > a  # odd sizes: padding travels too
     assert z1.comm_bytes == {"reduce_scatter": (n - 1) * 4 * padded // n,
-                             "all_gather": (n - 1) * 4 * padded // n}
+                             "all_gather": (n - 1) * 4 * padded // n,
+                             "all_reduce": 2 * (n - 1) * 4 * tensors // n}  # usage, one flag each
 
 
 def test_live_bytes_counts_views_once_and_sees_frees():

@@ -1,18 +1,19 @@
 """Mixed precision: the loss scaler's rules, overflow skips agreed by every rank, bf16/fp16 at two
-ranks against a single process, gradients communicated in bf16/fp16, and the digits example.
+ranks against the plain autocast loop of ``reference.py``, gradients communicated in bf16/fp16,
+and the digits example.
 
 Tolerances. bf16 keeps 8 significant bits (unit roundoff u = 2**-8 = 3.9e-3), fp16 11 bits
-(u = 2**-11 = 4.9e-4). Two ranks with 8 samples each and one process with 16 run the same
-samples, but the low-precision matrix products that produce each gradient sum over 8 rows instead
-of 16 and round at different places, so every step's gradient differs by about u relative. Ten
-SGD steps with momentum keep that at a few u relative to the largest parameter (measured: 1.7u
-bf16, 1.3u fp16); the tests allow 4u. A real mistake is far larger: a sum instead of a mean,
-a step that should have been skipped (~0.4 here) or gradients left scaled (x256).
+(u = 2**-11 = 4.9e-4). The plain loop runs each rank's micro-batch through the same
+low-precision forward, so the products round alike; what differs is the order in which the fp32
+gradients of the ranks are summed, and once a parameter differs in its last fp32 bit, a bf16 or
+fp16 rounding of it can flip. The tests allow 4u relative to the largest parameter of a tensor.
+A real mistake is far larger: a sum instead of a mean, a step that should have been skipped
+(~0.4 here) or gradients left scaled (x256).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import random
 import re
@@ -20,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import harness
 import pytest
 import reference
 import torch
@@ -36,9 +38,6 @@ GLOBAL_BATCH = 16
 U = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 TOL = {k: 4 * u for k, u in U.items()}
 
-# fp16 with a scale of 2**8, small enough that TinyNet never overflows by itself; hysteresis 1
-# and a window of 4 so that one overflow halves the scale and 4 good steps double it again.
-FP16 = {"dtype": "fp16", "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 4}
 STRATEGIES = {
     "replicate": {"strategy": "replicate", "replicate": {"bucket_mb": 0.001}},
     "zero-1": {"strategy": "zero", "zero": {"stage": 1, "bucket_mb": 0.001}},
@@ -168,125 +167,95 @@ def test_fp16_keys_need_fp16():
         load_config({"precision": {"dtype": "bf16", "hysteresis": 3}})
 
 
-# -- training: one process and two ranks -------------------------------------------------------
+# -- training: two ranks against the plain loop ------------------------------------------------
 
 
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    torch.manual_seed(0)
-    model = reference.TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s))
-
-
-def _train(cfg: dict, inject_step: int | None = None, inject_rank: int = 0,
-           how: str = "grad", steps: int = STEPS) -> dict:
-    """Train TinyNet with SGD and a scheduler for ``steps`` optimizer steps.
-
-    Optionally ``inject_rank`` meets an overflow at optimizer step ``inject_step``: ``how='loss'``
-    multiplies its loss by inf before backward; ``how='grad'`` puts an inf into one of the
-    gradients it owns *after* communication, so that only this rank can see it and the ranks
-    can agree only through the all-reduced flag."""
-    model, opt, sched = _model()
-    seen: list[torch.dtype] = []
-    model.mid.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
-    engine = longboat.initialize(model, opt, {
-        "log": {"progress": False, "level": "WARNING"},
-        "batch": {"train_batch_size": GLOBAL_BATCH}, **cfg}, scheduler=sched)
-    poison = inject_step is not None and engine.comm.rank == inject_rank
-    if poison and how == "grad":
-        own = engine.strategy.local_gradients
-
-        def local_gradients() -> list[torch.Tensor]:
-            grads = own()
-            if engine.global_step + 1 == inject_step:
-                grads[0].view(-1)[0] = float("inf")
-            return grads
-
-        engine.strategy.local_gradients = local_gradients
-    loader = engine.loader(reference.dataset(GLOBAL_BATCH * steps))
-    skipped, scales, out_dtypes = [], [], set()
-    while engine.global_step < steps:
-        for x, y in loader:
-            out = engine(x)
-            out_dtypes.add(out.dtype)
-            loss = F.cross_entropy(out, y)
-            if poison and how == "loss" and engine.global_step + 1 == inject_step:
-                loss = loss * float("inf")
-            engine.backward(loss)
-            before = engine.skipped_steps
-            if engine.step():
-                scales.append(engine.precision.loss_scale)
-                if engine.skipped_steps > before:
-                    skipped.append(engine.global_step)
-            if engine.global_step == steps:
-                break
-    state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
-    engine.close()
-    return {"state": state, "skipped": skipped, "scales": scales, "sched": sched.last_epoch,
-            "inner_dtypes": set(seen), "out_dtypes": out_dtypes}
-
-
-@functools.cache
-def _single(dtype: str, clip: float = 0.0, inject_step: int | None = None, how: str = "grad"
-            ) -> dict:
-    """A single-process reference run (cached: it is deterministic and used by many tests)."""
-    prec = {"fp32": {}, "bf16": {"dtype": "bf16"}, "fp16": FP16}[dtype]
-    return _train({"strategy": "single", "gradient_clipping": clip, "precision": prec},
-                  inject_step=inject_step, how=how)
+def _recipe(dtype: str, clip: float = 0.0) -> reference.Recipe:
+    # SGD with momentum and a schedule; fp16 at a scale of 2**8, small enough that TinyNet never
+    # overflows by itself, and a window of 4 so that 4 good steps after an overflow double it.
+    return reference.Recipe(model="tiny", optimizer="sgd", clip=clip, scheduler=True,
+                            precision=dtype, loss_scale=2.0**8, loss_scale_window=4)
 
 
 @pytest.mark.parametrize("how", ["loss", "grad"])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(ranks, strategy, how):
-    results = ranks(2, _train, {**STRATEGIES[strategy], "precision": FP16},
-                    inject_step=4, inject_rank=1, how=how)
-    ref, unskipped = _single("fp16", inject_step=4, how=how), _single("fp16")
-    assert ref["skipped"] == [4] and unskipped["skipped"] == []
-    assert ref["sched"] == STEPS - 1, "the scheduler does not step on a skipped step"
-    # 256 for steps 1-3, halved by the overflow at 4, doubled after 4 good steps (5-8).
-    assert ref["scales"] == [256.0] * 3 + [128.0] * 4 + [256.0] * 3
+    """Rank 1 meets an overflow at step 4: ``how='loss'`` multiplies its loss by inf before
+    backward; ``how='grad'`` puts an inf into one of the gradients it owns *after*
+    communication, so that only this rank can see it and the ranks can agree only through the
+    all-reduced flag. Every rank skips step 4 (no optimizer step, no scheduler step), as the
+    plain loop does with torch's GradScaler, and the scale halves, then doubles after 4 good
+    steps."""
+    recipe = _recipe("fp16")
+    results, plain = harness.run_and_compare(ranks, 2, STRATEGIES[strategy], recipe, STEPS, 1,
+                                             GLOBAL_BATCH, TOL["fp16"], poison=(4, 1),
+                                             poison_how=how)
+    assert plain.skipped == [4]
     for r, res in enumerate(results):
-        assert res["skipped"] == ref["skipped"], f"rank {r} skipped {res['skipped']}"
-        assert res["scales"] == ref["scales"], f"rank {r} scales {res['scales']}"
-        assert res["sched"] == STEPS - 1
+        assert res["scales"] == [256.0] * 3 + [128.0] * 4 + [256.0] * 3, f"rank {r}"
         for k, v in res["state"].items():
             assert torch.equal(v, results[0]["state"][k]), f"rank {r} diverged from rank 0 at {k}"
-    diff = reference.max_rel_diff(results[0]["state"], ref["state"])
-    assert diff < TOL["fp16"], f"{diff:.3g} vs a single process skipping the same step"
     # The comparison can tell: not skipping step 4 ends far away.
-    assert reference.max_rel_diff(unskipped["state"], ref["state"]) > 50 * TOL["fp16"]
+    unskipped = reference.plain_train(recipe, harness.data_for(recipe, GLOBAL_BATCH * STEPS),
+                                      harness.order_of(results))
+    assert unskipped.skipped == []
+    assert reference.max_rel_diff(unskipped.state, plain.state) > 50 * TOL["fp16"]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_two_ranks_match_one_process_in_low_precision(ranks, strategy, dtype):
-    prec = FP16 if dtype == "fp16" else {"dtype": "bf16"}
-    clip = 0.5  # clipping must see unscaled gradients
-    results = ranks(2, _train, {**STRATEGIES[strategy], "gradient_clipping": clip,
-                                "precision": prec})
-    ref, fp32 = _single(dtype, clip), _single("fp32", clip)
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    assert fp32["inner_dtypes"] == {torch.float32}
-    for r, res in enumerate(results):
-        assert res["inner_dtypes"] == {low}, f"rank {r}: the forward did not run in {dtype}"
-        assert res["out_dtypes"] == {torch.float32}, "outputs come back in fp32"
-        assert all(v.dtype == torch.float32 for v in res["state"].values()), "master weights"
-        assert res["skipped"] == []
-        diff = reference.max_rel_diff(res["state"], ref["state"])
-        assert diff < TOL[dtype], f"rank {r}: {diff:.3g} vs a single {dtype} process"
-    # Against fp32 the same bound holds (one more rounding path): this catches what both sides
-    # could get wrong together, such as clipping gradients that are still scaled.
-    diff = reference.max_rel_diff(results[0]["state"], fp32["state"])
+def test_two_ranks_equal_plain_autocast(ranks, strategy, dtype):
+    """Clipping at 0.5 must see unscaled gradients. Against the plain loop in the same dtype the
+    difference stays within 4 units of roundoff; against fp32 too (one more rounding path),
+    which catches what both could get wrong together."""
+    recipe = _recipe(dtype, clip=0.5)
+    results, _ = harness.run_and_compare(ranks, 2, STRATEGIES[strategy], recipe, STEPS, 1,
+                                         GLOBAL_BATCH, TOL[dtype])
+    fp32 = reference.plain_train(_recipe("fp32", clip=0.5),
+                                 harness.data_for(recipe, GLOBAL_BATCH * STEPS),
+                                 harness.order_of(results))
+    diff = reference.max_rel_diff(results[0]["state"], fp32.state)
     assert diff < TOL[dtype], f"{diff:.3g} vs fp32"
-    torch.manual_seed(0)
-    assert reference.max_rel_diff(fp32["state"], reference.TinyNet().state_dict()) > 1e-2
+    init = reference.Recipe().build()[0].state_dict()
+    assert reference.max_rel_diff(fp32.state, init) > 1e-2
 
 
-def test_fp16_scale_backs_off_from_real_overflows():
+def _dtypes(dtype: str) -> dict:
+    recipe = _recipe(dtype)
+    model, opt, sched = recipe.build()
+    seen: set[torch.dtype] = set()
+    model.mid.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))
+    cfg = harness.config({"strategy": "replicate"}, recipe, GLOBAL_BATCH, GLOBAL_BATCH // 2)
+    engine = longboat.initialize(model, opt, cfg, scheduler=sched)
+    grads: set[torch.dtype] = set()  # what the optimizer sees
+    opt.register_step_pre_hook(lambda o, _a, _k: grads.update(
+        p.grad.dtype for g in o.param_groups for p in g["params"] if p.grad is not None))
+    x, y = reference.dataset(8)[:]
+    out = engine(x)
+    engine.backward(F.cross_entropy(out, y))
+    engine.step()
+    res = {"inner": seen, "out": out.dtype, "params": {p.dtype for p in model.parameters()},
+           "grads": grads}
+    engine.close()
+    return res
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_forward_in_low_precision_with_fp32_master_weights(ranks, dtype):
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    for r, res in enumerate(ranks(2, _dtypes, dtype)):
+        assert res["inner"] == {low}, f"rank {r}: the forward did not run in {dtype}"
+        assert res["out"] == torch.float32, "outputs come back in fp32"
+        assert res["params"] == res["grads"] == {torch.float32}, "master weights and gradients"
+    assert ranks(2, _dtypes, "fp32")[0]["inner"] == {torch.float32}
+
+
+def test_fp16_scale_backs_off_from_real_overflows(ranks):
     """Starting at 2**24, fp16 gradients overflow by themselves until the scale has halved
     enough; those steps are skipped, and training then goes on with finite weights."""
-    res = _train({"strategy": "single", "precision": {
-        "dtype": "fp16", "initial_scale_power": 24, "hysteresis": 1}})
+    recipe = dataclasses.replace(_recipe("fp16"), loss_scale=2.0**24, loss_scale_window=1000)
+    cfg = harness.config({"strategy": "single"}, recipe, GLOBAL_BATCH, GLOBAL_BATCH)
+    (res,) = ranks(1, harness.train, recipe, cfg, STEPS)
     skipped, scales = res["skipped"], [2.0**24, *res["scales"]]
     assert skipped[0] == 1 and len(skipped) < STEPS, skipped
     for step in range(1, STEPS + 1):  # with hysteresis 1 each overflow halves the scale at once
@@ -307,25 +276,26 @@ def _train_counting_bytes(cfg: dict) -> dict:
 
     Collectives.all_reduce = counting
     try:
-        model, opt, sched = _model()
-        engine = longboat.initialize(model, opt, {
-            "log": {"progress": False, "level": "WARNING"}, "strategy": "replicate",
-            "batch": {"train_batch_size": GLOBAL_BATCH}, "replicate": {"bucket_mb": 0.001},
-            **cfg}, scheduler=sched)
+        recipe = reference.Recipe(model="tiny", optimizer="sgd")
+        model, opt, _ = recipe.build()
+        engine = longboat.initialize(model, opt, harness.config(
+            {"strategy": "replicate", "replicate": {"bucket_mb": 0.001}}, recipe,
+            GLOBAL_BATCH, GLOBAL_BATCH // 2, **cfg))
         grads: set[torch.dtype] = set()  # what the optimizer sees
         opt.register_step_pre_hook(lambda o, _a, _k: grads.update(
             p.grad.dtype for g in o.param_groups for p in g["params"] if p.grad is not None))
-        done = 0
-        for x, y in engine.loader(reference.dataset(GLOBAL_BATCH * STEPS)):
-            engine.backward(F.cross_entropy(engine(x), y))
-            done += engine.step()
-        assert done == STEPS
+        ids = []
+        for sample_ids, *batch in engine.loader(harness.data_for(recipe, GLOBAL_BATCH * STEPS)):
+            engine.backward(reference.forward_loss(engine, batch))
+            ids.append([sample_ids.tolist()])  # one micro-batch per step
+            engine.step()
+        assert engine.global_step == STEPS
         buckets = {b.buffer.dtype for b in engine.strategy.plan.buckets}
         state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
         engine.close()
     finally:
         Collectives.all_reduce = real
-    return {"state": state, "bytes": sum(sent), "buckets": buckets, "grads": grads}
+    return {"state": state, "bytes": sum(sent), "buckets": buckets, "grads": grads, "ids": ids}
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
@@ -333,7 +303,9 @@ def test_gradients_travel_in_the_communication_dtype(ranks, wire):
     wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[wire]
     low = ranks(2, _train_counting_bytes, {"precision": {"communication_data_type": wire}})
     full = ranks(2, _train_counting_bytes, {})
-    ref = _single("fp32")
+    recipe = reference.Recipe(model="tiny", optimizer="sgd")
+    ref = reference.plain_train(recipe, harness.data_for(recipe, GLOBAL_BATCH * STEPS),
+                                harness.order_of(low))
     assert full[0]["buckets"] == {torch.float32}
     for r, res in enumerate(low):
         assert res["buckets"] == {wire_dtype}, f"rank {r}: buckets {res['buckets']}"
@@ -342,9 +314,9 @@ def test_gradients_travel_in_the_communication_dtype(ranks, wire):
         for k, v in res["state"].items():
             assert torch.equal(v, low[0]["state"][k]), f"rank {r} diverged at {k}"
     # Gradients are rounded once to the wire dtype and once more by the sum of two ranks.
-    diff = reference.max_rel_diff(low[0]["state"], ref["state"])
+    diff = reference.max_rel_diff(low[0]["state"], ref.state)
     assert diff < TOL[wire], f"{diff:.3g} vs fp32 in one process"
-    assert reference.max_rel_diff(full[0]["state"], ref["state"]) < 1e-5
+    assert reference.max_rel_diff(full[0]["state"], ref.state) < 1e-5
 
 
 # -- the digits example converges -------------------------------------------------------------

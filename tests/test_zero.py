@@ -1,41 +1,26 @@
-"""ZeRO stages 1-3 against single: same seed, same global batch, same parameters after 10 steps."""
+"""ZeRO stages 1-3 against the plain PyTorch loop of ``reference.py``: every micro-batch's loss,
+parameters and optimizer state after 10 steps; and what makes it ZeRO (sharded state, names
+kept, the communication dtype, the optimizers it accepts)."""
 
 from __future__ import annotations
 
+import harness
 import pytest
 import reference
 import torch
 
+import longboat
+
 STEPS = 10
 GLOBAL_BATCH = 16
-
-
-def _cfg(strategy: str, micro: int, clip: float, **zero) -> dict:
-    return {"strategy": strategy, "gradient_clipping": clip,
-            "batch": {"train_batch_size": GLOBAL_BATCH, "micro_batch_size": micro},
-            "zero": zero}
-
-
-def _run(micro, clip, optimizer, model_name, zero):
-    return reference.train(_cfg("zero", micro, clip, **zero), STEPS, optimizer,
-                           model_name=model_name)
-
-
-def _reference(clip, optimizer, model_name):
-    return reference.train(_cfg("single", GLOBAL_BATCH, clip), STEPS, optimizer,
-                           model_name=model_name)
-
-
-def _check(results, ref):
-    for r, state in enumerate(results):
-        assert state.keys() == ref.keys()
-        diff = reference.max_rel_diff(state, ref)
-        assert diff < 1e-5, f"rank {r}: max relative difference {diff:.3g} vs single"
-
 
 # Small buckets and per-module units give many units whose sizes do not divide the world size.
 UNITS = {1: {"bucket_mb": 0.001}, 2: {"bucket_mb": 0.001},
          3: {"unit_classes": ["Linear", "LayerNorm"]}}
+
+
+def _zero(stage: int, **units) -> dict:
+    return {"strategy": "zero", "zero": {"stage": stage, **(units or UNITS[stage])}}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -44,29 +29,28 @@ UNITS = {1: {"bucket_mb": 0.001}, 2: {"bucket_mb": 0.001},
     (1, 0.0, "sgd"),     # a sum instead of a mean would show with SGD
     (2, 0.5, "adamw"),   # accumulation, clipping by the norm summed over shards, AdamW
 ])
-def test_zero_matches_single(ranks, stage, world, accum, clip, optimizer):
-    micro = GLOBAL_BATCH // (world * accum)
-    results = ranks(world, _run, micro, clip, optimizer, "tiny", {"stage": stage, **UNITS[stage]})
-    _check(results, _reference(clip, optimizer, "tiny"))
+def test_zero_equals_plain_pytorch(ranks, stage, world, accum, clip, optimizer):
+    recipe = reference.Recipe(model="tiny", optimizer=optimizer, clip=clip)
+    harness.run_and_compare(ranks, world, _zero(stage), recipe, STEPS, accum, GLOBAL_BATCH,
+                            tol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_tied_parameters_and_odd_sizes(ranks, stage):
-    zero = {"stage": stage, **UNITS[stage]}
-    if stage == 3:
-        zero["unit_classes"] = ["Linear"]  # proj and head are different units sharing a weight
-    results = ranks(4, _run, 4, 0.5, "adamw", "tied", zero)
-    _check(results, _reference(0.5, "adamw", "tied"))
+    # stage 3: proj and head are different units sharing a weight
+    units = {"unit_classes": ["Linear"]} if stage == 3 else {}
+    recipe = reference.Recipe(model="tied", optimizer="adamw", clip=0.5)
+    harness.run_and_compare(ranks, 4, _zero(stage, **units), recipe, STEPS, 1, GLOBAL_BATCH,
+                            tol=1e-5)
 
 
 def test_zero3_default_units_by_size(ranks):
-    results = ranks(2, _run, 8, 0.0, "adamw", "tiny", {"stage": 3, "unit_min_params": 300})
-    _check(results, _reference(0.0, "adamw", "tiny"))
+    recipe = reference.Recipe(model="tiny", optimizer="adamw")
+    harness.run_and_compare(ranks, 2, _zero(3, unit_min_params=300), recipe, STEPS, 1,
+                            GLOBAL_BATCH, tol=1e-5)
 
 
 def _shard_sizes(stage):
-    import longboat
-
     torch.manual_seed(0)
     model = reference.TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -86,16 +70,16 @@ def _shard_sizes(stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_optimizer_state_is_sharded_and_names_stay(ranks, stage):
     trainable = sum(p.numel() for p in reference.TinyNet().parameters() if p.requires_grad)
-    (sizes, states, names), _ = ranks(2, _shard_sizes, stage)
-    # Two ranks' shards cover every parameter, with less than one element of padding per unit.
-    assert trainable <= sum(sizes) * 2 < trainable + 2 * len(sizes)
-    assert states == 2 * sum(sizes)  # exp_avg and exp_avg_sq over the shard only
-    assert names == [n for n, _ in reference.TinyNet().named_parameters()]
+    results = ranks(2, _shard_sizes, stage)
+    # The optimizer holds one piece per parameter a rank's shard overlaps: the two ranks'
+    # pieces cover every trainable element once, padding not included.
+    assert sum(sum(sizes) for sizes, _, _ in results) == trainable
+    for sizes, states, names in results:
+        assert states == 2 * sum(sizes)  # exp_avg and exp_avg_sq over the pieces only
+        assert names == [n for n, _ in reference.TinyNet().named_parameters()]
 
 
 def _wire_dtypes(stage):
-    import longboat
-
     torch.manual_seed(0)
     model = reference.TinyNet()
     engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
@@ -137,11 +121,27 @@ def test_gradients_travel_in_the_communication_dtype(ranks, stage):
     assert state.keys() == model.state_dict().keys()
 
 
-def test_optimizers_that_couple_elements_are_refused():
-    import longboat
+class _AdamWWithGlobalStep(torch.optim.AdamW):
+    """A subclass may add logic across tensors: not element-wise by inheritance."""
 
+
+class _DeclaredSGD(torch.optim.SGD):
+    longboat_elementwise = True  # its author vouches that it stays element-wise
+
+
+def _initialize(opt_cls, **kwargs):
     model = reference.TinyNet()
-    for opt in (torch.optim.LBFGS(model.parameters()), torch.optim.Adafactor(model.parameters())):
-        with pytest.raises(longboat.ConfigError, match=type(opt).__name__):
-            longboat.initialize(model, opt, {"strategy": "zero", "batch": {"micro_batch_size": 2},
-                                             "log": {"progress": False}})
+    opt = opt_cls(model.parameters(), **kwargs)
+    return longboat.initialize(model, opt, {"strategy": "zero", "batch": {"micro_batch_size": 2},
+                                            "log": {"progress": False}})
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.LBFGS, torch.optim.Adafactor,
+                                     _AdamWWithGlobalStep])
+def test_optimizers_that_may_couple_elements_are_refused(opt_cls):
+    with pytest.raises(longboat.ConfigError, match=opt_cls.__name__):
+        _initialize(opt_cls)
+
+
+def test_an_optimizer_may_declare_itself_elementwise():
+    _initialize(_DeclaredSGD, lr=0.1).close()

@@ -11,6 +11,7 @@ import logging
 import random
 import weakref
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from longboat.observe.memory import (
     optimizer_state_bytes_per_param,
 )
 from longboat.observe.monitor import Monitor
-from longboat.optim import build_optimizer, build_scheduler
+from longboat.optim import build_optimizer, build_scheduler, check_parameters
 from longboat.precision import Precision, SkippedStep
 from longboat.strategies import StrategyContext, build_strategy
 from longboat.world import World, destroy_process_group, device_for, init_process_group
@@ -51,6 +52,7 @@ class Engine:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.batch: ResolvedBatch = resolve_batch(config.batch, comm.world_size)
+        check_parameters(model, optimizer)
         # Counted before the strategy may shard the parameters away.
         self.trainable_params = sum(p.numel() for p in dict.fromkeys(model.parameters())
                                     if p.requires_grad)
@@ -114,6 +116,7 @@ class Engine:
         with self.monitor.phase("backward"):
             self.strategy.before_backward(sync=self.is_boundary)
             self.precision.scale(loss / self.accumulation_steps).backward()
+            self.strategy.after_backward()
         self._loss_sum += float(loss.detach())
         self._loss_count += 1
         self.micro_step += 1
@@ -182,6 +185,21 @@ class Engine:
         return loader
 
     # -- state ---------------------------------------------------------------------------------
+
+    def gathered_parameters(self) -> AbstractContextManager[None]:
+        """A context inside which every parameter is whole on every rank, so that one rank may
+        evaluate alone::
+
+            with engine.gathered_parameters():      # every rank enters and leaves it
+                if engine.comm.rank == 0:
+                    with torch.no_grad():
+                        engine.eval()(x)
+
+        Only ZeRO-3 needs it (its parameters are sharded between forwards); under the other
+        strategies a forward under ``torch.no_grad()`` or in ``eval()`` mode communicates nothing
+        and can run on one rank anywhere. Read-only: parameter changes inside are not kept.
+        """
+        return self.strategy.gathered_parameters()
 
     def state_dict(self) -> dict[str, Any]:
         """The model's ``state_dict`` with the user's own keys and whole tensors."""

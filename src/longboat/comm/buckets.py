@@ -4,6 +4,13 @@ Pure data, testable without processes. A plan fills buckets in the reverse order
 registration, which approximates the order in which backward produces gradients, so the first
 bucket is ready (and its all-reduce starts) while backward is still running. The first bucket is
 kept small so communication begins early, as DDP does.
+
+[Note: usage flags] A bucket's buffer ends with one slot per parameter after the gradients: 1
+where this rank produced a gradient for the parameter in the step, 0 where it did not. The slots
+travel in the same all-reduce as the gradients, so after it every rank knows, at no extra
+collective, which parameters *some* rank used: those get the averaged gradient (zeros from the
+ranks that did not use them, as DDP gives), and a parameter no rank used keeps ``grad = None``,
+so the optimizer leaves it and its state alone, as plain PyTorch does.
 """
 
 from __future__ import annotations
@@ -20,28 +27,33 @@ class Bucket:
     index: int
     params: list[torch.nn.Parameter]
     offsets: list[int]
-    numel: int
+    numel: int  # gradient elements (the usage flags come after them)
     dtype: torch.dtype
     device: torch.device
     buffer: torch.Tensor | None = None
-    pending: int = 0
     handle: object | None = None
+
+    @property
+    def size(self) -> int:
+        """Elements of the buffer: the gradients, then one usage flag per parameter."""
+        return self.numel + len(self.params)
 
     def allocate(self) -> torch.Tensor:
         """Create the flat buffer (once)."""
         if self.buffer is None:
-            self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            self.buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)
         return self.buffer
+
+    def flags(self) -> torch.Tensor:
+        """The usage flags of [Note: usage flags], one per parameter, in ``params`` order."""
+        assert self.buffer is not None, "allocate() first"
+        return self.buffer[self.numel: self.size]
 
     def view_of(self, i: int) -> torch.Tensor:
         """The slice of the flat buffer that holds parameter ``i``'s gradient, shaped like it."""
         p = self.params[i]
         assert self.buffer is not None, "allocate() first"
         return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass

@@ -134,13 +134,13 @@ class Collectives:
         self.desync_check = False
 
     def _record(self, op: str, tensor: torch.Tensor | None, out: torch.Tensor | None,
-                reduce_op: str) -> CallRecord:
+                reduce_op: str, tag: str) -> CallRecord:
         source, caller = where_called(3)
         return CallRecord(
             seq=self.seq, op=op, dtype=dtype_name(tensor.dtype) if tensor is not None else "-",
             shape=tuple(tensor.shape) if tensor is not None else (),
             out_shape=tuple(out.shape) if out is not None else None, reduce_op=reduce_op,
-            group=self._group_name, source=source, caller=caller)
+            group=self._group_name, source=source, caller=caller, tag=tag)
 
     def _failed(self, err: RuntimeError, rec: CallRecord | None) -> None:
         """A collective raised: timeouts and lost peers become a report and its exception."""
@@ -169,9 +169,9 @@ class Collectives:
 
     def _observed(self, name: str, fn: Any, *args: Any, tensor: torch.Tensor | None,
                   out: torch.Tensor | None = None, reduce_op: str = "", check_src: int = -1,
-                  nbytes: int = 0, async_op: bool, **kwargs: Any) -> Handle:
+                  nbytes: int = 0, tag: str = "", async_op: bool, **kwargs: Any) -> Handle:
         """``_issue`` with the desync check, the record and the comm log."""
-        rec = self._record(name, tensor, out, reduce_op)
+        rec = self._record(name, tensor, out, reduce_op, tag)
         t0 = time.perf_counter()
         try:
             if self.desync_check and self._check is not None:
@@ -211,9 +211,10 @@ class Collectives:
                                   nbytes=tensor.numel() * tensor.element_size())
         return self._issue(dist.all_reduce, tensor, op=_OPS[op], async_op=async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
-                       ) -> Handle:
-        """Sum ``input`` across ranks; rank r keeps chunk r of the result in ``output``."""
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                       tag: str = "") -> Handle:
+        """Sum ``input`` across ranks; rank r keeps chunk r of the result in ``output``.
+        ``tag`` says what the tensor is, for the desync check and reports."""
         if not self.active:
             output.copy_(input)
             return _Done()
@@ -221,21 +222,22 @@ class Collectives:
         if self.observing:
             return self._observed("reduce_scatter", _reduce_scatter, output, input,
                                   op=dist.ReduceOp.SUM, tensor=input, out=output,
-                                  reduce_op="sum", async_op=async_op,
+                                  reduce_op="sum", async_op=async_op, tag=tag,
                                   nbytes=input.numel() * input.element_size())
         return self._issue(_reduce_scatter, output, input, op=dist.ReduceOp.SUM,
                            async_op=async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
-                   ) -> Handle:
-        """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   tag: str = "") -> Handle:
+        """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``.
+        ``tag`` says what the tensor is, for the desync check and reports."""
         if not self.active:
             output.copy_(input)
             return _Done()
         self.seq += 1
         if self.observing:
             return self._observed("all_gather", _all_gather, output, input, tensor=input,
-                                  out=output, async_op=async_op,
+                                  out=output, async_op=async_op, tag=tag,
                                   nbytes=output.numel() * output.element_size())
         return self._issue(_all_gather, output, input, async_op=async_op)
 

@@ -107,4 +107,10 @@ def _difference(a: tuple[int, ...], b: tuple[int, ...]) -> str:
         return "different shapes: every rank must pass tensors of the same shape"
     if a[10] != b[10]:
         return "different source ranks for the broadcast"
+    if a[11] != b[11]:
+        return ("different tensors of the same shape (see the tags): ranks reached this "
+                "collective from different places, e.g. a ZeRO-3 unit whose module ran on some "
+                "ranks only; every rank must run the same units in the same order, so put a "
+                "module that runs conditionally (a routed expert) inside a unit that always runs "
+                "(name the enclosing module's class in zero.unit_classes)")
     return "different collective counts: a rank issued a collective outside this doorway"

@@ -27,7 +27,7 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 REDUCE_OPS = ("", "sum", "max", "min")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-FINGERPRINT_LEN = 11
+FINGERPRINT_LEN = 12
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,19 @@ class CallRecord:
     group: str
     source: str  # the user's line, e.g. "train.py:42 in main"
     caller: str  # longboat's function that issued it, e.g. "Replicate._launch"
+    # What the tensor is, when ranks could pass same-shaped tensors of different things (e.g.
+    # "unit 4 (moe)" for a ZeRO-3 gather); part of the fingerprint.
+    tag: str = ""
 
     def signature(self) -> str:
-        """``all_reduce(float32[4])``, with the other shape for gather/scatter."""
+        """``all_reduce(float32[4])``, with the other shape for gather/scatter and the tag."""
         if self.dtype == "-":
             return f"{self.op}()"
         dims = ",".join(map(str, self.shape))
         other = f" -> [{','.join(map(str, self.out_shape))}]" if self.out_shape is not None else ""
         red = f", {self.reduce_op}" if self.reduce_op not in ("", "sum") else ""
-        return f"{self.op}({self.dtype}[{dims}]{other}{red})"
+        tag = f" [{self.tag}]" if self.tag else ""
+        return f"{self.op}({self.dtype}[{dims}]{other}{red}){tag}"
 
     def describe(self) -> str:
         """``all_reduce(float32[4]) #7 at train.py:42 in main``."""
@@ -113,4 +117,5 @@ def fingerprint(rec: CallRecord, src: int) -> list[int]:
     except (AttributeError, ValueError):  # no tensor ("-"), or a rare dtype: a stable code
         dt = len(_DTYPES) + zlib.crc32(rec.dtype.encode())
     return [rec.seq, OPS.index(rec.op), REDUCE_OPS.index(rec.reduce_op), dt, len(rec.shape),
-            *shape, out_numel if rec.out_shape is not None else -1, src]
+            *shape, out_numel if rec.out_shape is not None else -1, src,
+            zlib.crc32(rec.tag.encode()) if rec.tag else 0]

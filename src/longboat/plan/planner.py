@@ -114,8 +114,12 @@ def _recommend(plans: Sequence[StrategyPlan], world_size: int, budget: int | Non
 
 def make_plan(target: Target, base: Config, world_size: int, micro_batch: int,
               optimizer: str = "adamw", strategies: Sequence[str] = STRATEGIES,
-              budget: int | None = None) -> Plan:
-    """Simulate each of ``strategies`` at ``world_size`` ranks and recommend one."""
+              budget: int | None = None, rank: int = 0) -> Plan:
+    """Simulate each of ``strategies`` at ``world_size`` ranks and recommend one.
+
+    The figures are those of ``rank`` (default 0). Ranks differ by a few bytes under ZeRO: the
+    padding of each unit sits on the last rank, and per-parameter optimizer scalars (Adam's
+    ``step``) exist for each parameter a rank's shard overlaps."""
     if world_size < 1:
         raise PlanInputError(f"--world-size {world_size} is invalid: use 1 or more")
     if micro_batch < 1:
@@ -129,7 +133,8 @@ def make_plan(target: Target, base: Config, world_size: int, micro_batch: int,
         cfg = strategy_config(base, name, micro_batch)
         # single is one process on its own, whatever the world size (for comparison).
         n = 1 if name == "single" else world_size
-        sim: Simulated = simulate(target, cfg, n, micro_batch, OPTIMIZERS[optimizer])
+        sim: Simulated = simulate(target, cfg, n, micro_batch, OPTIMIZERS[optimizer],
+                                  rank=min(rank, n - 1))
         trainable = sim.trainable_params
         plans.append(StrategyPlan(
             strategy=name, world_size=n, model_state=sim.model_state,

@@ -84,12 +84,12 @@ class MetaCollectives:
         return self._count("all_reduce", 2 * (n - 1) / n * _nbytes(tensor))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       async_op: bool = False) -> _Done:
+                       async_op: bool = False, tag: str = "") -> _Done:
         n = self.world_size
         return self._count("reduce_scatter", (n - 1) / n * _nbytes(input))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor,
-                   async_op: bool = False) -> _Done:
+                   async_op: bool = False, tag: str = "") -> _Done:
         n = self.world_size
         return self._count("all_gather", (n - 1) / n * _nbytes(output))
 
@@ -118,12 +118,13 @@ class Simulated:
 
 
 def simulate(target: Target, config: Config, world_size: int, micro_batch: int,
-             make_optimizer: Any) -> Simulated:
-    """Run setup and two steps of ``config``'s strategy on meta tensors at ``world_size``."""
+             make_optimizer: Any, rank: int = 0) -> Simulated:
+    """Run setup and two steps of ``config``'s strategy on meta tensors at ``world_size``, as
+    rank ``rank`` would."""
     from longboat.engine import Engine
 
-    comm = MetaCollectives(world_size)
-    world = World(world_size=world_size, local_world_size=world_size)
+    comm = MetaCollectives(world_size, rank)
+    world = World(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
     tracker = LiveBytes()
     if config.precision.dtype == "fp16":  # see [Note: fake tensors]
         config = config.model_copy(update={"precision": config.precision.model_copy(

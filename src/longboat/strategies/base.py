@@ -6,6 +6,7 @@ live and when they move. Nothing in the engine branches on a strategy's name.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +45,10 @@ class Strategy(Protocol):
         """Called before each backward; ``sync`` is True on the accumulation boundary."""
         ...
 
+    def after_backward(self) -> None:
+        """Called after each backward has returned (saved tensors are released by then)."""
+        ...
+
     def finish_gradients(self) -> None:
         """After the boundary backward: start whatever communication is still outstanding."""
         ...
@@ -74,6 +79,12 @@ class Strategy(Protocol):
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank keeps, by category (see ``longboat.observe.memory``)."""
+        ...
+
+    def gathered_parameters(self) -> AbstractContextManager[None]:
+        """A context (entered and left by every rank) inside which every parameter is whole on
+        every rank, so that one rank may run forwards alone (evaluation under no_grad). A no-op
+        for strategies that hold parameters whole."""
         ...
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,14 +2,23 @@
 
 A unit is a list of parameters of one optimizer param group and one dtype, laid end to end in a
 flat buffer padded to a multiple of the world size, so that rank r owns the contiguous slice
-``[r*S, (r+1)*S)`` of it (its *shard*). The optimizer sees one flat parameter per unit: the shard.
-Parameters keep their objects and names; only where their data lives changes:
+``[r*S, (r+1)*S)`` of it (its *shard*). Parameters keep their objects and names; only where their
+data lives changes:
 
 - stages 1 and 2: the full flat parameter stays allocated and every parameter's ``.data`` is a
   view into it; the shard is a view too, so the optimizer updates the flat parameter in place and
   an all-gather fills in the other ranks' slices;
 - stage 3: only the shard is kept; the full flat parameter is gathered before the unit runs and
   freed after (parameters then point at empty tensors).
+
+[Note: shard pieces] The optimizer does not see the shard as one tensor: it sees one *piece* per
+parameter the shard overlaps, a view of the shard holding this rank's elements of that parameter
+(FSDP2's per-parameter sharding, on a flat buffer). Each piece is an optimizer parameter of its
+own, so everything an optimizer keeps per tensor stays per parameter as in plain PyTorch: a
+parameter that no rank used in a step gets ``grad = None`` and is skipped (no weight decay, no
+momentum, Adam's ``step`` not advanced), and a scalar like ``step`` belongs to one parameter
+(the same on every rank that holds a piece of it, since every rank decides from the same usage).
+Padding belongs to no piece and is never stepped.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ class FlatUnit:
     world_size: int
     rank: int
     module: nn.Module | None = None  # stage 3: the module whose forward gathers this unit
+    tag: str = ""  # what reports call it, e.g. "unit 3: blocks.1"
     offsets: list[int] = field(default_factory=list)
     shard: nn.Parameter | None = None
     flat_param: torch.Tensor | None = None
@@ -39,6 +49,11 @@ class FlatUnit:
     gather_handle: object | None = None  # stage 3: an all-gather (prefetch) in flight
     reduce_handle: object | None = None  # a reduce-scatter of this unit's gradients in flight
     reduced: torch.Tensor | None = None
+    #: [Note: shard pieces]: (parameter index, start, end within the shard, the optimizer's view)
+    pieces: list[tuple[int, int, int, nn.Parameter]] = field(default_factory=list)
+    used: set[int] = field(default_factory=set)  # parameters this rank used since the last step
+    calls: int = 0  # stage 3: forwards of its module whose backward is still to come
+    backward_done: bool = False  # stage 3: its backward in this micro-batch is over
 
     def __post_init__(self) -> None:
         off = 0
@@ -53,6 +68,21 @@ class FlatUnit:
         self.dtype = self.params[0].dtype
         self.device = self.params[0].device
         self.shapes = [p.shape for p in self.params]
+
+    def overlaps(self) -> list[tuple[int, int, int]]:
+        """(parameter index, start, end) of every parameter this rank's shard holds elements
+        of; start and end are flat positions in the unit, within ``[lo, hi)``."""
+        out = []
+        for i, (off, shape) in enumerate(zip(self.offsets, self.shapes, strict=True)):
+            a, b = max(self.lo, off), min(self.hi, off + shape.numel())
+            if a < b:
+                out.append((i, a, b))
+        return out
+
+    def make_pieces(self, shard: torch.Tensor) -> None:
+        """Cut the optimizer's per-parameter views out of ``shard`` ([Note: shard pieces])."""
+        self.pieces = [(i, a - self.lo, b - self.lo, nn.Parameter(shard[a - self.lo: b - self.lo]))
+                       for i, a, b in self.overlaps()]
 
     def flatten(self) -> torch.Tensor:
         """A new padded flat copy of the parameters' current values."""

@@ -1,24 +1,29 @@
 """Replicated data parallelism: every rank holds the whole model; gradients are averaged.
 
-Gradients are copied into flat buckets (see :mod:`longboat.comm.buckets`) by per-parameter
-post-accumulate hooks. When a bucket's last gradient arrives its all-reduce starts at once, so
-communication overlaps the rest of backward. Between accumulation boundaries the hooks do
-nothing and gradients accumulate locally, without any communication.
+Gradients accumulate in ``p.grad`` as in plain PyTorch until the accumulation boundary. In the
+boundary's backward, per-parameter post-accumulate hooks copy each (accumulated) gradient into a
+flat bucket (see :mod:`longboat.comm.buckets`); when a bucket's last gradient arrives its
+all-reduce starts at once, so communication overlaps the rest of backward.
 
 [Note: launch order] Buckets are launched strictly in index order on every rank: a bucket that
 becomes ready before its predecessors waits for them. gloo and NCCL match collectives by their
 order, so a different order on two ranks would pair different buckets (a hang or wrong sums).
-Buckets still incomplete after backward (parameters unused in this forward) are launched in
-order by :meth:`Replicate.finish_gradients`, contributing zeros for the unused parameters.
+Buckets still incomplete after backward are launched in order by
+:meth:`Replicate.finish_gradients`. A parameter whose hook did not fire in the boundary's
+backward was either used on an earlier micro-batch of the step (its ``p.grad`` holds what it
+accumulated, and that is what goes into the bucket) or not at all on this rank (zeros, and its
+usage flag stays 0: [Note: usage flags] in ``comm/buckets.py``). After the all-reduce, a
+parameter that no rank used gets ``grad = None``, so the optimizer does not move it.
 
 [Note: optimizer overlap] With ``replicate.overlap_optimizer``, unless the engine already waited
 for every gradient (to clip, or to check for overflow), the optimizer runs bucket by bucket: as
 soon as bucket k's all-reduce is done, it steps the parameters of bucket k while later buckets
-are still on the wire. This
-uses the fact that torch's per-parameter optimizers skip parameters whose ``grad`` is None, so
-showing the optimizer one bucket's gradients at a time gives exactly the update of one full step.
-Optimizers that couple parameters (LBFGS, anything not in ``ELEMENTWISE_OPTIMIZERS``) always step
-once, after every bucket has arrived.
+are still on the wire. This uses the fact that torch's per-parameter optimizers skip parameters
+whose ``grad`` is None, so showing an element-wise optimizer (``optim.is_elementwise``) one
+bucket's gradients at a time gives exactly the update of one full step. It is not used when the
+optimizer has step hooks (``register_step_pre_hook``/``post_hook``, its own or global ones), which
+must fire once per step: then, as for any other optimizer, it steps once after every bucket
+arrived.
 
 [Note: communication dtype] With ``precision.communication_data_type`` different from a bucket's
 gradient dtype (e.g. bf16 for fp32 gradients), the bucket's buffer is allocated in that dtype:
@@ -29,20 +34,23 @@ is unchanged: ``p.grad`` are views into the communicated bucket itself.
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
+
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
 from longboat.observe.memory import optimizer_state_tensors
-from longboat.optim import ELEMENTWISE_OPTIMIZERS
+from longboat.optim import has_step_hooks, is_elementwise
 from longboat.precision import DTYPES
 from longboat.strategies.base import StrategyContext
+from longboat.strategies.buffers import BufferSync
 from longboat.strategies.pieces import PieceSource, RankState
 from longboat.strategies.whole_state import load_whole_state, whole_state
 
 _MIB = 1024 * 1024
-
 
 
 class Replicate:
@@ -55,26 +63,29 @@ class Replicate:
         self.comm = ctx.comm
         self.plan: BucketPlan | None = None
         self.params: list[nn.Parameter] = []
-        self.buffers: list[torch.Tensor] = []
         self._hooks: list[RemovableHandle] = []
+        self._buffers: BufferSync | None = None
         self._sync = False
         self._next = 0  # index of the next bucket to launch (see [Note: launch order])
         self._arrived: list[set[int]] = []
         # Per bucket: where averaged gradients land when the bucket travels in another dtype
         # (see [Note: communication dtype]); None when p.grad are views into the bucket.
         self._landing: list[torch.Tensor | None] = []
+        # Per bucket, after its all-reduce: which of its parameters some rank used.
+        self._used: list[list[bool]] = []
+        self.overlapped_steps = 0  # steps taken bucket by bucket ([Note: optimizer overlap])
 
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         cfg = self.ctx.config.replicate
         all_params = list(model.parameters())
-        self.params = [p for p in all_params if p.requires_grad]
-        self.buffers = list(model.buffers())
+        self.params = [p for p in dict.fromkeys(all_params) if p.requires_grad]
         # Every rank starts from rank 0's weights, whatever its own initialisation did.
         with torch.no_grad():
             for t in [*all_params, *model.buffers()]:
                 self.comm.broadcast(t.data, src=0)
+        self._buffers = BufferSync(model, self.comm)
         self.plan = plan_buckets(
             all_params, int(cfg.bucket_mb * _MIB), int(cfg.first_bucket_mb * _MIB)
         )
@@ -87,6 +98,7 @@ class Replicate:
                 self._landing.append(None)
             b.allocate()
         self._arrived = [set() for _ in self.plan.buckets]
+        self._used = [[False] * len(b.params) for b in self.plan.buckets]
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         return model
@@ -94,10 +106,7 @@ class Replicate:
     # -- the step ------------------------------------------------------------------------------
 
     def before_forward(self) -> None:
-        # Like DDP's broadcast_buffers: running statistics follow rank 0, so evaluation
-        # is the same on every rank.
-        for b in self.buffers:
-            self.comm.broadcast(b, src=0)
+        pass
 
     def before_backward(self, sync: bool) -> None:
         self._sync = sync
@@ -115,7 +124,7 @@ class Replicate:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync or p.grad is None:
-            return
+            return  # between boundaries gradients accumulate in p.grad, as in plain PyTorch
         bucket, i = self.plan.locate(p)  # type: ignore[union-attr]
         bucket.view_of(i).copy_(p.grad)
         self._arrived[bucket.index].add(i)
@@ -124,18 +133,33 @@ class Replicate:
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self._buckets):
             b = self._buckets[self._next]
-            missing = len(b.params) - len(self._arrived[b.index])
-            if missing and not force:
+            arrived = self._arrived[b.index]
+            if len(arrived) < len(b.params) and not force:
                 return
-            if missing:
-                for i in range(len(b.params)):
-                    if i not in self._arrived[b.index]:
-                        b.view_of(i).zero_()
             assert b.buffer is not None
-            # gloo has no AVG: divide first, then sum (keeps magnitudes small as well).
+            used = []
+            for i, p in enumerate(b.params):
+                if i in arrived:
+                    used.append(True)
+                elif p.grad is not None:  # used on an earlier micro-batch of this step only
+                    b.view_of(i).copy_(p.grad)
+                    used.append(True)
+                else:  # not used on this rank in this step
+                    b.view_of(i).zero_()
+                    used.append(False)
+            b.flags().copy_(torch.tensor(used, dtype=b.dtype))
+            self._used[b.index] = used  # this rank's; the all-reduce tells about the others
+            # gloo has no AVG: divide first, then sum (keeps magnitudes small as well). The
+            # flags are divided too: what matters is only whether their sum is above zero.
             b.buffer.div_(self.comm.world_size)
             b.handle = self.comm.all_reduce(b.buffer, async_op=True)
             self._next += 1
+
+    def after_backward(self) -> None:
+        if self._sync:  # buckets this backward did not complete go now, before anything else
+            self._launch_ready(force=True)
+        assert self._buffers is not None
+        self._buffers.after_backward()
 
     def finish_gradients(self) -> None:
         # Only launch here; waiting is deferred so the optimizer can overlap the tail of the
@@ -151,11 +175,16 @@ class Replicate:
         landing = self._landing[b.index]
         if landing is not None:
             assert b.buffer is not None
-            landing.copy_(b.buffer)
+            landing.copy_(b.buffer[: b.numel])
+        if self.comm.active:  # else (a world of one, the planner's meta run) this rank's own
+            self._used[b.index] = [f > 0 for f in b.flags().tolist()]
+        self._show_grads(b)
+
+    def _show_grads(self, b: Bucket) -> None:
+        """The averaged gradient becomes ``p.grad``, as a view into the bucket (or into its
+        landing buffer, see [Note: communication dtype]); None for a parameter no rank used."""
         for i, p in enumerate(b.params):
-            # The averaged gradient becomes p.grad as a view into the bucket (or into its
-            # landing buffer, see [Note: communication dtype]).
-            p.grad = self._grad_view(b, i)
+            p.grad = self._grad_view(b, i) if self._used[b.index][i] else None
 
     def _grad_view(self, b: Bucket, i: int) -> torch.Tensor:
         """Where parameter ``i`` of ``b`` finds its averaged gradient."""
@@ -178,10 +207,11 @@ class Replicate:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         pending = any(b.handle is not None for b in self._buckets)
         if not (pending and self.ctx.config.replicate.overlap_optimizer
-                and isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)):
+                and is_elementwise(optimizer) and not has_step_hooks(optimizer)):
             self.wait_gradients()
             optimizer.step()
             return
+        self.overlapped_steps += 1
         for p in self.params:
             p.grad = None  # hide local, unreduced gradients from the optimizer
         for b in self._buckets:
@@ -190,8 +220,7 @@ class Replicate:
             for p in b.params:
                 p.grad = None
         for b in self._buckets:  # leave every averaged gradient visible after the step
-            for i, p in enumerate(b.params):
-                p.grad = self._grad_view(b, i)
+            self._show_grads(b)
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         # The buckets are where averaged gradients live (p.grad are views into them).
@@ -199,6 +228,9 @@ class Replicate:
                 "gradients": [b.buffer for b in self._buckets if b.buffer is not None]
                 + [p.grad for p in self.params if p.grad is not None],
                 "optimizer_state": optimizer_state_tensors(optimizer)}
+
+    def gathered_parameters(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # parameters are whole on every rank
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
@@ -216,3 +248,5 @@ class Replicate:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._buffers is not None:
+            self._buffers.close()

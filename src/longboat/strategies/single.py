@@ -3,6 +3,9 @@ this one."""
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
+
 import torch
 from torch import nn
 
@@ -31,6 +34,9 @@ class Single:
     def before_backward(self, sync: bool) -> None:
         pass
 
+    def after_backward(self) -> None:
+        pass
+
     def finish_gradients(self) -> None:
         pass
 
@@ -49,6 +55,9 @@ class Single:
         return {"parameters": list(self.params),
                 "gradients": [p.grad for p in self.params if p.grad is not None],
                 "optimizer_state": optimizer_state_tensors(optimizer)}
+
+    def gathered_parameters(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # parameters are whole on every rank
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()

@@ -9,28 +9,54 @@
   forward and again before its backward (the next unit's gather prefetched), and frees them
   right after each.
 
-The optimizer the user built is re-targeted at one flat shard per unit, so any element-wise
-``torch.optim`` optimizer (SGD, Adam, AdamW, ...) works unchanged; gradients, per-element states
-and weight decay are then exactly those of the unsharded run.
+The optimizer the user built is re-targeted at this rank's pieces of the parameters, one per
+parameter its shards overlap ([Note: shard pieces] in ``flat.py``), so any element-wise
+optimizer (``optim.is_elementwise``: SGD, Adam, AdamW, ...) works unchanged; gradients,
+per-element and per-parameter states and weight decay are exactly those of the unsharded run.
+
+[Note: unused parameters] A parameter's gradient accumulates over every micro-batch of the step
+in the unit's flat buffer, whichever micro-batches used it. Which parameters some rank used in the
+step is decided once per step: each rank's usage is all-reduced (MAX, one small collective per
+step, launched with the last reduce-scatters and awaited at the optimizer step). A parameter
+used by some ranks only gets the average over all ranks (zeros from the others, as DDP gives); a
+parameter that no rank used gets ``grad = None`` on its pieces, so the optimizer skips it as plain
+PyTorch does.
 
 [Note: reduction order] Units launch their reduce-scatters strictly in unit order on every rank
 (as replicate's buckets do), because collectives are matched by order across ranks.
+
+[Note: stage-3 order] Stage 3 mixes two kinds of collective during backward: the gathers of the
+units still to run and the reduce-scatters of those done. Collectives are matched by order, so
+both must be issued at events every rank sees alike, never at "this rank has all of the unit's
+gradients", which differs between ranks when a parameter is used on some ranks only (a routed
+expert inside a unit). Gathers happen when a unit's outputs receive their gradients (before its
+backward); a unit's backward is over when the gradients of its inputs exist, which
+:class:`_PostBackward` (an identity on the inputs, as FSDP2's post-backward hook) reports; its
+reduce-scatter is launched then, or, for a unit whose inputs need no gradient (the first, the
+root), once the whole backward returned. Each rank must run the same units in the same order: a
+unit whose module runs on some ranks only (a routed expert as a unit of its own) cannot be
+gathered by the others, and the desync check names it (each gather and reduce-scatter carries its
+unit's tag); put such modules inside a unit that always runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from longboat.config import ConfigError
 from longboat.observe.memory import optimizer_state_tensors
-from longboat.optim import ELEMENTWISE_OPTIMIZERS
+from longboat.optim import describe_elementwise, is_elementwise
 from longboat.precision import DTYPES
 from longboat.strategies import zero_state
 from longboat.strategies.base import StrategyContext
+from longboat.strategies.buffers import BufferSync
 from longboat.strategies.flat import FlatUnit
 from longboat.strategies.pieces import PieceSource, RankState
 from longboat.strategies.zero_units import bucket_units, module_units
@@ -55,7 +81,10 @@ class Zero:
         self._next = 0  # next unit to launch, see [Note: reduction order]
         self._fwd_order: list[FlatUnit] = []
         self._recording = True
-        self._in_flight = False
+        self._buffers: BufferSync | None = None
+        self._usage: torch.Tensor | None = None  # the step's usage, all-reduced (in flight)
+        self._usage_handle: object | None = None
+        self._held = False  # stage 3: parameters kept gathered (gathered_parameters)
         wire = ctx.config.precision.communication_data_type
         self._wire = DTYPES[wire] if wire else None
         self.name = f"zero-{self.stage}"
@@ -63,12 +92,12 @@ class Zero:
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        if not is_elementwise(optimizer):
             raise ConfigError(
-                f"strategy 'zero' steps the optimizer on flat shards, which is exact only for "
-                f"element-wise optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}"
-                f"); {type(optimizer).__name__} couples elements of a tensor. Use strategy "
-                "'replicate', or one of those optimizers"
+                f"strategy 'zero' steps the optimizer on pieces of flat shards, which is exact "
+                f"only for element-wise optimizers: {describe_elementwise()}; "
+                f"{type(optimizer).__name__} is not one of them (it may couple elements of a "
+                "tensor). Use strategy 'replicate', or one of those optimizers"
             )
         if optimizer.state:
             raise ConfigError("strategy 'zero' needs a fresh optimizer (it re-targets the "
@@ -76,6 +105,7 @@ class Zero:
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 self.comm.broadcast(t.data, src=0)
+        self._buffers = BufferSync(model, self.comm)
         group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups)
                     for p in grp["params"]}
         params = [p for p in dict.fromkeys(model.parameters())
@@ -95,13 +125,19 @@ class Zero:
             pieces = [pc for pc in reversed(pieces) if pc[0] is not model] + root
         else:
             pieces = [(None, ps) for ps in bucket_units(params, group_of, self.cfg.bucket_mb)]
+        module_names = {id(m): n or "root" for n, m in model.named_modules()}
+        param_names = {id(p): n for n, p in model.named_parameters()}
         for module, ps in pieces:
             u = FlatUnit(len(self.units), ps, group_of[id(ps[0])], self.comm.world_size,
                          self.comm.rank, module=module)
+            # Named in desync and hang reports: two units' tensors may have the same shape.
+            what = (module_names[id(module)] if module is not None
+                    else f"{param_names[id(ps[0])]}, ...")
+            u.tag = f"unit {u.index}: {what}"
             self._build(u)
             self.units.append(u)
         for g, grp in enumerate(optimizer.param_groups):
-            grp["params"] = [u.shard for u in self.units if u.group == g]
+            grp["params"] = [pc for u in self.units if u.group == g for *_, pc in u.pieces]
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         if self.stage == 3:
@@ -115,10 +151,11 @@ class Zero:
         if self.stage < 3:
             u.flat_param = flat
             u.point_params_at(flat)
-            u.shard = nn.Parameter(flat[u.lo: u.hi])  # a view: the step updates flat in place
+            u.shard = flat[u.lo: u.hi]  # a view: the step updates flat in place
         else:
-            u.shard = nn.Parameter(flat[u.lo: u.hi].clone())
+            u.shard = flat[u.lo: u.hi].clone()
             u.release_params()
+        u.make_pieces(u.shard)
         if self.stage == 1:
             u.flat_grad = torch.zeros_like(flat)
         else:
@@ -134,7 +171,8 @@ class Zero:
             m = us[0].module
             assert m is not None
             self._hooks.append(m.register_forward_pre_hook(
-                lambda _m, _a, us=us: self._before_unit_forward(us)))
+                lambda _m, args, kwargs, us=us: self._before_unit_forward(us, args, kwargs),
+                with_kwargs=True))
             self._hooks.append(m.register_forward_hook(
                 lambda _m, _a, out, us=us: self._after_unit_forward(us, out)))
 
@@ -143,7 +181,7 @@ class Zero:
             return
         assert u.shard is not None
         full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
-        u.gather_handle = self.comm.all_gather(full, u.shard.detach(), async_op=async_op)
+        u.gather_handle = self.comm.all_gather(full, u.shard, async_op=async_op, tag=u.tag)
         u.flat_param = full
 
     def _ready(self, u: FlatUnit) -> None:
@@ -156,6 +194,8 @@ class Zero:
         u.point_params_at(u.flat_param)
 
     def _free(self, u: FlatUnit) -> None:
+        if self._held:
+            return  # gathered_parameters(): kept until every rank leaves it
         if u.gather_handle is not None:  # a prefetch in flight must land before its buffer goes
             u.gather_handle.wait()  # type: ignore[attr-defined]
             u.gather_handle = None
@@ -165,19 +205,44 @@ class Zero:
     def _prefetch(self, us: list[FlatUnit], step: int) -> None:
         if not self.cfg.prefetch or self._recording or not self._fwd_order:
             return
-        pos = self._fwd_order.index(us[-1] if step > 0 else us[0]) + step
+        anchor = us[-1] if step > 0 else us[0]
+        if anchor not in self._fwd_order:  # a unit the first forward did not run
+            return
+        pos = self._fwd_order.index(anchor) + step
         if 0 <= pos < len(self._fwd_order):
             u = self._fwd_order[pos]
-            if step < 0 and u.complete:
+            if step < 0 and u.backward_done:
                 return  # its backward is already over: gathering again would only waste memory
             self._gather(u, async_op=True)
 
-    def _before_unit_forward(self, us: list[FlatUnit]) -> None:
+    def _before_unit_forward(self, us: list[FlatUnit], args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # Only a training forward (as in [Note: buffers]) is followed by a backward on every
+        # rank; another (an evaluation, maybe on one rank) must leave no trace that one rank has
+        # and another has not.
+        training = us[0].module.training and torch.is_grad_enabled()  # type: ignore[union-attr]
         for u in us:
             self._ready(u)
-            if self._recording and u not in self._fwd_order:
+            if training and self._recording and u not in self._fwd_order:
                 self._fwd_order.append(u)
         self._prefetch(us, +1)
+        return self._watch_inputs(us, args, kwargs) if training else (args, kwargs)
+
+    def _watch_inputs(self, us: list[FlatUnit], args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """[Note: stage-3 order]: pass the inputs that need a gradient through
+        :class:`_PostBackward`, whose backward runs once the unit's backward is over."""
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
+            return args, kwargs  # e.g. the first unit: handled when the backward is over
+        for u in us:
+            u.calls += 1
+        watched = _PostBackward.apply(lambda: self._after_unit_backward(us),
+                                      *(flat[i] for i in where))
+        for i, t in zip(where, watched, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _after_unit_forward(self, us: list[FlatUnit], out: Any) -> None:
         for u in us:
@@ -194,20 +259,42 @@ class Zero:
             self._ready(u)
         self._prefetch(us, -1)
 
+    def _after_unit_backward(self, us: list[FlatUnit]) -> None:
+        for u in us:
+            u.calls -= 1
+            if u.calls == 0:  # the last of the module's calls in this forward
+                u.backward_done = True
+                self._free(u)
+        self._launch(force=False)
+
     # -- gradients -----------------------------------------------------------------------------
 
     def before_forward(self) -> None:
         pass
 
     def before_backward(self, sync: bool) -> None:
-        if self._in_flight:  # stages 2-3 between boundaries: finish the last micro-batch's
-            self._launch(force=True)
-            self.wait_gradients()
-        self._in_flight = False
+        if self._held:
+            raise RuntimeError("engine.backward() inside engine.gathered_parameters(): that "
+                               "context is for evaluation; leave it (on every rank) to train")
+        self.wait_gradients()  # stages 2-3: the last micro-batch's reductions land in the shard
         self._sync = sync
         self._next = 0
         for u in self.units:
             u.arrived.clear()
+            u.backward_done = False
+
+    def after_backward(self) -> None:
+        if self.stage >= 2 or self._sync:
+            # Units some parameter of which this backward did not reach (unused on this
+            # micro-batch, or on this rank) are launched now, in order ([Note: reduction order]),
+            # before any other collective: ranks that completed them during backward did so.
+            self._launch(force=True)
+        assert self._buffers is not None
+        self._buffers.after_backward()
+        if self.stage == 3:
+            for u in self.units:  # the backward is over: nothing needs them gathered
+                u.calls = 0
+                self._free(u)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         u, i = self.where[id(p)]
@@ -217,16 +304,21 @@ class Zero:
         u.view(u.flat_grad, i).add_(p.grad)
         p.grad = None  # the flat buffer holds it now; free the full-size gradient
         u.arrived.add(i)
-        self._in_flight = self.stage >= 2 or self._sync
-        if self.stage == 3 and u.complete:
-            self._free(u)  # this unit's backward is over
-        if self.stage >= 2 or self._sync:
+        u.used.add(i)
+        if u.index < self._next:  # its reduction is already on the wire without this gradient
+            raise RuntimeError(
+                f"zero: a gradient of {u.tag} arrived after its reduction started (stage "
+                f"{self.stage}); autograd ran its accumulation after the unit's backward ended. "
+                "Please report this with the model; stage 2 does not depend on that order")
+        if self.stage < 3 and (self.stage == 2 or self._sync):
             self._launch(force=False)
 
     def _launch(self, force: bool) -> None:
         while self._next < len(self.units):
             u = self.units[self._next]
-            if not (u.complete or force):
+            # Stage 3 launches on events every rank sees alike ([Note: stage-3 order]).
+            done = u.backward_done if self.stage == 3 else u.complete
+            if not (done or force):
                 return
             if u.flat_grad is None:  # no parameter of this unit was used
                 u.flat_grad = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
@@ -235,13 +327,17 @@ class Zero:
             # dtype, and land back in the fp32 shard in wait_gradients.
             send = u.flat_grad if self._wire in (None, u.dtype) else u.flat_grad.to(self._wire)
             u.reduced = torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
-            u.reduce_handle = self.comm.reduce_scatter(u.reduced, send, async_op=True)
+            u.reduce_handle = self.comm.reduce_scatter(u.reduced, send, async_op=True, tag=u.tag)
             self._next += 1
 
     def finish_gradients(self) -> None:
         self._launch(force=True)
         self._sync = False
-        self._in_flight = False
+        # [Note: unused parameters]: which parameters some rank used in this step.
+        if self.comm.world_size > 1 and self.units:
+            used = [float(i in u.used) for u in self.units for i in range(len(u.params))]
+            self._usage = torch.tensor(used, dtype=torch.float32, device=self.units[0].device)
+            self._usage_handle = self.comm.all_reduce(self._usage, op="max", async_op=True)
 
     def wait_gradients(self) -> None:
         for u in self.units:
@@ -258,6 +354,16 @@ class Zero:
                 u.flat_grad = None
             u.reduced = None
 
+    def _used_by_any_rank(self) -> list[set[int]]:
+        """Per unit, the parameters some rank used in this step ([Note: unused parameters])."""
+        usage, handle = self._usage, self._usage_handle
+        self._usage = self._usage_handle = None
+        if usage is None or not self.comm.active:  # one rank, or the planner's meta run
+            return [set(u.used) for u in self.units]
+        handle.wait()  # type: ignore[union-attr]
+        flags = iter(usage.tolist())
+        return [{i for i in range(len(u.params)) if next(flags) > 0} for u in self.units]
+
     def local_gradients(self) -> list[torch.Tensor]:
         return [u.grad_view() for u in self.units]
 
@@ -265,9 +371,10 @@ class Zero:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.wait_gradients()
-        for u in self.units:
-            assert u.shard is not None
-            u.shard.grad = u.grad_view()
+        for u, used in zip(self.units, self._used_by_any_rank(), strict=True):
+            grad = u.grad_view()
+            for i, a, b, piece in u.pieces:
+                piece.grad = grad[a:b] if i in used else None
         optimizer.step()
         if self.stage == 3:
             for u in self.units:  # a buffer gathered before the step holds stale values
@@ -276,12 +383,15 @@ class Zero:
             handles = []
             for u in self.units:
                 assert u.shard is not None and u.flat_param is not None
-                handles.append(self.comm.all_gather(u.flat_param, u.shard.detach().clone(),
-                                                    async_op=True))
+                handles.append(self.comm.all_gather(u.flat_param, u.shard.clone(),
+                                                    async_op=True, tag=u.tag))
             for h in handles:
                 h.wait()
         for u in self.units:
             u.grad_view().zero_()
+            u.used.clear()
+            for *_, piece in u.pieces:
+                piece.grad = None
             if self.stage == 1:
                 assert u.flat_grad is not None
                 u.flat_grad.zero_()
@@ -296,6 +406,25 @@ class Zero:
         return {"parameters": params, "gradients": grads,
                 "optimizer_state": optimizer_state_tensors(optimizer),
                 "communication_buffers": comm}
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Stage 3: every unit gathered while inside (entering and leaving are collective), so
+        that any rank may run forwards alone, e.g. an evaluation on rank 0 under no_grad.
+        Read-only: changes to parameters inside are not kept. Stages 1-2 hold whole
+        parameters already: nothing to do."""
+        if self.stage < 3 or self._held:
+            yield
+            return
+        for u in self.units:
+            self._ready(u)
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            for u in self.units:
+                self._free(u)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's ``state_dict`` with every parameter whole (gathered for stage 3)."""
@@ -321,6 +450,8 @@ class Zero:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._buffers is not None:
+            self._buffers.close()
         if self.stage == 3:  # hand the user back an ordinary model with whole parameters
             for u in self.units:
                 self._ready(u)
@@ -344,3 +475,19 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, (list, tuple)):
         return [t for v in out for t in _tensors(v)]
     return []
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward calls ``callback``: it runs once the
+    gradients of all those inputs exist, that is once the unit's backward is over (as FSDP2's
+    post-backward hook does)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)

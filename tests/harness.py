@@ -1,0 +1,201 @@
+"""The longboat side of the equivalence tests: a recipe (``reference.Recipe``) trained through
+``longboat.initialize`` on each rank of a pool, recording what the plain reference needs to
+replay the run (which samples each rank saw in each micro-batch) and what it is compared on
+(every micro-batch's loss, the final parameters and buffers, the optimizer state)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import reference
+import torch
+from torch.utils.data import TensorDataset
+
+import longboat
+
+QUIET = {"log": {"progress": False, "level": "WARNING"}}
+
+DATASETS = {"tiny": reference.dataset, "tied": reference.dataset, "zoo": reference.zoo_dataset}
+
+
+def data_for(recipe: reference.Recipe, n: int) -> TensorDataset:
+    """The recipe's data set with sample ids in front."""
+    data = DATASETS[recipe.model](n)
+    return data if recipe.model == "zoo" else reference.indexed(data)
+
+
+def config(strategy: dict[str, Any], recipe: reference.Recipe, global_batch: int, micro: int,
+           **extra: Any) -> dict[str, Any]:
+    """A longboat config for ``recipe`` under ``strategy`` (e.g. {"strategy": "replicate"})."""
+    precision: dict[str, Any] = {}
+    if recipe.precision == "bf16":
+        precision = {"dtype": "bf16"}
+    elif recipe.precision == "fp16":
+        # One overflow halves the scale (hysteresis 1), as torch's GradScaler does.
+        power = int(recipe.loss_scale).bit_length() - 1
+        precision = {"dtype": "fp16", "initial_scale_power": power, "hysteresis": 1,
+                     "loss_scale_window": recipe.loss_scale_window}
+    return {**QUIET, **strategy, "gradient_clipping": recipe.clip, "precision": precision,
+            "batch": {"train_batch_size": global_batch, "micro_batch_size": micro}, **extra}
+
+
+def train(recipe: reference.Recipe, cfg: dict[str, Any], steps: int,
+          perturb: bool = True, poison: tuple[int, int] | None = None,
+          poison_how: str = "loss") -> dict[str, Any]:
+    """Train ``recipe`` under ``cfg`` for ``steps`` optimizer steps on this rank.
+
+    ``poison = (step, rank)`` makes that rank meet an overflow in that (1-based) step: with
+    ``poison_how='loss'`` its loss is multiplied by inf; with ``'grad'`` an inf is put into one
+    of the gradients it owns after communication, where only this rank can see it."""
+    model, opt, sched = recipe.build()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if perturb and rank:
+        with torch.no_grad():  # the strategy must start every rank from rank 0's weights
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+    engine = longboat.initialize(model, opt, cfg, scheduler=sched)
+    if poison is not None and poison_how == "grad" and poison[1] == rank:
+        own = engine.strategy.local_gradients
+
+        def local_gradients() -> list[torch.Tensor]:
+            grads = own()
+            if engine.global_step + 1 == poison[0]:
+                grads[0].view(-1)[0] = float("inf")
+            return grads
+
+        engine.strategy.local_gradients = local_gradients  # type: ignore[method-assign]
+    data = data_for(recipe, engine.batch.train_batch_size * steps)
+    ids: list[list[list[int]]] = []
+    losses: list[list[float]] = []
+    lrs: list[float] = []
+    step_ids: list[list[int]] = []
+    step_losses: list[float] = []
+    skipped: list[int] = []
+    scales: list[float] = []
+    for batch in engine.loader(data):
+        sample_ids, *rest = batch
+        loss = reference.forward_loss(engine, rest)
+        if poison_how == "loss" and poison == (engine.global_step + 1, rank):
+            loss = loss * float("inf")
+        engine.backward(loss)
+        step_ids.append(sample_ids.tolist())
+        step_losses.append(float(loss.detach()))
+        before = engine.skipped_steps
+        if engine.step():
+            if engine.skipped_steps > before:
+                skipped.append(engine.global_step)
+            scales.append(engine.precision.loss_scale)
+            ids.append(step_ids)
+            losses.append(step_losses)
+            lrs.append(opt.param_groups[0]["lr"])
+            step_ids, step_losses = [], []
+            if engine.global_step == steps:
+                break
+    assert engine.global_step == steps, f"the loader ran out after {engine.global_step} steps"
+    scaler = engine.precision.scaler
+    out = {"ids": ids, "losses": losses, "lrs": lrs, "skipped": skipped,
+           "scales": scales if scaler is not None else [],
+           "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
+           "optim": optimizer_pieces(engine),
+           "overlapped": getattr(engine.strategy, "overlapped_steps", None)}
+    engine.close()
+    return out
+
+
+def optimizer_pieces(engine: longboat.Engine) -> dict[str, Any]:
+    """This rank's optimizer state as (name, key, start, end, tensor) pieces of the full
+    per-parameter tensors, and the scalars per parameter name."""
+    state = engine.strategy.checkpoint_state(engine.model, engine.optimizer)
+    pieces = [(p.name, p.key.removeprefix("optim."), p.shape, p.start, p.end,
+               p.tensor.detach().clone()) for p in state.pieces if p.key != "model"]
+    scalars = {name: {k: (v["value"] if isinstance(v, dict) else v) for k, v in sc.items()}
+               for name, sc in state.scalars.items()}
+    return {"pieces": pieces, "scalars": scalars}
+
+
+def assemble(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's optimizer pieces put together: name -> {key: full tensor or scalar}.
+    Pieces that two ranks hold (replicated state) must agree."""
+    full: dict[str, dict[str, Any]] = {}
+    filled: dict[tuple[str, str], torch.Tensor] = {}
+    for res in results:
+        for name, key, shape, start, end, t in res["optim"]["pieces"]:
+            n = 1
+            for d in shape:
+                n *= d
+            buf = full.setdefault(name, {}).setdefault(key, torch.full((n,), float("nan"),
+                                                                       dtype=t.dtype))
+            mask = filled.setdefault((name, key), torch.zeros(n, dtype=torch.bool))
+            seen = mask[start:end]
+            assert torch.equal(buf[start:end][seen], t[seen]), f"ranks disagree on {name} {key}"
+            buf[start:end] = t
+            mask[start:end] = True
+        for name, sc in res["optim"]["scalars"].items():
+            for k, v in sc.items():
+                prev = full.setdefault(name, {}).setdefault(k, v)
+                assert prev == v, f"ranks disagree on {name} {k}: {prev} vs {v}"
+    for (name, key), mask in filled.items():
+        assert bool(mask.all()), f"no rank holds all of {name} {key}"
+        shape = next(s for res in results for n, k, s, *_ in res["optim"]["pieces"]
+                     if (n, k) == (name, key))
+        full[name][key] = full[name][key].view(shape)
+    return full
+
+
+def order_of(results: list[dict[str, Any]]) -> list[list[list[list[int]]]]:
+    """[step][micro][rank] -> sample ids, from every rank's record."""
+    steps, micros = len(results[0]["ids"]), len(results[0]["ids"][0])
+    return [[[res["ids"][s][t] for res in results] for t in range(micros)] for s in range(steps)]
+
+
+def compare(results: list[dict[str, Any]], plain: reference.PlainRun, tol: float) -> None:
+    """Assert that a distributed run equals the plain one: every micro-batch's loss on every
+    rank, then parameters and buffers on every rank, then the optimizer state (tensors within
+    ``tol`` relative, scalars such as Adam's ``step`` exactly, the same parameters holding
+    state), and the learning rate after every step."""
+    for r, res in enumerate(results):
+        assert res["skipped"] == plain.skipped, (
+            f"rank {r} skipped steps {res['skipped']}, plain {plain.skipped}")
+        for s, step in enumerate(res["losses"]):
+            for t, loss in enumerate(step):
+                want = plain.losses[s][t][r]
+                if not math.isfinite(want):  # the plain loop's poisoned loss
+                    continue
+                assert abs(loss - want) <= tol * max(abs(want), 1.0), (
+                    f"rank {r}, step {s + 1}, micro-batch {t}: loss {loss!r} vs plain {want!r}")
+        assert res["lrs"] == plain.lrs, f"rank {r}: lr {res['lrs']} vs plain {plain.lrs}"
+        diff = reference.max_rel_diff(res["state"], plain.state)
+        assert diff <= tol, f"rank {r}: parameters/buffers differ by {diff:.3g} (rel)"
+    optim = assemble(results)
+    assert optim.keys() == plain.optim.keys(), (
+        f"parameters with optimizer state differ: longboat only {set(optim) - set(plain.optim)}"
+        f", plain only {set(plain.optim) - set(optim)}")
+    for name, want in plain.optim.items():
+        got = optim[name]
+        assert got.keys() == want.keys(), f"{name}: state keys {set(got)} vs {set(want)}"
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                d = reference.max_rel_diff({k: got[k]}, {k: v})
+                assert d <= tol, f"optimizer state {name}.{k} differs by {d:.3g} (rel)"
+            else:
+                v = v.item() if isinstance(v, torch.Tensor) else v
+                assert got[k] == v, f"optimizer state {name}.{k}: {got[k]} vs plain {v}"
+
+
+def run_and_compare(ranks: Any, world: int, strategy: dict[str, Any],
+                    recipe: reference.Recipe, steps: int, accum: int, global_batch: int,
+                    tol: float, poison: tuple[int, int] | None = None,
+                    poison_how: str = "loss", **extra: Any
+                    ) -> tuple[list[dict[str, Any]], reference.PlainRun]:
+    """Train on ``world`` ranks, replay the same samples through the plain loop (which meets
+    a poisoned step as an inf loss), compare."""
+    micro = global_batch // (world * accum)
+    cfg = config(strategy, recipe, global_batch, micro, **extra)
+    results = ranks(world, train, recipe, cfg, steps, poison=poison, poison_how=poison_how)
+    order = order_of(results)
+    seen = [i for step in order for micro_ids in step for ids in micro_ids for i in ids]
+    assert len(seen) == len(set(seen)) == global_batch * steps, "each sample once per epoch"
+    plain = reference.plain_train(recipe, data_for(recipe, global_batch * steps), order, poison)
+    compare(results, plain, tol)
+    return results, plain
