@@ -187,9 +187,32 @@ def test_zero3_units_that_run_on_some_ranks_only_are_an_error(ranks):
     with pytest.raises(RankFailure) as info:
         ranks(2, _experts_as_units, timeout=60)
     text = str(info.value)
-    assert DesyncError.__name__ in text and "unit" in text, text[-3000:]
+    assert DesyncError.__name__ in text and "[unit " in text, text[-3000:]  # units are named
     for rank in (0, 1):
         assert f"rank {rank}" in text
+
+
+def _routed_to_different_experts() -> None:
+    import longboat
+
+    torch.manual_seed(0)
+    model = reference.Experts(4, 2)
+    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+        "strategy": "zero", "zero": {"stage": 3, "unit_classes": ["Linear"]},
+        "batch": {"micro_batch_size": 2}, "log": {"progress": False, "level": "WARNING"}})
+    rank = torch.distributed.get_rank()
+    engine(torch.randn(2, 4), torch.full((2,), rank))  # rank r runs expert r only
+
+
+def test_zero3_same_shaped_units_out_of_step_are_told_apart(ranks):
+    """Rank 0 gathers expert 0 while rank 1 gathers expert 1: the same operation, dtype and
+    shape. Without the unit in the fingerprint, each rank would silently receive half of the
+    other expert."""
+    with pytest.raises(RankFailure) as info:
+        ranks(2, _routed_to_different_experts, timeout=60)
+    text = str(info.value)
+    assert "different tensors of the same shape" in text, text[-3000:]
+    assert ": experts.0]" in text and ": experts.1]" in text, text[-3000:]  # both tags
 
 
 # -- what the optimizer trains is what the model has ------------------------------------------
