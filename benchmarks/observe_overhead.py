@@ -13,7 +13,9 @@ Usage::
     python benchmarks/observe_overhead.py --tiny --rounds 3 --warmup 2   # a smoke run
 
 Writes ``benchmarks/results/observe_overhead.json`` (``--out`` to change) and prints
-``ratio (observed / plain) = X.XXX``; the goal is at most 1.03.
+``ratio (observed / plain) = X.XXX``, the median of the per-round ratios (each round's two steps
+are taken moments apart, so their ratio cancels what the machine was doing; a ratio of two
+medians pairs steps from different moments); the goal is at most 1.03.
 """
 
 from __future__ import annotations
@@ -103,13 +105,14 @@ def _run(rank: int, args: argparse.Namespace) -> None:
 def _report(args: argparse.Namespace, model: GPT, samples: dict[str, list[float]],
             comm_log: list[dict[str, Any]]) -> None:
     medians = {s: statistics.median(v) for s, v in samples.items()}
-    ratio = medians["observed"] / medians["plain"]
+    of_medians = medians["observed"] / medians["plain"]
     paired = statistics.median(a / b for a, b in zip(samples["observed"], samples["plain"],
                                                      strict=True))
     result = {
         "benchmark": "observe_overhead",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "medians_s": medians, "ratio": ratio, "paired_ratio_median": paired, "goal": 1.03,
+        # The headline: the median of the per-round (paired) ratios.
+        "medians_s": medians, "ratio": paired, "ratio_of_medians": of_medians, "goal": 1.03,
         "samples_s": samples, "comm_log_observed_steps": comm_log,
         "config": {"model": "tiny GPT" if args.tiny else "reference_gpt",
                    "parameters": sum(p.numel() for p in model.parameters()),
@@ -126,8 +129,8 @@ def _report(args: argparse.Namespace, model: GPT, samples: dict[str, list[float]
         v = samples[s]
         print(f"{s:<9} median {medians[s]:.4f} s  min {min(v):.4f}  max {max(v):.4f} "
               f"({len(v)} steps)")
-    print(f"median of per-round ratios = {paired:.3f}")
-    print(f"ratio (observed / plain) = {ratio:.3f}  (goal <= 1.03)")
+    print(f"ratio of the medians = {of_medians:.3f}")
+    print(f"ratio (observed / plain) = {paired:.3f}  (median of per-round ratios; goal <= 1.03)")
     print(f"wrote {args.out}")
 
 
