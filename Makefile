@@ -17,11 +17,13 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/longboat run -n 2 examples/digits.py
 
-test: $(VENV)/.installed
+# The suite starts with the linter and the formatter's check: a change that fails either fails CI.
+test: lint
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
 
 bench-replicate: $(VENV)/.installed
 	$(BIN)/python benchmarks/replicate_vs_ddp.py

@@ -51,7 +51,7 @@ TIMEOUT_S = 180
 
 def _launch(ck: Path, out: Path, kill: bool) -> tuple[int, list[tuple[float, str]]]:
     """Run one job; its return code and every output line with its arrival time."""
-    args = [sys.executable, "-m", "longboat.launch.cli", "run", "-n", "2", "--max-restarts",
+    args = [sys.executable, "-m", "longboat.cli", "run", "-n", "2", "--max-restarts",
             "1", str(SCRIPT), str(ck), str(out), str(STEPS)]
     if kill:
         args += ["--kill-at", str(KILL_AT)]

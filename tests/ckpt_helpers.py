@@ -27,6 +27,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "zero1": {"strategy": "zero", "zero": {"stage": 1, "bucket_mb": 0.001}},
     "zero2": {"strategy": "zero", "zero": {"stage": 2, "bucket_mb": 0.001}},
     "zero3": {"strategy": "zero", "zero": {"stage": 3, "unit_classes": ["Linear", "LayerNorm"]}},
+    # ZeRO-3 within pairs of ranks, replicated across the pairs (at 4 ranks: 2 x 2)
+    "hsdp": {"strategy": "zero", "zero": {"stage": 3, "unit_classes": ["Linear", "LayerNorm"]},
+             "mesh": {"dp_replicate": 2}},
 }
 
 

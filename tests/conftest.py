@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
+from longboat.comm.collectives import NCCL_RULES_VAR
 from longboat.testing import RankPools
+
+# Every topology the tests build (in this process, in the pool's ranks, in launched scripts)
+# enforces NCCL's rules on gloo ([Note: NCCL rules] in longboat/comm/collectives.py), so that a
+# CPU tensor on the data plane, or a tensor of the model on the control plane, fails here too.
+os.environ[NCCL_RULES_VAR] = "1"
 
 
 @pytest.fixture(scope="session")

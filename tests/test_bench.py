@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from longboat.launch.cli import app
+from longboat.cli import app
 from longboat.models import GPT, gpt_param_count
 
 SIDES = ("replicate", "zero2", "ddp")

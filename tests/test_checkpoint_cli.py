@@ -12,7 +12,7 @@ import reference
 import torch
 from typer.testing import CliRunner
 
-from longboat.launch.cli import app
+from longboat.cli import app
 
 
 def _train_and_save(ckpt: str) -> dict:

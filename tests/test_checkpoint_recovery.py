@@ -25,7 +25,7 @@ TIMEOUT_S = 120
 
 
 def _launch(*args: str, **popen) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "longboat.launch.cli", "run", *args],
+    return subprocess.Popen([sys.executable, "-m", "longboat.cli", "run", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **popen)
 

@@ -44,10 +44,11 @@ def saved(ranks, tmp_path_factory):
     return get
 
 
-def _resume_everywhere(ranks, ckpt: str, worlds: list[int], uninterrupted: dict) -> None:
+def _resume_everywhere(ranks, ckpt: str, worlds: list[int], uninterrupted: dict,
+                       layouts: list[str] = STRATEGIES) -> None:
     failures = []
     for world in worlds:
-        for layout in STRATEGIES:
+        for layout in layouts:
             results = ranks(world, h.run, layout, world, STEPS, ckpt, (), True, noise=False)
             for r, res in enumerate(results):
                 # The load restored step SAVE_AT's weights (not what a fresh run starts with).
@@ -84,3 +85,12 @@ def test_tied_weights_reshard_across_zero3_units(ranks, tmp_path):
     for world, layout in [(2, "replicate"), (3, "zero1"), (1, "single")]:
         for res in ranks(world, h.run, layout, world, STEPS, ckpt, (), True, **tied):
             assert reference.max_rel_diff(res["state"], whole["state"]) < 1e-5, (layout, world)
+
+
+def test_hybrid_sharding_reshards_both_ways(ranks, saved, uninterrupted):
+    """A 2 x 2 hybrid-sharded checkpoint (ZeRO-3 within pairs, replicas across them: each shard
+    written once, by one replica) loads into every other layout, and theirs into it."""
+    _resume_everywhere(ranks, saved("hsdp", 4), [1, 3], uninterrupted)
+    _resume_everywhere(ranks, saved("hsdp", 4), [2], uninterrupted, ["replicate", "zero3"])
+    for source in ("replicate", "zero2"):
+        _resume_everywhere(ranks, saved(source, 2), [4], uninterrupted, ["hsdp"])

@@ -70,13 +70,17 @@ def test_manifest_round_trip_and_its_checks(tmp_path):
 
 
 def test_replicated_tensors_are_written_once_spread_over_ranks():
-    pieces = [Piece(f"p{i}", MODEL, (n,), 0, n, torch.zeros(n), replicated=True)
+    pieces = [Piece(f"p{i}", MODEL, (n,), 0, n, torch.zeros(n), replicas=(0, 1))
               for i, n in enumerate([60, 100, 40])]
-    owner = assign_replicated(pieces, 2)
-    assert len(owner) == 3
-    load = [sum(p.tensor.numel() for p in pieces if owner[(p.name, p.key)] == r)
-            for r in (0, 1)]
-    assert load == [100, 100]  # largest first, each to the least loaded rank
+    # Shards held alike by ranks 2 and 3 only (hybrid sharding's replicas): one of them.
+    pieces += [Piece("q", MODEL, (100,), 50 * i, 50 * (i + 1), torch.zeros(50), replicas=(2, 3))
+               for i in range(2)]
+    pieces.append(Piece("mine", MODEL, (5,), 0, 5, torch.zeros(5)))  # this rank's alone
+    owner = assign_replicated(pieces)
+    assert len(owner) == 5 and ("mine", MODEL, 0) not in owner
+    load = [sum(p.tensor.numel() for p in pieces if owner.get((p.name, p.key, p.start)) == r)
+            for r in range(4)]
+    assert load == [100, 100, 50, 50]  # largest first, each to the least loaded holder
 
 
 def test_fingerprint_ignores_registration_order_but_not_tying():

@@ -183,7 +183,7 @@ def _free_port() -> int:
 def _cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``longboat ARGS`` with a hard timeout; a wide terminal keeps table rows whole."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
-    cmd = [sys.executable, "-m", "longboat.launch.cli", *args]
+    cmd = [sys.executable, "-m", "longboat.cli", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, start_new_session=True)
     try:
@@ -313,7 +313,7 @@ def test_two_nodes_on_this_machine_meet_and_both_show_every_rank() -> None:
     common = ("doctor", "--nnodes", "2", "--master-addr", addr, "--master-port", port,
               "--rdzv-timeout", "60")
     env = {**os.environ, "COLUMNS": "200"}
-    procs = [subprocess.Popen([sys.executable, "-m", "longboat.launch.cli", *common,
+    procs = [subprocess.Popen([sys.executable, "-m", "longboat.cli", *common,
                                "--node-rank", str(k)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env,
                               start_new_session=True) for k in (0, 1)]

@@ -96,6 +96,15 @@ def test_tiny_and_tied_models_at_four_ranks(ranks, strategy):
                                 global_batch=GLOBAL_BATCH, tol=TOL)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_sharding_equals_plain_pytorch(ranks, stage):
+    """ZeRO within pairs of ranks, replicated across the two pairs ([Note: hybrid sharding]):
+    the same run as the plain loop at 4 ranks, every micro-batch's loss included."""
+    harness.run_and_compare(ranks, 4, STRATEGIES[f"zero{stage}"], RECIPES["adamw-clip-sched"],
+                            STEPS, accum=2, global_batch=GLOBAL_BATCH, tol=TOL,
+                            mesh={"dp_replicate": 2})
+
+
 def test_reference_is_plain():
     """The reference imports nothing from longboat, directly or through a test module."""
     here = Path(__file__).parent
@@ -234,3 +243,38 @@ def test_optimizer_and_model_must_agree(strategy):
         longboat.initialize(model, torch.optim.AdamW([*model.parameters(), stranger]), cfg)
     # Frozen parameters may sit in the optimizer (built before freezing): plain PyTorch skips them.
     longboat.initialize(model, torch.optim.AdamW(model.parameters()), cfg).close()
+
+
+# -- schedule-driven steps ----------------------------------------------------------------------
+
+
+def _by_steps(cfg: dict, recipe: reference.Recipe) -> dict:
+    """The same run as harness.train, through engine.train_step on whole-step batches."""
+    import longboat
+
+    model, opt, sched = recipe.build()
+    engine = longboat.initialize(model, opt, cfg, scheduler=sched)
+    data = harness.data_for(recipe, engine.batch.train_batch_size * STEPS)
+    losses = []
+    for ids, *batch in engine.loader(data, per_step=True):
+        losses.append(engine.train_step(
+            tuple(batch), lambda out, mb: torch.nn.functional.cross_entropy(out.float(), mb[-1]),
+            inputs=lambda mb: tuple(mb[:-1])))
+        assert len(ids) == engine.batch.micro_batch_size * engine.accumulation_steps
+    state = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    return {"state": state, "losses": losses}
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "zero2", "zero3"])
+def test_train_step_is_the_same_step(ranks, strategy):
+    """engine.train_step(batch, loss_fn) on a whole step's samples computes exactly what
+    engine(x) / backward / step does on its micro-batches, bit for bit."""
+    recipe = RECIPES["adamw-clip-sched"]
+    cfg = harness.config(STRATEGIES[strategy], recipe, GLOBAL_BATCH, GLOBAL_BATCH // 4)
+    by_micro = ranks(2, harness.train, recipe, cfg, STEPS, perturb=False)
+    by_step = ranks(2, _by_steps, cfg, recipe)
+    for micro, step in zip(by_micro, by_step, strict=True):
+        assert [sum(s) / len(s) for s in micro["losses"]] == step["losses"]
+        for k, v in micro["state"].items():
+            assert torch.equal(v, step["state"][k]), k

@@ -24,7 +24,7 @@ def _accuracy(out: str) -> float:
 def test_digits_under_longboat_run_two_ranks(config, strategy):
     extra = ["--config", str(ROOT / "examples" / config)] if config else []
     proc = subprocess.run(
-        [sys.executable, "-m", "longboat.launch.cli", "run", "-n", "2",
+        [sys.executable, "-m", "longboat.cli", "run", "-n", "2",
          str(ROOT / "examples" / "digits.py"), *extra],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )

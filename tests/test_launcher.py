@@ -29,7 +29,7 @@ RESULT = re.compile(
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "longboat.launch.cli", *args]
+    return [sys.executable, "-m", "longboat.cli", *args]
 
 
 def _run(args: Sequence[str]) -> subprocess.CompletedProcess[str]:

@@ -15,8 +15,9 @@ from reference import TinyNet
 from typer.testing import CliRunner
 
 from longboat.comm.collectives import Collectives
+from longboat.comm.protocol import Comm
 from longboat.config import load_config
-from longboat.launch.cli import app
+from longboat.cli import app
 from longboat.models import GPT, gpt_loss, gpt_param_count, synthetic_tokens
 from longboat.plan import Target, make_plan, resolve
 from longboat.plan.planner import OPTIMIZERS, strategy_config
@@ -326,10 +327,8 @@ def test_a_config_file_reaches_the_strategies(tmp_path):
     assert "unit_classes" in res.output  # the closest valid key
 
 
-def test_meta_doorway_offers_everything_the_real_one_does():
-    """The planner hands the engine a MetaCollectives where a rank has a Collectives; an attribute
-    the engine or a strategy reads on one must exist on the other (a missing one once failed every
-    plan at engine.close())."""
-    real, meta = Collectives(), MetaCollectives(2)  # the real one: a world of one, no group
-    missing = sorted(n for n in dir(real) if not n.startswith("_") and not hasattr(meta, n))
-    assert not missing, f"MetaCollectives lacks {missing}"
+def test_both_doorways_implement_the_protocol():
+    """The planner hands the engine a MetaCollectives where a rank has a Collectives; both
+    implement the one Comm protocol the engine and the strategies are written against."""
+    for doorway in (Collectives(), Collectives.alone(), MetaCollectives(2)):
+        assert isinstance(doorway, Comm), type(doorway).__name__

@@ -329,7 +329,7 @@ def test_digits_converges_in_low_precision(tmp_path, dtype):
     cfg = tmp_path / f"digits_{dtype}.toml"
     cfg.write_text(toml + f'\n[precision]\ndtype = "{dtype}"\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "longboat.launch.cli", "run", "-n", "2",
+        [sys.executable, "-m", "longboat.cli", "run", "-n", "2",
          str(ROOT / "examples" / "digits.py"), "--config", str(cfg)],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     out = proc.stdout + proc.stderr

@@ -21,10 +21,10 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
 from longboat import checkpoint
-from longboat.comm.collectives import Collectives
 from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
 from longboat.data import ShardedLoader, make_loader
 from longboat.grads import clip_by_global_norm_
+from longboat.mesh import Mesh, MeshError
 from longboat.observe.log import setup_logging
 from longboat.observe.memory import (
     MemoryReport,
@@ -35,7 +35,9 @@ from longboat.observe.memory import (
 from longboat.observe.monitor import Monitor
 from longboat.optim import build_optimizer, build_scheduler, check_parameters
 from longboat.precision import Precision, SkippedStep
-from longboat.strategies import StrategyContext, build_strategy
+from longboat.schedule import LossFn, Schedule, Sequential, default_inputs, split
+from longboat.strategies import build_strategy
+from longboat.topology import DoorwayOptions, Topology
 from longboat.world import World, destroy_process_group, device_for, init_process_group
 
 
@@ -43,23 +45,30 @@ class Engine:
     """A model trained by a strategy. Create it with :func:`longboat.initialize`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
-                 world: World, comm: Collectives, scheduler: LRScheduler | None = None,
+                 world: World, topology: Topology, scheduler: LRScheduler | None = None,
                  owns_group: bool = False) -> None:
         self.config = config
         self.world = world
-        self.comm = comm
+        self.topology = topology
+        mesh = topology.mesh
+        # The data-parallel axis: the batch arithmetic and the loader count its ranks; its data
+        # plane carries the gradients. Agreements of the whole job (overflow skips, checkpoint
+        # exchanges, monitor events, stop votes) go over the world's control plane.
+        self.comm = topology.data("dp")
+        self.control = topology.control("world")
         self.model = model  # the user's module, parameter names unchanged
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.batch: ResolvedBatch = resolve_batch(config.batch, comm.world_size)
+        self.batch: ResolvedBatch = resolve_batch(config.batch, mesh.dp)
         check_parameters(model, optimizer)
         # Counted before the strategy may shard the parameters away.
         self.trainable_params = sum(p.numel() for p in dict.fromkeys(model.parameters())
                                     if p.requires_grad)
         # Names, full shapes and dtypes (the model fingerprint), also before any sharding.
         self.checkpointing = checkpoint.Checkpointing(model)
-        self.strategy = build_strategy(config.resolved_strategy(comm.world_size),
-                                       StrategyContext(world, comm, config))
+        self.strategy = build_strategy(config.resolved_strategy(mesh.dp), world, topology,
+                                       config)
+        self.schedule: Schedule = Sequential()
         self.module = self.strategy.setup(model, optimizer)
         self.precision = Precision(config.precision, device_for(world))
         self.micro_step = 0
@@ -71,15 +80,16 @@ class Engine:
         self._owns_group = owns_group
         self._closed = False
         self.log = logging.getLogger("longboat")
-        self.monitor = Monitor(config, comm, is_main=world.is_main,
+        self.monitor = Monitor(config, self.control, topology, is_main=world.is_main,
                                train_batch_size=self.batch.train_batch_size,
                                optimizer=optimizer, device=device_for(world),
                                loss_scale=lambda: self.precision.loss_scale
                                if self.precision.checks_overflow else None)
-        self.log.info("strategy %s on %d rank(s); batch: %d per step = micro %d x accumulation "
-                      "%d x data-parallel %d", self.strategy.name, comm.world_size,
+        layout = "" if mesh.dp == mesh.world_size else f" (mesh {mesh.describe()})"
+        self.log.info("strategy %s on %d rank(s)%s; batch: %d per step = micro %d x accumulation "
+                      "%d x data-parallel %d", self.strategy.name, mesh.world_size, layout,
                       self.batch.train_batch_size, self.batch.micro_batch_size,
-                      self.batch.gradient_accumulation_steps, comm.world_size)
+                      self.batch.gradient_accumulation_steps, mesh.dp)
         if self.precision.describe():
             self.log.info("precision %s", self.precision.describe())
         # Leave the process group at exit even if the script never calls close(); a weak
@@ -149,17 +159,37 @@ class Engine:
             # with the communication still in flight.
             self.strategy.wait_gradients()
             grads = self.strategy.local_gradients()
-            skip = self.precision.unscale_and_check(grads, self.comm)  # same on every rank
+            skip = self.precision.unscale_and_check(grads, self.control)  # same everywhere
             self.precision.update(skip, self.global_step + 1)
             if self.config.gradient_clipping > 0 and not skip:
                 self.last_grad_norm = clip_by_global_norm_(
-                    grads, self.config.gradient_clipping, self.comm, self.strategy.grads_sharded)
+                    grads, self.config.gradient_clipping, self.strategy.norm_groups(),
+                    self.device)
         # A skipped step still runs the strategy's step bookkeeping ([Note: skipped step]).
         self.strategy.optimizer_step(SkippedStep(self.optimizer) if skip else self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += skip
         if self.scheduler is not None and not skip:
             self.scheduler.step()
+
+    def train_step(self, batch: Any, loss_fn: LossFn, *,
+                   inputs: Callable[[Any], tuple[Any, ...]] | None = None) -> float:
+        """One optimizer step on ``batch``, this rank's samples of the step (accumulation x
+        micro-batch of them, in dim 0 of a tensor or of each tensor in a tuple, list or dict;
+        ``engine.loader(dataset, per_step=True)`` yields such batches).
+
+        The batch is split into micro-batches that the schedule runs forward (the model called
+        on ``inputs(micro_batch)``, by default the first element of a tuple) and backward
+        (``loss_fn(output, micro_batch)``), then :meth:`step` runs. Returns the mean loss of
+        the micro-batches on this rank.
+        """
+        if self.micro_step % self.accumulation_steps:
+            raise RuntimeError("train_step() in the middle of an accumulation begun with "
+                               "backward(): finish it with step() first")
+        micro_batches = split(batch, self.batch.micro_batch_size, self.accumulation_steps)
+        losses = self.schedule.run(self, micro_batches, loss_fn, inputs or default_inputs)
+        self.step()
+        return sum(losses) / len(losses)
 
     def set_total_steps(self, total: int) -> None:
         """Tell the console how many optimizer steps the run takes (for its ETA)."""
@@ -168,13 +198,16 @@ class Engine:
     # -- data ----------------------------------------------------------------------------------
 
     def loader(self, dataset: Dataset, *, shuffle: bool | None = None,
-               collate_fn: Callable[..., Any] | None = None) -> ShardedLoader:
-        """This rank's shard of ``dataset`` in micro-batches; see :mod:`longboat.data`."""
+               collate_fn: Callable[..., Any] | None = None,
+               per_step: bool = False) -> ShardedLoader:
+        """This rank's shard of ``dataset`` in micro-batches (``per_step``: in batches of a
+        whole optimizer step, for :meth:`train_step`); see :mod:`longboat.data`."""
         d = self.config.data
+        per_batch = self.batch.micro_batch_size * (self.accumulation_steps if per_step else 1)
         # Tracked: checkpoints record its position, and a loaded one resumes it.
         loader = self.checkpointing.track(make_loader(
-            dataset, rank=self.comm.rank, world_size=self.comm.world_size,
-            micro_batch_size=self.batch.micro_batch_size,
+            dataset, rank=self.topology.coords["dp"], world_size=self.topology.mesh.dp,
+            micro_batch_size=per_batch,
             train_batch_size=self.batch.train_batch_size,
             shuffle=d.shuffle if shuffle is None else shuffle, seed=self.config.seed,
             remainder=d.remainder, num_workers=d.num_workers, collate_fn=collate_fn,
@@ -191,7 +224,7 @@ class Engine:
         evaluate alone::
 
             with engine.gathered_parameters():      # every rank enters and leaves it
-                if engine.comm.rank == 0:
+                if engine.world.rank == 0:
                     with torch.no_grad():
                         engine.eval()(x)
 
@@ -238,7 +271,7 @@ class Engine:
         leave the training loop. Call it at the same point on every rank, e.g. after each
         ``step()`` (it is one small all-reduce); the first call starts listening for the signals.
         """
-        return self.checkpointing.stop.agreed(self.comm)
+        return self.checkpointing.stop.agreed(self.control)
 
     def memory_report(self) -> MemoryReport:
         """Model-state bytes on this rank, counted from storages, beside the strategy's formula
@@ -246,10 +279,10 @@ class Engine:
         a = self.trainable_params
         k = optimizer_state_bytes_per_param(self.optimizer)
         return MemoryReport(
-            rank=self.comm.rank, strategy=self.strategy.name, trainable_params=a,
-            world_size=self.comm.world_size,
+            rank=self.world.rank, strategy=self.strategy.name, trainable_params=a,
+            world_size=self.topology.mesh.dp_shard,
             measured=measure(self.strategy.memory_tensors(self.optimizer)),
-            expected=expected_bytes(self.strategy.name, a, self.comm.world_size, k))
+            expected=expected_bytes(self.strategy.name, a, self.topology.mesh.dp_shard, k))
 
     @property
     def device(self) -> torch.device:
@@ -271,11 +304,12 @@ class Engine:
         self.monitor.close()
         self.strategy.close()
         self.checkpointing.stop.uninstall()
-        commlog = self.comm.commlog
+        commlog = getattr(self.comm, "commlog", None)
         if commlog is not None and self.world.is_main:
-            # Rank 0's view; every rank's numbers are in engine.comm.log_summary().
+            # Rank 0's view of the data-parallel traffic; every rank's numbers are in
+            # engine.comm.log_summary().
             print(commlog.table(), end="", flush=True)
-        self.comm.close()
+        self.topology.close()
         if self._owns_group:
             destroy_process_group()
 
@@ -317,12 +351,12 @@ def initialize(
     world = world or World.from_env()
     setup_logging(world, cfg.log.level)
     owns = init_process_group(world, timeout_s=cfg.comm.timeout_s)
+    mesh = resolve_mesh(cfg, world.world_size)
     c = cfg.comm
-    comm = Collectives(desync_check=c.desync_check, log=c.log, log_verbose=c.log_verbose,
-                       timeout_s=c.timeout_s)
-    if comm.world_size != world.world_size:
-        raise RuntimeError(f"process group has {comm.world_size} ranks but the environment "
-                           f"says {world.world_size}")
+    topology = Topology.build(mesh, DoorwayOptions(desync_check=c.desync_check, log=c.log,
+                                                   log_verbose=c.log_verbose,
+                                                   timeout_s=c.timeout_s),
+                              device_for(world))
     if torch.cuda.is_available():
         model.to(device_for(world))
     if optimizer is None:
@@ -332,4 +366,21 @@ def initialize(
         optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     if scheduler is None and cfg.scheduler is not None:
         scheduler = build_scheduler(optimizer, cfg.scheduler)
-    return Engine(model, optimizer, cfg, world, comm, scheduler, owns_group=owns)
+    return Engine(model, optimizer, cfg, world, topology, scheduler, owns_group=owns)
+
+
+def resolve_mesh(cfg: Config, world_size: int) -> Mesh:
+    """The config's ``[mesh]`` at ``world_size`` ranks; axes no strategy uses yet are refused
+    by name."""
+    m = cfg.mesh
+    try:
+        mesh = Mesh.resolve(world_size, pp=m.pp, tp=m.tp, dp=m.dp,
+                            dp_replicate=m.dp_replicate, dp_shard=m.dp_shard)
+    except MeshError as e:
+        raise ConfigError(str(e)) from None
+    for axis in ("pp", "tp"):
+        if getattr(mesh, axis) > 1:
+            raise ConfigError(f"key 'mesh.{axis}' = {getattr(mesh, axis)}: "
+                              f"{'pipeline' if axis == 'pp' else 'tensor'} parallelism is not "
+                              "available yet; leave it at 1")
+    return mesh

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from longboat.comm.collectives import Collectives
+from longboat.comm.protocol import Comm
 from longboat.config import PrecisionConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -138,7 +138,7 @@ class Precision:
     def __init__(self, cfg: PrecisionConfig, device: torch.device | str) -> None:
         self.name = cfg.dtype
         self.dtype = DTYPES[cfg.dtype]
-        self.device = torch.device(device)  # where the overflow flag lives (NCCL needs CUDA)
+        self.device = torch.device(device)  # where the gradients (and so the checks) live
         self.device_type = self.device.type
         self.scaler = LossScaler.from_config(cfg) if cfg.dtype == "fp16" else None
 
@@ -185,7 +185,7 @@ class Precision:
         """``loss`` times the loss scale (unchanged unless fp16)."""
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    def unscale_and_check(self, grads: list[torch.Tensor], comm: Collectives) -> bool:
+    def unscale_and_check(self, grads: list[torch.Tensor], comm: Comm) -> bool:
         """Divide ``grads`` by the loss scale in place; True if any rank has an inf/NaN.
 
         Every rank must call this at the same step (it all-reduces the flag) and gets the same
@@ -198,6 +198,7 @@ class Precision:
         for g in grads:
             g.mul_(inv)
             flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
+        flag = flag.cpu()  # read by the CPU anyway: agreed on the control plane
         comm.all_reduce(flag, op="max")
         return bool(flag.item())
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from longboat.comm.collectives import Collectives
+from longboat.comm.protocol import Comm
 
 
-def gather_json(comm: Collectives, obj: Any) -> list[Any]:
+def gather_json(comm: Comm, obj: Any) -> list[Any]:
     """Every rank's JSON-able ``obj``, in rank order, on every rank (tuples come back as lists).
 
     Two collectives: the longest encoding (MAX), then an all-gather of the padded bytes.

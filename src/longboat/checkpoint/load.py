@@ -26,7 +26,7 @@ from longboat.checkpoint.source import ManifestSource
 from longboat.checkpoint.verify import verify_files
 
 if TYPE_CHECKING:
-    from longboat.engine import Engine
+    from longboat.checkpoint.protocol import Trained
 
 log = logging.getLogger("longboat")
 
@@ -49,7 +49,7 @@ class LoadedCheckpoint:
         return self.resharded_from is not None
 
 
-def load(engine: Engine, directory: str | os.PathLike[str], tag: str | None = None, *,
+def load(engine: Trained, directory: str | os.PathLike[str], tag: str | None = None, *,
          allow_missing: bool = False) -> LoadedCheckpoint | None:
     """Load a checkpoint into ``engine`` (see [Note: verified load]); every rank must call it.
 
@@ -57,7 +57,7 @@ def load(engine: Engine, directory: str | os.PathLike[str], tag: str | None = No
     complete one). With ``allow_missing=True`` a directory with no checkpoint returns None (a
     fresh start); otherwise it is an error.
     """
-    comm = engine.comm
+    comm = engine.control
     root = Path(directory)
     if engine.micro_step % engine.accumulation_steps:
         raise CheckpointError(
@@ -123,7 +123,7 @@ def load(engine: Engine, directory: str | os.PathLike[str], tag: str | None = No
                             None if there == here else there)
 
 
-def _check_model(engine: Engine, manifest: Manifest, path: Path) -> None:
+def _check_model(engine: Trained, manifest: Manifest, path: Path) -> None:
     ours = engine.checkpointing.spec
     if manifest.fingerprint == ours.fingerprint:
         return

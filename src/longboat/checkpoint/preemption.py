@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from longboat.comm.collectives import Collectives
+from longboat.comm.protocol import Comm
 
 log = logging.getLogger("longboat")
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -50,9 +50,9 @@ class StopSignals:
         self.received = signal.Signals(signum).name
         log.warning("%s received: stopping at the next step boundary", self.received)
 
-    def agreed(self, comm: Collectives) -> bool:
+    def agreed(self, comm: Comm) -> bool:
         """True on every rank once any rank received a stop signal. Every rank must call it at
-        the same point (one small all-reduce)."""
+        the same point (one small all-reduce on ``comm``, the world's control plane)."""
         self._install()
         flag = torch.tensor([1.0 if self.received else 0.0])
         comm.all_reduce(flag, op="max")

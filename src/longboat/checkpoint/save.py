@@ -32,7 +32,7 @@ from longboat.checkpoint.tensorfile import write_json, write_tensors
 from longboat.strategies.pieces import Piece
 
 if TYPE_CHECKING:
-    from longboat.engine import Engine
+    from longboat.checkpoint.protocol import Trained
 
 log = logging.getLogger("longboat")
 
@@ -48,27 +48,33 @@ def _key(p: Piece) -> str:
     return f"{p.key}:{p.name}"
 
 
-def assign_replicated(pieces: list[Piece], world_size: int) -> dict[tuple[str, str], int]:
-    """Which rank writes each replicated piece: largest first to the least loaded rank, so each
-    tensor is written once and the bytes spread evenly. Every rank computes the same answer."""
-    order = sorted((p for p in pieces if p.replicated),
-                   key=lambda p: (-p.tensor.numel() * p.tensor.element_size(), p.name, p.key))
-    load = [0] * world_size
+def assign_replicated(pieces: list[Piece]) -> dict[tuple[str, str, int], int]:
+    """Which global rank writes each replicated piece, keyed by (name, key, start): among the
+    ranks that hold it, largest first to the least loaded, so each tensor is written once and
+    the bytes spread evenly. Every holder computes the same answer from the same pieces."""
+    by_holders: dict[tuple[int, ...], list[Piece]] = {}
+    for p in pieces:
+        if p.replicated:
+            by_holders.setdefault(p.replicas, []).append(p)
     owner = {}
-    for p in order:
-        r = min(range(world_size), key=lambda i: (load[i], i))
-        owner[(p.name, p.key)] = r
-        load[r] += p.tensor.numel() * p.tensor.element_size()
+    for holders, group in by_holders.items():
+        order = sorted(group, key=lambda p: (-p.tensor.numel() * p.tensor.element_size(),
+                                             p.name, p.key, p.start))
+        load = [0] * len(holders)
+        for p in order:
+            i = min(range(len(holders)), key=lambda i: (load[i], i))
+            owner[(p.name, p.key, p.start)] = holders[i]
+            load[i] += p.tensor.numel() * p.tensor.element_size()
     return owner
 
 
-def save(engine: Engine, directory: str | os.PathLike[str], tag: str | None = None,
+def save(engine: Trained, directory: str | os.PathLike[str], tag: str | None = None,
          client_state: Any = None, *, on_phase: Callable[[str], None] | None = None) -> Path:
     """Write a checkpoint of ``engine`` under ``directory/tag`` (see [Note: atomic save]).
 
     Every rank must call it, with the same tag. Returns the checkpoint's path.
     """
-    comm, rank = engine.comm, engine.comm.rank
+    comm, rank = engine.control, engine.control.rank
     phase = on_phase or (lambda _name: None)
     if engine.micro_step % engine.accumulation_steps:
         raise CheckpointError(
@@ -121,13 +127,14 @@ def save(engine: Engine, directory: str | os.PathLike[str], tag: str | None = No
     return root / tag
 
 
-def _write_rank_files(engine: Engine, tmp: Path, client_state: Any) -> dict[str, Any]:
+def _write_rank_files(engine: Trained, tmp: Path, client_state: Any) -> dict[str, Any]:
     """This rank's tensor file and JSON file (and rank 0's state.json); what they hold."""
-    comm = engine.comm
+    comm = engine.control  # the world: one tensor file and one JSON file per rank
     tmp.mkdir(parents=True, exist_ok=True)
     state = engine.strategy.checkpoint_state(engine.model, engine.optimizer)
-    owner = assign_replicated(state.pieces, comm.world_size)
-    mine = [p for p in state.pieces if not p.replicated or owner[(p.name, p.key)] == comm.rank]
+    owner = assign_replicated(state.pieces)
+    mine = [p for p in state.pieces
+            if not p.replicated or owner[(p.name, p.key, p.start)] == comm.rank]
     tfile = layout.tensor_file(comm.rank)
     record = write_tensors(tmp / tfile, [(_key(p), p.tensor) for p in mine],
                            {"format": "longboat-checkpoint", "rank": str(comm.rank)})
@@ -144,7 +151,7 @@ def _write_rank_files(engine: Engine, tmp: Path, client_state: Any) -> dict[str,
             "index": index}
 
 
-def _publish(engine: Engine, root: Path, tmp: Path, tag: str, reports: list[dict[str, Any]],
+def _publish(engine: Trained, root: Path, tmp: Path, tag: str, reports: list[dict[str, Any]],
              phase: Callable[[str], None]) -> None:
     """Rank 0: manifest, rename into place, move ``latest``, prune (see [Note: atomic save])."""
     tensors: dict[str, dict[str, TensorEntry]] = {}
@@ -157,7 +164,7 @@ def _publish(engine: Engine, root: Path, tmp: Path, tag: str, reports: list[dict
             tensors[name][key] = TensorEntry(tuple(shape), dtype,
                                              (*(e.shards if e else ()), shard))
     spec = engine.checkpointing.spec
-    manifest = Manifest(tag, engine.global_step, engine.strategy.name, engine.comm.world_size,
+    manifest = Manifest(tag, engine.global_step, engine.strategy.name, engine.control.world_size,
                         spec, spec.fingerprint, tensors, files, time.time())
     write_json(tmp / layout.MANIFEST, to_json_bytes(manifest.to_json(), "manifest"))
     fsync_dir(tmp)

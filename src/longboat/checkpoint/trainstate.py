@@ -13,7 +13,7 @@ from longboat.checkpoint.errors import CheckpointError
 from longboat.strategies.pieces import decode_scalar, encode_scalar
 
 if TYPE_CHECKING:
-    from longboat.engine import Engine
+    from longboat.checkpoint.protocol import Trained
 
 log = logging.getLogger("longboat")
 
@@ -21,11 +21,11 @@ log = logging.getLogger("longboat")
 COUNTERS = ("global_step", "micro_step", "skipped_steps")
 
 
-def _scaler(engine: Engine) -> Any:
+def _scaler(engine: Trained) -> Any:
     return getattr(getattr(engine, "precision", None), "scaler", None)
 
 
-def capture(engine: Engine, groups: list[list[str]], client_state: Any) -> dict[str, Any]:
+def capture(engine: Trained, groups: list[list[str]], client_state: Any) -> dict[str, Any]:
     """Everything of ``state.json``; ``groups`` are the parameter names per optimizer group."""
     cpu = torch.device("cpu")
     hyper = [{k: _encode(v, f"optimizer param_groups[{i}][{k!r}]", cpu)
@@ -66,7 +66,7 @@ def check_groups(saved: dict[str, Any], current: list[list[str]]) -> None:
                               f"{', '.join(moved[:5])}; build the optimizer with the same groups")
 
 
-def check_scheduler(saved: dict[str, Any], engine: Engine) -> None:
+def check_scheduler(saved: dict[str, Any], engine: Trained) -> None:
     """Refuse (before anything is loaded) a scheduler state with no scheduler to take it, and
     say when a scheduler will start afresh."""
     if saved["scheduler"] is not None and engine.scheduler is None:
@@ -77,7 +77,7 @@ def check_scheduler(saved: dict[str, Any], engine: Engine) -> None:
         log.warning("the checkpoint holds no LR scheduler state: the scheduler starts afresh")
 
 
-def check_loaders(saved: dict[str, Any], engine: Engine) -> None:
+def check_loaders(saved: dict[str, Any], engine: Trained) -> None:
     """Refuse (before anything is loaded) loader positions this engine's batch cannot resume:
     the samples an epoch had consumed must be whole micro-batches over all ranks here."""
     per_batch = engine.batch.micro_batch_size * engine.comm.world_size
@@ -90,7 +90,7 @@ def check_loaders(saved: dict[str, Any], engine: Engine) -> None:
                 "with (batch.train_batch_size)")
 
 
-def apply(engine: Engine, saved: dict[str, Any]) -> None:
+def apply(engine: Trained, saved: dict[str, Any]) -> None:
     """Put back everything of ``state.json`` except the client state."""
     for group, g in zip(engine.optimizer.param_groups, saved["optimizer"]["groups"],
                         strict=True):

@@ -15,6 +15,7 @@ so the optimizer leaves it and its state alone, as plain PyTorch does.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -68,48 +69,57 @@ class BucketPlan:
         return self.buckets[b], i
 
 
+def group_params(params: Iterable[torch.nn.Parameter], cap_bytes: int,
+                 first_cap_bytes: int | None = None,
+                 key: Callable[[torch.nn.Parameter], Hashable] = lambda p: (p.dtype, p.device),
+                 ) -> list[list[torch.nn.Parameter]]:
+    """Trainable ``params`` in buckets of about ``cap_bytes``, the one grouping every strategy
+    uses (replicate's buckets, ZeRO's stage-1/2 units).
+
+    Parameters are taken in reverse order (about the order backward produces their gradients);
+    each ``key`` (dtype and device; ZeRO adds the param group) fills a bucket of its own, which
+    closes when the next parameter would pass the cap. Until the first bucket closes the cap is
+    ``first_cap_bytes`` (small, so communication starts early). A parameter larger than the cap
+    gets a bucket of its own; tied parameters appear once, frozen ones not at all. Buckets are
+    listed in the order they close (the rest at the end), which is the order they are launched
+    in. Every rank computes the same grouping from the same model.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {cap_bytes} bytes")
+    out: list[list[torch.nn.Parameter]] = []
+    open_: dict[Hashable, tuple[list[torch.nn.Parameter], int]] = {}
+    seen: set[int] = set()
+    for p in reversed(list(params)):
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        k = key(p)
+        current, size = open_.get(k, ([], 0))
+        cap = first_cap_bytes if (first_cap_bytes and not out) else cap_bytes
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > cap:
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        open_[k] = (current, size + nbytes)
+    out.extend(current for current, _ in open_.values() if current)
+    return out
+
+
 def plan_buckets(
     params: list[torch.nn.Parameter], bucket_bytes: int, first_bucket_bytes: int | None = None
 ) -> BucketPlan:
-    """Group trainable ``params`` into buckets of about ``bucket_bytes`` each.
-
-    Parameters are taken in reverse order; a bucket closes when adding the next parameter would
-    pass its cap, or the dtype or device changes. A parameter larger than the cap gets a bucket
-    of its own. Every rank computes the same plan from the same model, so the buckets (and the
-    order their collectives are launched in) match across ranks.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    """Replicate's buckets: :func:`group_params` by dtype and device, each with a flat buffer
+    layout (offsets) and the place of every parameter's gradient in it."""
     buckets: list[Bucket] = []
     where: dict[int, tuple[int, int]] = {}
-    current: list[torch.nn.Parameter] = []
-    size = 0
-
-    def close() -> None:
-        nonlocal current, size
-        if not current:
-            return
+    for group in group_params(params, bucket_bytes, first_bucket_bytes):
         offsets, off = [], 0
-        for p in current:
+        for p in group:
             offsets.append(off)
             off += p.numel()
-        b = Bucket(len(buckets), current, offsets, off, current[0].dtype, current[0].device)
-        for i, p in enumerate(current):
+        b = Bucket(len(buckets), group, offsets, off, group[0].dtype, group[0].device)
+        for i, p in enumerate(group):
             where[id(p)] = (b.index, i)
         buckets.append(b)
-        current, size = [], 0
-
-    seen: set[int] = set()
-    for p in reversed(params):
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))  # a tied parameter appears once
-        cap = first_bucket_bytes if (first_bucket_bytes and not buckets) else bucket_bytes
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > cap or p.dtype != current[0].dtype
-                        or p.device != current[0].device):
-            close()
-        current.append(p)
-        size += nbytes
-    close()
     return BucketPlan(buckets, where)

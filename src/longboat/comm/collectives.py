@@ -12,12 +12,25 @@ Observation is opt-in per doorway and costs one attribute test when off:
 * a collective that times out, or loses a peer, raises :class:`CollectiveTimeout` /
   :class:`PeerLost` after printing a report naming the ranks that did not arrive
   (:mod:`longboat.comm.hang`).
+
+A doorway speaks in group ranks: ``rank`` is this process's position in the group, and the
+``src`` of a broadcast or the peer of a ``send``/``recv`` is a position in the group too.
+
+[Note: NCCL rules] NCCL accepts only tensors on the GPU, so on a GPU job a tensor made on the CPU
+(a flag, a JSON exchange) must not go through a data-plane doorway, and anything the CPU must
+read (fingerprints, flags, JSON) goes through a control-plane doorway on a gloo group instead
+(:mod:`longboat.topology`). gloo accepts both, so a CPU test would not notice a mistake; a doorway
+given :class:`Rules` refuses what NCCL (for the data plane) or the control plane's purpose would
+refuse: the data plane any tensor not on the model's device, the control plane anything but
+small CPU tensors. ``LONGBOAT_NCCL_RULES=1`` turns the rules on for every doorway a topology
+builds (the test suite runs under it).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,21 +45,52 @@ from longboat.comm.hang import (
     namespace,
     raise_report,
 )
+from longboat.comm.protocol import Comm, Handle
 from longboat.comm.trace import CallRecord, dtype_name, where_called
 
-__all__ = ["CollectiveTimeout", "Collectives", "DesyncError", "Handle", "PeerLost"]
+__all__ = ["CollectiveTimeout", "Collectives", "Comm", "DesyncError", "Handle", "PeerLost",
+           "Rules"]
+
+#: The environment variable that turns :class:`Rules` on ([Note: NCCL rules]).
+NCCL_RULES_VAR = "LONGBOAT_NCCL_RULES"
 
 
-class Handle(Protocol):
-    """An in-flight asynchronous collective."""
+class RulesError(RuntimeError):
+    """A tensor this plane would refuse under NCCL ([Note: NCCL rules])."""
 
-    def wait(self) -> Any: ...
+
+@dataclass(frozen=True)
+class Rules:
+    """What a doorway accepts ([Note: NCCL rules]): the data plane only tensors on ``device``;
+    the control plane (``device`` None) only CPU tensors of at most ``max_bytes``."""
+
+    device: torch.device | None = None
+    max_bytes: int = 16 * 2**20
+
+    def check(self, op: str, tensors: tuple[torch.Tensor, ...], group: str) -> None:
+        for t in tensors:
+            if self.device is not None:
+                if t.device != self.device:
+                    raise RulesError(
+                        f"{op} on the data plane ({group}) got a tensor on {t.device}, not on "
+                        f"the model's device {self.device}: NCCL would refuse it. Make it on "
+                        "the model's device, or send what the CPU must read through the "
+                        "control plane")
+            elif t.device.type != "cpu" or t.numel() * t.element_size() > self.max_bytes:
+                raise RulesError(
+                    f"{op} on the control plane ({group}) got a {t.device} tensor of "
+                    f"{t.numel() * t.element_size():,} bytes: the control plane carries small "
+                    f"CPU tensors (at most {self.max_bytes:,} bytes); tensors of the model "
+                    "belong on the data plane")
 
 
 class _Done:
     """The handle of an operation that needed no communication."""
 
     def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
 
@@ -62,6 +106,10 @@ class _Timed:
         self._work = work
         self._rec = rec
         self._log = log  # (log, bytes, launch time) when the work has no future to time it
+
+    def is_completed(self) -> bool:
+        """Whether the operation is over (without waiting for it)."""
+        return bool(self._work.is_completed())
 
     def wait(self) -> Any:
         t0 = time.perf_counter()
@@ -88,15 +136,19 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 class Collectives:
-    """Collectives over one process group (the default group when ``group`` is None).
+    """Collectives over one process group (the default group when ``group`` is None); implements
+    :class:`~longboat.comm.protocol.Comm`.
 
-    ``timeout_s`` is the desync check's group timeout (the default group's own timeout is set
-    where it is created, :func:`longboat.world.init_process_group`). Creating a doorway with
-    ``desync_check`` is itself collective: every rank of the group must create it.
+    ``check_group`` is the gloo group (same ranks) the desync check exchanges fingerprints on;
+    with ``desync_check`` and no ``check_group`` the doorway creates one, which is itself
+    collective: every rank of the group must then create the doorway. ``timeout_s`` is that
+    group's timeout (the data group's own timeout is set where it is created).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, desync_check: bool = False,
-                 log: bool = False, log_verbose: bool = False, timeout_s: float = 600.0) -> None:
+                 log: bool = False, log_verbose: bool = False, timeout_s: float = 600.0,
+                 check_group: dist.ProcessGroup | None = None, rules: Rules | None = None,
+                 name: str | None = None) -> None:
         self.group = group
         self.active = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.active else 1
@@ -104,17 +156,38 @@ class Collectives:
         if self.world_size == 1:
             self.active = False
         self.timeout_s = timeout_s
+        self.rules = rules
         # Wall time this rank spent blocked in collectives: inside synchronous calls and in
         # waits on asynchronous ones (the profiler's "waiting for communication").
         self.blocked_seconds = 0.0
         self.seq = 0  # collectives issued; the same on every rank while they are in step
         self.last: CallRecord | None = None  # the last collective that completed its issue
-        self._check = (DesyncCheck(self.rank, self.world_size, timeout_s, group)
+        self._owns_check_group = desync_check and self.active and check_group is None
+        self._check = (DesyncCheck(self.rank, self.world_size, timeout_s, group, check_group)
                        if desync_check and self.active else None)
         self.commlog = CommLog(self.world_size, self.rank, log_verbose) if log else None
         self.desync_check = self._check is not None
         self.log = self.commlog is not None
-        self._group_name = "default" if group is None else str(getattr(group, "group_name", "?"))
+        self._group_name = name or ("default" if group is None
+                                    else str(getattr(group, "group_name", "?")))
+        self._global = (dist.get_process_group_ranks(group) if self.active and group is not None
+                        else None)
+
+    @classmethod
+    def alone(cls, global_rank: int = 0, name: str = "alone") -> Collectives:
+        """A doorway for a group of one rank, this process (global rank ``global_rank``): every
+        operation is the identity, whatever the default group is."""
+        solo = cls(name=name)
+        solo.active, solo.world_size, solo.rank = False, 1, 0
+        solo._global = [global_rank]
+        return solo
+
+    def global_rank(self, group_rank: int) -> int:
+        if self._global is not None:
+            return self._global[group_rank]
+        if self.active or group_rank == 0:
+            return group_rank  # the default group: group ranks are global ranks
+        raise ValueError(f"group rank {group_rank} in a group of one")
 
     # -- observation ---------------------------------------------------------------------------
 
@@ -127,8 +200,9 @@ class Collectives:
         return self.commlog.summary() if self.commlog is not None else []
 
     def close(self) -> None:
-        """Release the desync check's group (every rank calls it, like the constructor)."""
-        if self._check is not None and dist.is_initialized():
+        """Release the desync check's group if the doorway made it (every rank calls it, like
+        the constructor)."""
+        if self._check is not None and self._owns_check_group and dist.is_initialized():
             dist.destroy_process_group(self._check.group)
         self._check = None
         self.desync_check = False
@@ -201,9 +275,19 @@ class Collectives:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
                    ) -> Handle:
-        """Reduce ``tensor`` in place across ranks (``op``: sum, max or min)."""
+        """Reduce ``tensor`` in place across ranks (``op``: sum, avg, max or min; avg of a
+        floating tensor only)."""
         if not self.active:
             return _Done()
+        if self.rules is not None:
+            self.rules.check("all_reduce", (tensor,), self._group_name)
+        if op == "avg":
+            # gloo has no AVG: divide first, then sum (exact for the power-of-two sizes, and
+            # it keeps magnitudes small).
+            if not tensor.is_floating_point():
+                raise TypeError(f"all_reduce(op='avg') needs a floating tensor, got {tensor.dtype}")
+            tensor.div_(self.world_size)
+            op = "sum"
         self.seq += 1
         if self.observing:
             return self._observed("all_reduce", dist.all_reduce, tensor, op=_OPS[op],
@@ -218,6 +302,8 @@ class Collectives:
         if not self.active:
             output.copy_(input)
             return _Done()
+        if self.rules is not None:
+            self.rules.check("reduce_scatter", (output, input), self._group_name)
         self.seq += 1
         if self.observing:
             return self._observed("reduce_scatter", _reduce_scatter, output, input,
@@ -234,6 +320,8 @@ class Collectives:
         if not self.active:
             output.copy_(input)
             return _Done()
+        if self.rules is not None:
+            self.rules.check("all_gather", (output, input), self._group_name)
         self.seq += 1
         if self.observing:
             return self._observed("all_gather", _all_gather, output, input, tensor=input,
@@ -242,16 +330,19 @@ class Collectives:
         return self._issue(_all_gather, output, input, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
+        """Overwrite ``tensor`` on every rank with group rank ``src``'s copy."""
         if not self.active:
             return
+        if self.rules is not None:
+            self.rules.check("broadcast", (tensor,), self._group_name)
         self.seq += 1
+        root = self.global_rank(src)  # torch names the root by its global rank
         if self.observing:
-            self._observed("broadcast", dist.broadcast, tensor, src=src, tensor=tensor,
+            self._observed("broadcast", dist.broadcast, tensor, src=root, tensor=tensor,
                            check_src=src, async_op=False,
                            nbytes=tensor.numel() * tensor.element_size())
         else:
-            self._issue(dist.broadcast, tensor, src=src, async_op=False)
+            self._issue(dist.broadcast, tensor, src=root, async_op=False)
 
     def barrier(self) -> None:
         """Wait until every rank arrives."""
@@ -262,3 +353,39 @@ class Collectives:
             self._observed("barrier", dist.barrier, tensor=None, async_op=False)
         else:
             self._issue(dist.barrier, async_op=False)
+
+    # -- point to point ------------------------------------------------------------------------
+    #
+    # Not part of the desync check, which is a collective of the whole group: a send and its
+    # receive involve two ranks. A receive that never comes is still a timeout and a report.
+
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle:
+        """Send ``tensor`` to group rank ``dst``, which must ``recv`` it."""
+        return self._p2p("send", dist.isend, tensor, dst, async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle:
+        """Receive into ``tensor`` what group rank ``src`` sends."""
+        return self._p2p("recv", dist.irecv, tensor, src, async_op)
+
+    def _p2p(self, name: str, fn: Any, tensor: torch.Tensor, peer: int, async_op: bool
+             ) -> Handle:
+        if not self.active:
+            raise RuntimeError(f"{name} in a group of one rank: there is no peer")
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"{name}: peer {peer} is not another rank of this group of "
+                             f"{self.world_size}")
+        if self.rules is not None:
+            self.rules.check(name, (tensor,), self._group_name)
+        t0 = time.perf_counter()
+        try:
+            work = fn(tensor, self.global_rank(peer), group=self.group)
+        except RuntimeError as e:
+            self._failed(e, None)
+            raise
+        self.blocked_seconds += time.perf_counter() - t0
+        handle = _Timed(self, work, None)
+        if not async_op:
+            handle.wait()
+            return _Done()
+        return handle
+

@@ -27,12 +27,15 @@ class DesyncCheck:
     """Fingerprint exchange over a dedicated gloo group (created collectively at setup)."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None,
+                 check_group: dist.ProcessGroup | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        self.group = dist.new_group(ranks=ranks, backend="gloo",
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+        if check_group is None:  # a gloo group of the same ranks, made here (collectively)
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            check_group = dist.new_group(ranks=ranks, backend="gloo",
+                                         timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = check_group
         self._mine = torch.zeros(FINGERPRINT_LEN, dtype=torch.int64)
         self._all = torch.zeros(world_size, FINGERPRINT_LEN, dtype=torch.int64)
         self._views = list(self._all.unbind(0))

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from longboat.comm.collectives import Collectives, Handle
+from longboat.comm.protocol import Comm, Handle
 from longboat.config import Config, SinkConfig
-from longboat.observe.breakdown import COLUMNS, Breakdown
+from longboat.observe.breakdown import COLUMNS, Blocked, Breakdown
 from longboat.observe.events import Sink, StepEvent, count_tokens
 from longboat.observe.flops import StepFlops, matmul_rate
+from longboat.observe.report import RunRecord, gather_summary, render
 
 # A piped console (``longboat run``) prints a line about this often, not every step.
 LINE_EVERY = 50
@@ -38,7 +39,7 @@ def _job_dir(sink: SinkConfig) -> Path:
 class Monitor:
     """The engine's diagnostics: monitors (``monitor`` config) and profiler (``profile``)."""
 
-    def __init__(self, config: Config, comm: Collectives, *, is_main: bool,
+    def __init__(self, config: Config, comm: Comm, blocked: Blocked, *, is_main: bool,
                  train_batch_size: int, optimizer: torch.optim.Optimizer,
                  loss_scale: Any, device: torch.device) -> None:
         mon, prof = config.monitor, config.profile
@@ -61,7 +62,9 @@ class Monitor:
                                   math.ceil(LINE_EVERY / mon.every) * mon.every)
         if mon.tensorboard.enabled:
             _require_tensorboard()  # on every rank, so that none waits for a failed rank 0
-        self.breakdown = (Breakdown(comm, sync_cuda=device.type == "cuda")
+        # Events travel on ``comm`` (the world's control plane); the breakdown counts the time
+        # blocked in every doorway (``blocked``: the topology).
+        self.breakdown = (Breakdown(blocked, sync_cuda=device.type == "cuda")
                           if prof.wall_clock_breakdown else None)
         self.flops = StepFlops() if prof.flops else None
         self.peak_flops = matmul_rate(device) if prof.flops else None
@@ -213,9 +216,11 @@ class Monitor:
             self.flops.close()
         if self.breakdown is None and self.flops is None:
             return None
-        from longboat.observe.report import gather_summary, render
-
-        self.summary = gather_summary(self)
+        flops = self.flops.per_rank if self.flops is not None and self.flops.per_rank else 0
+        self.summary = gather_summary(self.comm, RunRecord(
+            self.step_times, self.phase_totals, self.first_phases,
+            breakdown=self.breakdown is not None, flops=self.flops is not None,
+            flops_per_rank=float(flops), peak_flops=self.peak_flops or 0.0))
         if self.is_main and self.summary["steps"]:  # no table for a run that took no step
             render(self.summary)
         return self.summary

@@ -7,16 +7,15 @@ whenever there is more than one step.
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from longboat.comm.protocol import Comm
 from longboat.observe.breakdown import COLUMNS
-
-if TYPE_CHECKING:
-    from longboat.observe.monitor import Monitor
 
 _LABELS = {"data": "data loading", "forward": "forward", "backward": "backward",
            "comm": "waiting for communication", "optimizer": "optimizer",
@@ -24,33 +23,45 @@ _LABELS = {"data": "data loading", "forward": "forward", "backward": "backward",
            "monitor": "monitors (events)", "other": "other (user code)"}
 
 
-def gather_summary(mon: Monitor) -> dict[str, Any]:
-    """Every rank's per-step phase means, median step time and flops, gathered (a collective:
-    every rank calls it) into one summary dict."""
-    times = mon.step_times[1:] or mon.step_times
+@dataclass(frozen=True)
+class RunRecord:
+    """What one rank measured over the run (the monitor's records)."""
+
+    step_times: list[float]
+    phase_totals: dict[str, float]  # every step but the first
+    first_phases: dict[str, float]
+    breakdown: bool  # phases were timed
+    flops: bool  # flops were counted
+    flops_per_rank: float = 0.0
+    peak_flops: float = 0.0
+
+
+def gather_summary(comm: Comm, rec: RunRecord) -> dict[str, Any]:
+    """Every rank's per-step phase means, median step time and flops, gathered over ``comm``
+    (a collective: every rank calls it) into one summary dict."""
+    times = rec.step_times[1:] or rec.step_times
     n = max(len(times), 1)
-    phases = mon.phase_totals if len(mon.step_times) > 1 else mon.first_phases
+    phases = rec.phase_totals if len(rec.step_times) > 1 else rec.first_phases
     median = statistics.median(times) if times else 0.0
-    flops = mon.flops.per_rank if mon.flops is not None and mon.flops.per_rank else 0
     local = torch.tensor([*(phases[c] / n for c in COLUMNS), sum(times) / n, median,
-                          float(flops), mon.peak_flops or 0.0], dtype=torch.float64)
-    table = torch.empty(mon.comm.world_size * local.numel(), dtype=torch.float64)
-    mon.comm.all_gather(table, local)
-    table = table.view(mon.comm.world_size, -1)
+                          rec.flops_per_rank, rec.peak_flops], dtype=torch.float64)
+    table = torch.empty(comm.world_size * local.numel(), dtype=torch.float64)
+    comm.all_gather(table, local)
+    table = table.view(comm.world_size, -1)
     k = len(COLUMNS)
     out: dict[str, Any] = {
-        "steps": len(times), "ranks": mon.comm.world_size,
+        "steps": len(times), "ranks": comm.world_size,
         "step_ms": float(table[:, k].mean()) * 1e3,
         "step_ms_max": float(table[:, k].max()) * 1e3,
         "median_step_ms": [float(v) * 1e3 for v in table[:, k + 1]],
     }
-    if mon.breakdown is not None:
+    if rec.breakdown:
         out["phases_ms"] = {c: float(table[:, i].mean()) * 1e3 for i, c in enumerate(COLUMNS)}
         out["phases_ms_max"] = {c: float(table[:, i].max()) * 1e3 for i, c in enumerate(COLUMNS)}
-    if mon.flops is not None:
+    if rec.flops:
         per_rank = float(table[0, k + 2])
         achieved = [per_rank / max(float(m), 1e-12) for m in table[:, k + 1]]
-        out.update(flops_per_rank=per_rank, flops_per_step=per_rank * mon.comm.world_size,
+        out.update(flops_per_rank=per_rank, flops_per_step=per_rank * comm.world_size,
                    achieved_flops_per_rank=sum(achieved) / len(achieved),
                    matmul_flops_per_rank=float(table[:, k + 3].mean()),
                    threads=torch.get_num_threads())

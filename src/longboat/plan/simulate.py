@@ -39,9 +39,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from longboat.comm.collectives import _Done
 from longboat.config import Config
+from longboat.mesh import Mesh
 from longboat.observe.memory import CATEGORIES, measure
 from longboat.plan.target import Target
 from longboat.plan.tracker import LiveBytes
+from longboat.topology import Topology
 from longboat.world import World
 
 
@@ -51,10 +53,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @dataclass
 class MetaCollectives:
-    """The :class:`~longboat.comm.collectives.Collectives` interface for ``world_size`` ranks,
+    """The :class:`~longboat.comm.protocol.Comm` protocol for a group of ``world_size`` ranks,
     moving nothing. Counts the bytes each rank would send with ring algorithms (NCCL's and
     gloo's large-message choice): all-reduce ``2(n-1)/n`` of the buffer, reduce-scatter and
-    all-gather ``(n-1)/n`` of the full buffer, broadcast the buffer once (the root's view)."""
+    all-gather ``(n-1)/n`` of the full buffer, broadcast the buffer once (the root's view), a
+    send its buffer. The doorways of one simulated rank share ``sent``."""
 
     world_size: int
     rank: int = 0
@@ -79,6 +82,9 @@ class MetaCollectives:
             self.sent[op] = self.sent.get(op, 0) + int(nbytes)
         return _Done()
 
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> _Done:
         n = self.world_size
         return self._count("all_reduce", 2 * (n - 1) / n * _nbytes(tensor))
@@ -98,6 +104,12 @@ class MetaCollectives:
 
     def barrier(self) -> None:
         pass
+
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> _Done:
+        return self._count("send", _nbytes(tensor))
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> _Done:
+        return _Done()
 
     def close(self) -> None:
         pass
@@ -123,7 +135,9 @@ def simulate(target: Target, config: Config, world_size: int, micro_batch: int,
     rank ``rank`` would."""
     from longboat.engine import Engine
 
-    comm = MetaCollectives(world_size, rank)
+    sent: dict[str, int] = {}
+    topology = Topology.of(Mesh.resolve(world_size), rank,
+                           lambda n, r: MetaCollectives(n, r, sent=sent))
     world = World(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
     tracker = LiveBytes()
     if config.precision.dtype == "fp16":  # see [Note: fake tensors]
@@ -132,12 +146,12 @@ def simulate(target: Target, config: Config, world_size: int, micro_batch: int,
     with FakeTensorMode(), tracker:
         model = target.build()
         opt = make_optimizer(model.parameters())
-        engine = Engine(model, opt, config, world, comm)  # type: ignore[arg-type]
+        engine = Engine(model, opt, config, world, topology)
         try:
             activations = 0
             for step in range(2):
                 if step == 1:
-                    comm.sent.clear()  # the first step's are the same; count one step
+                    sent.clear()  # the first step's are the same; count one step
                 args = target.example_input(model, micro_batch)
                 before = tracker.live
                 loss = target.loss(engine(*args), args)
@@ -156,4 +170,4 @@ def simulate(target: Target, config: Config, world_size: int, micro_batch: int,
         strategy=name, world_size=world_size, trainable_params=trainable, model_state=state,
         peak=tracker.max_peak, activations=activations,
         transient=max(tracker.max_peak - state_total - activations, 0),
-        comm_bytes=dict(comm.sent))
+        comm_bytes=dict(sent))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from longboat.config import ConfigError
+from longboat.config import Config, ConfigError
 from longboat.strategies.base import Strategy, StrategyContext
 from longboat.strategies.replicate import Replicate
 from longboat.strategies.single import Single
 from longboat.strategies.zero import Zero
+from longboat.topology import Topology
+from longboat.world import World
 
 # A new strategy is a new file and one line here, never a branch in the engine.
 REGISTRY: dict[str, Callable[[StrategyContext], Strategy]] = {
@@ -19,13 +21,15 @@ REGISTRY: dict[str, Callable[[StrategyContext], Strategy]] = {
 }
 
 
-def build_strategy(name: str, ctx: StrategyContext) -> Strategy:
-    """Instantiate the strategy called ``name``."""
+def build_strategy(name: str, world: World, topology: Topology, config: Config) -> Strategy:
+    """Instantiate the strategy called ``name`` with its own config section (the section of
+    the config named like the strategy, if there is one)."""
     if name not in REGISTRY:
         raise ConfigError(
             f"key 'strategy' has unknown value {name!r}; choose one of {sorted(REGISTRY)}"
         )
-    return REGISTRY[name](ctx)
+    section = name if name in type(config).model_fields else None
+    return REGISTRY[name](StrategyContext.of(world, topology, config, section))
 
 
 def zero_stage(name: str) -> int | None:

@@ -8,24 +8,35 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from longboat.comm.collectives import Collectives
+from longboat.comm.protocol import Comm
 from longboat.config import Config
+from longboat.precision import DTYPES
 from longboat.strategies.pieces import PieceSource, RankState
+from longboat.topology import Topology
 from longboat.world import World
 
 
 @dataclass(frozen=True)
 class StrategyContext:
-    """What a strategy may use: who we are, how to talk, what was asked."""
+    """What a strategy may use: who we are, the mesh's doorways, its own config section, and
+    the dtype gradients travel in (``precision.communication_data_type``; None: their own)."""
 
     world: World
-    comm: Collectives
-    config: Config
+    topology: Topology
+    section: Any  # the strategy's own config section (e.g. ReplicateConfig), or None
+    wire_dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, world: World, topology: Topology, config: Config, section: str | None = None
+           ) -> StrategyContext:
+        wire = config.precision.communication_data_type
+        return cls(world, topology, getattr(config, section) if section else None,
+                   DTYPES[wire] if wire else None)
 
 
 class Strategy(Protocol):
@@ -62,9 +73,11 @@ class Strategy(Protocol):
         """
         ...
 
-    #: True when ``local_gradients`` are disjoint pieces of the model's gradients (their norms
-    #: must be summed across ranks); False when every rank holds the same full gradients.
-    grads_sharded: bool
+    def norm_groups(self) -> list[Comm]:
+        """The doorways over which ``local_gradients`` are disjoint pieces of the model's
+        gradients: the squares of their norms are summed over each. Empty when every rank of
+        the data-parallel axis holds the same full gradients."""
+        ...
 
     def local_gradients(self) -> list[torch.Tensor]:
         """After :meth:`wait_gradients`: the averaged gradients this rank owns, each once.

@@ -26,14 +26,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from longboat.comm.collectives import Collectives
+from longboat.comm.protocol import Comm
 
 
 class BufferSync:
     """Broadcasts rank 0's buffers after the backward of every training forward of ``model``
     ([Note: buffers]), one collective per dtype and device."""
 
-    def __init__(self, model: nn.Module, comm: Collectives) -> None:
+    def __init__(self, model: nn.Module, comm: Comm) -> None:
         self.comm = comm
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for b in dict.fromkeys(model.buffers()):  # a shared buffer once

@@ -23,10 +23,19 @@ Padding belongs to no piece and is never stepped.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+
+class UnitState(enum.Enum):
+    """Where a unit's full flat parameter is (FSDP2's ``ShardedState``, for a flat unit)."""
+
+    SHARDED = "sharded"  # only this rank's shard; the parameters point at empty tensors
+    GATHERING = "gathering"  # an all-gather of the full flat parameter is in flight
+    UNSHARDED = "unsharded"  # the full flat parameter is here; parameters are views into it
 
 
 @dataclass
@@ -39,6 +48,7 @@ class FlatUnit:
     world_size: int
     rank: int
     module: nn.Module | None = None  # stage 3: the module whose forward gathers this unit
+    state: UnitState = UnitState.UNSHARDED
     tag: str = ""  # what reports call it, e.g. "unit 3: blocks.1"
     offsets: list[int] = field(default_factory=list)
     shard: nn.Parameter | None = None
@@ -84,11 +94,15 @@ class FlatUnit:
         self.pieces = [(i, a - self.lo, b - self.lo, nn.Parameter(shard[a - self.lo: b - self.lo]))
                        for i, a, b in self.overlaps()]
 
-    def flatten(self) -> torch.Tensor:
-        """A new padded flat copy of the parameters' current values."""
-        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+    def flatten(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """A new copy of elements ``[lo, hi)`` of the padded flat parameters (all by default),
+        made without materialising the rest (stage 3 copies only its shard)."""
+        hi = self.padded if hi is None else hi
+        flat = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
         for p, off in zip(self.params, self.offsets, strict=True):
-            flat[off: off + p.numel()].copy_(p.detach().reshape(-1))
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                flat[a - lo: b - lo].copy_(p.detach().reshape(-1)[a - off: b - off])
         return flat
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:

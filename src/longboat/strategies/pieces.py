@@ -35,7 +35,13 @@ class Piece:
     start: int
     end: int
     tensor: torch.Tensor  # 1-D, ``end - start`` elements (a view where possible)
-    replicated: bool = False  # the same on every rank: a checkpoint writes it once
+    #: Global ranks holding this very piece (this one included): a checkpoint writes it once,
+    #: from one of them. Empty: only this rank holds it.
+    replicas: tuple[int, ...] = ()
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.replicas) > 1
 
 
 @dataclass
@@ -63,6 +69,12 @@ class PieceSource(Protocol):
     def read(self, name: str, key: str, start: int, end: int, out: torch.Tensor) -> None:
         """Copy elements ``[start, end)`` of the saved flat tensor into 1-D ``out``."""
         ...
+
+
+def members(comm: Any) -> tuple[int, ...]:
+    """The global ranks of a doorway's group, in group order (the ``replicas`` of what every
+    rank of the group holds alike)."""
+    return tuple(comm.global_rank(i) for i in range(comm.world_size))
 
 
 def canonical_names(model: nn.Module) -> dict[int, str]:

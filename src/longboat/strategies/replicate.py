@@ -5,15 +5,13 @@ boundary's backward, per-parameter post-accumulate hooks copy each (accumulated)
 flat bucket (see :mod:`longboat.comm.buckets`); when a bucket's last gradient arrives its
 all-reduce starts at once, so communication overlaps the rest of backward.
 
-[Note: launch order] Buckets are launched strictly in index order on every rank: a bucket that
-becomes ready before its predecessors waits for them. gloo and NCCL match collectives by their
-order, so a different order on two ranks would pair different buckets (a hang or wrong sums).
-Buckets still incomplete after backward are launched in order by
-:meth:`Replicate.finish_gradients`. A parameter whose hook did not fire in the boundary's
-backward was either used on an earlier micro-batch of the step (its ``p.grad`` holds what it
-accumulated, and that is what goes into the bucket) or not at all on this rank (zeros, and its
-usage flag stays 0: [Note: usage flags] in ``comm/buckets.py``). After the all-reduce, a
-parameter that no rank used gets ``grad = None``, so the optimizer does not move it.
+Buckets are launched strictly in index order on every rank ([Note: launch order] in
+``comm/order.py``); those still incomplete when the boundary's backward returns go then. A
+parameter whose hook did not fire in the boundary's backward was either used on an earlier
+micro-batch of the step (its ``p.grad`` holds what it accumulated, and that is what goes into
+the bucket) or not at all on this rank (zeros, and its usage flag stays 0: [Note: usage flags]
+in ``comm/buckets.py``). After the all-reduce, a parameter that no rank used gets
+``grad = None``, so the optimizer does not move it.
 
 [Note: optimizer overlap] With ``replicate.overlap_optimizer``, unless the engine already waited
 for every gradient (to clip, or to check for overflow), the optimizer runs bucket by bucket: as
@@ -42,12 +40,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
+from longboat.comm.order import InOrder
+from longboat.comm.protocol import Comm
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim import has_step_hooks, is_elementwise
-from longboat.precision import DTYPES
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.buffers import BufferSync
-from longboat.strategies.pieces import PieceSource, RankState
+from longboat.strategies.pieces import PieceSource, RankState, members
 from longboat.strategies.whole_state import load_whole_state, whole_state
 
 _MIB = 1024 * 1024
@@ -60,13 +59,14 @@ class Replicate:
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
-        self.comm = ctx.comm
+        self.cfg = ctx.section
+        self.comm = ctx.topology.data("dp")  # replicas: the data-parallel axis
         self.plan: BucketPlan | None = None
         self.params: list[nn.Parameter] = []
         self._hooks: list[RemovableHandle] = []
         self._buffers: BufferSync | None = None
         self._sync = False
-        self._next = 0  # index of the next bucket to launch (see [Note: launch order])
+        self._order = InOrder(0, self._launch)  # [Note: launch order]
         self._arrived: list[set[int]] = []
         # Per bucket: where averaged gradients land when the bucket travels in another dtype
         # (see [Note: communication dtype]); None when p.grad are views into the bucket.
@@ -78,7 +78,7 @@ class Replicate:
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        cfg = self.ctx.config.replicate
+        cfg = self.cfg
         all_params = list(model.parameters())
         self.params = [p for p in dict.fromkeys(all_params) if p.requires_grad]
         # Every rank starts from rank 0's weights, whatever its own initialisation did.
@@ -89,15 +89,16 @@ class Replicate:
         self.plan = plan_buckets(
             all_params, int(cfg.bucket_mb * _MIB), int(cfg.first_bucket_mb * _MIB)
         )
-        wire = self.ctx.config.precision.communication_data_type
+        wire = self.ctx.wire_dtype
         for b in self.plan.buckets:
-            if wire is not None and b.dtype.is_floating_point and b.dtype != DTYPES[wire]:
+            if wire is not None and b.dtype.is_floating_point and b.dtype != wire:
                 self._landing.append(torch.zeros(b.numel, dtype=b.dtype, device=b.device))
-                b.dtype = DTYPES[wire]  # the buffer (what travels) is allocated in this dtype
+                b.dtype = wire  # the buffer (what travels) is allocated in this dtype
             else:
                 self._landing.append(None)
             b.allocate()
         self._arrived = [set() for _ in self.plan.buckets]
+        self._order = InOrder(len(self.plan.buckets), self._launch)
         self._used = [[False] * len(b.params) for b in self.plan.buckets]
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -111,7 +112,7 @@ class Replicate:
     def before_backward(self, sync: bool) -> None:
         self._sync = sync
         if sync:
-            self._next = 0
+            self._order.reset()
             for s in self._arrived:
                 s.clear()
             for b in self._buckets:
@@ -131,35 +132,28 @@ class Replicate:
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self._buckets):
-            b = self._buckets[self._next]
-            arrived = self._arrived[b.index]
-            if len(arrived) < len(b.params) and not force:
-                return
-            assert b.buffer is not None
-            used = []
-            for i, p in enumerate(b.params):
-                if i in arrived:
-                    used.append(True)
-                elif p.grad is not None:  # used on an earlier micro-batch of this step only
-                    b.view_of(i).copy_(p.grad)
-                    used.append(True)
-                else:  # not used on this rank in this step
-                    b.view_of(i).zero_()
-                    used.append(False)
-            b.flags().copy_(torch.tensor(used, dtype=b.dtype))
-            self._used[b.index] = used  # this rank's; the all-reduce tells about the others
-            # gloo has no AVG: divide first, then sum (keeps magnitudes small as well). The
-            # flags are divided too: what matters is only whether their sum is above zero.
-            b.buffer.div_(self.comm.world_size)
-            b.handle = self.comm.all_reduce(b.buffer, async_op=True)
-            self._next += 1
+        self._order.advance(
+            lambda i: len(self._arrived[i]) == len(self._buckets[i].params), force)
 
-    def after_backward(self) -> None:
-        if self._sync:  # buckets this backward did not complete go now, before anything else
-            self._launch_ready(force=True)
-        assert self._buffers is not None
-        self._buffers.after_backward()
+    def _launch(self, index: int) -> None:
+        b = self._buckets[index]
+        arrived = self._arrived[index]
+        assert b.buffer is not None
+        used = []
+        for i, p in enumerate(b.params):
+            if i in arrived:
+                used.append(True)
+            elif p.grad is not None:  # used on an earlier micro-batch of this step only
+                b.view_of(i).copy_(p.grad)
+                used.append(True)
+            else:  # not used on this rank in this step
+                b.view_of(i).zero_()
+                used.append(False)
+        b.flags().copy_(torch.tensor(used, dtype=b.dtype))
+        self._used[index] = used  # this rank's; the all-reduce tells about the others
+        # An average: gloo has no AVG, the doorway divides first (and keeps magnitudes small).
+        # The flags are divided too: what matters is only whether their sum is above zero.
+        b.handle = self.comm.all_reduce(b.buffer, op="avg", async_op=True)
 
     def finish_gradients(self) -> None:
         # Only launch here; waiting is deferred so the optimizer can overlap the tail of the
@@ -198,15 +192,15 @@ class Replicate:
         for b in self._buckets:
             self._wait(b)
 
-    # Gradients are identical on every rank after the all-reduce: a local norm is global.
-    grads_sharded = False
+    def norm_groups(self) -> list[Comm]:
+        return []  # identical on every rank after the all-reduce: a local norm is global
 
     def local_gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         pending = any(b.handle is not None for b in self._buckets)
-        if not (pending and self.ctx.config.replicate.overlap_optimizer
+        if not (pending and self.cfg.overlap_optimizer
                 and is_elementwise(optimizer) and not has_step_hooks(optimizer)):
             self.wait_gradients()
             optimizer.step()
@@ -237,8 +231,8 @@ class Replicate:
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
                          ) -> RankState:
-        # Every rank holds the same state: each tensor is written once, by one rank.
-        return whole_state(model, optimizer, replicated=True)
+        # Every rank of the axis holds the same state: each tensor is written once, by one rank.
+        return whole_state(model, optimizer, members(self.comm))
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                               source: PieceSource) -> None:

@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
+from longboat.comm.protocol import Comm
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.pieces import PieceSource, RankState
@@ -43,7 +44,8 @@ class Single:
     def wait_gradients(self) -> None:
         pass
 
-    grads_sharded = False
+    def norm_groups(self) -> list[Comm]:
+        return []
 
     def local_gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
@@ -64,7 +66,7 @@ class Single:
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
                          ) -> RankState:
-        return whole_state(model, optimizer, replicated=False)
+        return whole_state(model, optimizer)
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                               source: PieceSource) -> None:

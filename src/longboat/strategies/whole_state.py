@@ -36,9 +36,10 @@ def _model_tensors(model: nn.Module, skip: set[int]) -> Iterator[tuple[str, torc
         yield name, t
 
 
-def model_pieces(model: nn.Module, skip: set[int], replicated: bool) -> list[Piece]:
-    """Whole pieces of every parameter and buffer except those whose id is in ``skip``."""
-    return [Piece(name, MODEL, tuple(t.shape), 0, t.numel(), t.detach().reshape(-1), replicated)
+def model_pieces(model: nn.Module, skip: set[int], replicas: tuple[int, ...]) -> list[Piece]:
+    """Whole pieces of every parameter and buffer except those whose id is in ``skip``, held
+    alike by the global ranks ``replicas``."""
+    return [Piece(name, MODEL, tuple(t.shape), 0, t.numel(), t.detach().reshape(-1), replicas)
             for name, t in _model_tensors(model, skip)]
 
 
@@ -58,11 +59,12 @@ def load_model(model: nn.Module, source: PieceSource, skip: set[int]) -> None:
         _read_into(source, name, MODEL, t.data)
 
 
-def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer, replicated: bool
-                ) -> RankState:
-    """The state of a strategy that holds every tensor whole."""
+def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                replicas: tuple[int, ...] = ()) -> RankState:
+    """The state of a strategy that holds every tensor whole, alike on the global ranks
+    ``replicas``."""
     names = canonical_names(model)
-    state = RankState(pieces=model_pieces(model, set(), replicated))
+    state = RankState(pieces=model_pieces(model, set(), replicas))
     for group in optimizer.param_groups:
         state.groups.append([_name(names, p) for p in group["params"]])
         for p in group["params"]:
@@ -70,7 +72,7 @@ def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer, replicated: 
             tensors, scalars = split_state(optimizer.state.get(p, {}), p.numel(), p.device,
                                            f"parameter {name!r}")
             state.pieces += [Piece(name, key, tuple(p.shape), 0, p.numel(),
-                                   t.detach().reshape(-1), replicated)
+                                   t.detach().reshape(-1), replicas)
                              for key, t in tensors.items()]
             if scalars:
                 state.scalars[name] = scalars

@@ -11,12 +11,13 @@ whole on every rank and are saved once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from longboat.strategies.flat import FlatUnit
+from longboat.comm.protocol import Comm
+from longboat.strategies.flat import FlatUnit, UnitState
 from longboat.strategies.pieces import (
     MODEL,
     OPTIM,
@@ -25,45 +26,48 @@ from longboat.strategies.pieces import (
     RankState,
     canonical_names,
     decode_scalar,
+    members,
     split_state,
 )
 from longboat.strategies.whole_state import load_model, model_pieces
 
-if TYPE_CHECKING:
-    from longboat.strategies.zero import Zero
 
-
-def rank_state(zero: Zero, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
-    """This rank's pieces of every unit, with the optimizer state of each."""
+def rank_state(units: list[FlatUnit], model: nn.Module, optimizer: torch.optim.Optimizer,
+               dp: Comm, replicas: Comm) -> RankState:
+    """This rank's pieces of every unit, with the optimizer state of each. Buffers and frozen
+    parameters are alike on every rank of ``dp``; shard pieces on the ranks of ``replicas``
+    ([Note: hybrid sharding] in ``zero.py``; just this rank without replicas)."""
     names = canonical_names(model)
-    in_units = {id(p) for u in zero.units for p in u.params}
-    state = RankState(pieces=model_pieces(model, in_units, replicated=True))
-    for u in zero.units:
+    in_units = {id(p) for u in units for p in u.params}
+    state = RankState(pieces=model_pieces(model, in_units, members(dp)))
+    shards_alike = members(replicas)
+    for u in units:
         for i, a, b, piece in u.pieces:
             name, shape = names[id(u.params[i])], tuple(u.shapes[i])
             start, end = u.lo + a - u.offsets[i], u.lo + b - u.offsets[i]  # within the parameter
             tensors, scalars = split_state(optimizer.state.get(piece, {}), b - a, u.device,
                                            f"parameter {name!r}")
-            state.pieces.append(Piece(name, MODEL, shape, start, end, piece.detach()))
-            state.pieces += [Piece(name, key, shape, start, end, t.detach())
+            state.pieces.append(Piece(name, MODEL, shape, start, end, piece.detach(),
+                                      shards_alike))
+            state.pieces += [Piece(name, key, shape, start, end, t.detach(), shards_alike)
                              for key, t in tensors.items()]
             if scalars:
                 state.scalars[name] = scalars
-    state.groups = [[names[id(p)] for u in zero.units if u.group == g for p in u.params]
+    state.groups = [[names[id(p)] for u in units if u.group == g for p in u.params]
                     for g in range(len(optimizer.param_groups))]
     return state
 
 
 @torch.no_grad()
-def load(zero: Zero, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load(units: list[FlatUnit], model: nn.Module, optimizer: torch.optim.Optimizer,
          source: PieceSource) -> None:
-    """Fill this rank's shards (and, stages 1-2, the whole flat parameters) from ``source``."""
+    """Fill this rank's shards (and, where the full flat parameters persist: stages 1-2, those
+    too) from ``source``. Sharded units (stage 3) must be freed first."""
     names = canonical_names(model)
-    load_model(model, source, {id(p) for u in zero.units for p in u.params})
-    for u in zero.units:
+    load_model(model, source, {id(p) for u in units for p in u.params})
+    for u in units:
         assert u.shard is not None
-        if zero.stage == 3:
-            zero._free(u)  # a buffer gathered earlier would be stale after this
+        if u.state is UnitState.SHARDED:
             for i, a, b, piece in u.pieces:
                 start = u.lo + a - u.offsets[i]
                 source.read(names[id(u.params[i])], MODEL, start, start + b - a, piece.data)

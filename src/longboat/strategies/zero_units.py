@@ -14,35 +14,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
+from longboat.comm.buckets import group_params
 from longboat.config import ConfigError
 
 _MIB = 1024 * 1024
 
 
-def _key(p: nn.Parameter, group_of: dict[int, int]) -> tuple[int, torch.dtype, torch.device]:
-    return group_of[id(p)], p.dtype, p.device
-
-
 def bucket_units(params: list[nn.Parameter], group_of: dict[int, int], bucket_mb: float
                  ) -> list[list[nn.Parameter]]:
-    """Stages 1-2: reverse-order buckets, one param group and dtype each."""
-    cap = int(bucket_mb * _MIB)
-    out: list[list[nn.Parameter]] = []
-    open_: dict[tuple, tuple[list[nn.Parameter], int]] = {}
-    for p in reversed(params):
-        k = _key(p, group_of)
-        cur, size = open_.get(k, ([], 0))
-        nbytes = p.numel() * p.element_size()
-        if cur and size + nbytes > cap:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        open_[k] = (cur, size + nbytes)
-    out.extend(cur for cur, _ in open_.values() if cur)
-    return out
+    """Stages 1-2: reverse-order buckets (:func:`~longboat.comm.buckets.group_params`), one
+    param group, dtype and device each."""
+    return group_params(params, int(bucket_mb * _MIB),
+                        key=lambda p: (group_of[id(p)], p.dtype, p.device))
 
 
 def _choose_modules(model: nn.Module, classes: Iterable[str], min_params: int) -> list[nn.Module]:

@@ -120,7 +120,7 @@ def check_config(path: Path | None, world_size: int) -> Finding | None:
 
     try:
         cfg = load_config(path)
-        b = resolve_batch(cfg.batch, world_size)
+        b = resolve_batch(cfg.batch, cfg.data_parallel_size(world_size))
     except ConfigError as e:
         msg = str(e)
         # The config's own messages say "...; <fix>": split them so the fix stands on its own.

@@ -1,34 +1,5 @@
-"""Run a function on N gloo ranks over 127.0.0.1, for tests.
-
-Starting processes and importing torch is what makes multi-rank tests slow (seconds per
-process on a small machine), so :class:`RankPool` starts its workers once, initialises one
-gloo process group, and then reuses both for every call::
-
-    with RankPool(2) as pool:
-        sums = pool.run(all_reduce_rank)   # one result per rank, in rank order
-
-Rules for what is run, all following from workers being separate, long-lived processes:
-
-* ``fn`` and its arguments are pickled by reference, so ``fn`` must be a module-level
-  function of an importable module (a test module is fine: the worker gets the parent's
-  ``sys.path`` with every call). Lambdas and nested functions are rejected before anything
-  is sent.
-* Results are pickled back: return CPU tensors, plain numbers or lists, not CUDA tensors or
-  open handles.
-* The process group is shared between calls, so a call must leave no collective pending
-  (every rank issues the same collectives and waits for async ones), and must not destroy
-  the process group. Module globals and RNG state in the workers also persist across calls.
-* Inside a call, ``torch.distributed.get_rank()`` / ``get_world_size()`` say where it runs
-  and :func:`in_rank_pool` says that it runs in a pool at all.
-
-When any rank raises, or not every rank answers within the timeout, :meth:`RankPool.run`
-raises :class:`RankFailure` and replaces all workers: ranks that did not fail may be stuck
-in a collective that will never complete, and the process group cannot be trusted after that.
-
-Workers are started with the 'spawn' method, which re-imports the parent's ``__main__``: a
-script (not pytest) that creates a pool must do so under ``if __name__ == "__main__":``.
-A pool is meant for one thread at a time.
-"""
+"""The parent side of the rank pool: :class:`RankPool` (one world size) and :class:`RankPools`
+(one pool per world size, started on first use)."""
 
 from __future__ import annotations
 
@@ -39,200 +10,22 @@ import os
 import pickle
 import socket
 import sys
-import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["RankFailure", "RankPool", "RankPools", "in_rank_pool"]
-
-#: Set to "1" in every pool worker; read by :func:`in_rank_pool`.
-POOL_ENV_VAR = "LONGBOAT_RANK_POOL"
-
-_HOST = "127.0.0.1"
-# How often an idle or stuck worker checks that its parent is still alive.
-_ORPHAN_POLL_S = 0.5
-
-
-def in_rank_pool() -> bool:
-    """Return True when called inside a :class:`RankPool` worker."""
-    return os.environ.get(POOL_ENV_VAR) == "1"
-
-
-class RankFailure(AssertionError):
-    """One or more ranks raised, died, or did not answer in time.
-
-    Subclasses AssertionError so pytest reports it as a test failure, not an error in the
-    test machinery. ``failures`` maps each failed rank to its traceback or explanation.
-    """
-
-    def __init__(self, message: str, failures: Mapping[int, str]) -> None:
-        super().__init__(message)
-        self.failures: dict[int, str] = dict(failures)
-
-
-# --------------------------------------------------------------------------------------
-# Worker side. Everything here runs in the spawned processes.
-# --------------------------------------------------------------------------------------
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """Kill this worker once its parent is gone.
-
-    Runs in a daemon thread, so it also works while the main thread is blocked inside a
-    gloo collective (those release the GIL). Without it a crashed test run would leave
-    workers waiting forever.
-    """
-    while True:
-        time.sleep(_ORPHAN_POLL_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
-def _exit_now() -> None:
-    """Exit the worker without interpreter teardown.
-
-    Unloading torch costs about a CPU-second per worker, which adds up on a small machine
-    when a pool of four closes, and nothing in a worker needs finalising.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _format_call_error(exc: BaseException) -> str:
-    """Format ``exc`` without the worker loop's own frame, which every traceback shares."""
-    tb = exc.__traceback__
-    if tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
-def _loopback_interface() -> str | None:
-    """Name of the loopback interface ('lo' on Linux, 'lo0' on macOS), if one is found."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    for name in ("lo", "lo0"):
-        if name in names:
-            return name
-    return None
-
-
-def _extend_sys_path(paths: Iterable[str]) -> None:
-    """Append entries of the parent's sys.path that this process lacks, keeping order."""
-    for path in paths:
-        if path not in sys.path:
-            sys.path.append(path)
-
-
-def _send(conn: Connection, status: str, value: Any) -> None:
-    """Send ``(status, value)``.
-
-    A value that cannot be pickled is reported with its own status, "unpicklable": the
-    call itself completed, so unlike an error it gives no reason to restart the pool.
-    """
-    try:
-        data = pickle.dumps((status, value), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        data = pickle.dumps(
-            (
-                "unpicklable",
-                "the result could not be pickled (return CPU tensors or plain Python "
-                "values):\n" + traceback.format_exc(),
-            )
-        )
-    conn.send_bytes(data)
-
-
-def _worker_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    sys_path: list[str],
-    conn: Connection,
-    parent_pid: int,
-    pg_timeout_s: float,
-) -> None:
-    """Entry point of one pool worker: join the process group, then serve calls."""
-    _extend_sys_path(sys_path)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    os.environ.update(
-        {
-            "MASTER_ADDR": _HOST,
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            POOL_ENV_VAR: "1",
-        }
-    )
-    # Without this gloo picks the interface the hostname resolves to, which on some
-    # machines is not reachable from itself; everything here is on 127.0.0.1 anyway.
-    loopback = _loopback_interface()
-    if loopback is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    try:
-        import torch
-        import torch.distributed as dist
-
-        # N workers share a few cores; intra-op threads per worker would only thrash.
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
-    except BaseException:
-        _send(conn, "error", traceback.format_exc())
-        return
-    _send(conn, "ready", None)
-
-    while True:
-        try:
-            message = conn.recv_bytes()
-        except (EOFError, OSError):
-            _exit_now()  # the parent closed our pipe or died: nothing more will come
-        # Outer layer holds only builtins, so it always unpickles; the call itself is
-        # unpickled after sys.path is extended, because it may name a test module that
-        # was imported (and put on the parent's sys.path) after this worker started.
-        kind, sys_path, payload = pickle.loads(message)
-        if kind == "close":
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-            _exit_now()
-        _extend_sys_path(sys_path)
-        try:
-            fn, args, kwargs = pickle.loads(payload)
-            result = fn(*args, **kwargs)
-        except BaseException as exc:
-            _send(conn, "error", _format_call_error(exc))
-            continue
-        if not dist.is_initialized():
-            # Later calls rely on the shared group; fail loudly so the pool restarts.
-            _send(conn, "error", "the call destroyed the default process group")
-            continue
-        _send(conn, "ok", result)
-
-
-# --------------------------------------------------------------------------------------
-# Parent side.
-# --------------------------------------------------------------------------------------
+from longboat.testing.common import HOST, RankFailure
+from longboat.testing.worker import worker_main
 
 
 def _free_port() -> int:
     """A port that was free a moment ago on 127.0.0.1 (rank 0 binds it for the TCPStore)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((_HOST, 0))
+        sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
 
 
@@ -327,7 +120,7 @@ class RankPool:
         for rank in range(self.world_size):
             parent_end, child_end = self._ctx.Pipe(duplex=True)
             process = self._ctx.Process(
-                target=_worker_main,
+                target=worker_main,
                 args=(
                     rank,
                     self.world_size,

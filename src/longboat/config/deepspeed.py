@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 
 # Keys whose presence at the top level marks a mapping as DeepSpeed's (longboat nests these).
 _MARKERS = frozenset(

@@ -1,0 +1,90 @@
+"""``longboat run``: start a script on N processes per node (the work is in
+:mod:`longboat.launch.run`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from longboat.cli import options
+from longboat.cli.app import app, usage_error
+
+if TYPE_CHECKING:
+    from longboat.launch.run import RunOptions
+
+
+@app.command(
+    # Everything after the script belongs to the script, dashes included.
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+def run(
+    script: Path = typer.Argument(
+        ..., metavar="SCRIPT", help="the training script, run as `python -u SCRIPT ARGS...`"
+    ),
+    script_args: list[str] | None = typer.Argument(
+        None, metavar="ARGS", help="arguments for the script, passed as given"
+    ),
+    nproc_per_node: int = options.NPROC_PER_NODE,
+    nnodes: int = options.NNODES,
+    node_rank: int = options.NODE_RANK,
+    master_addr: str = options.MASTER_ADDR,
+    master_port: int | None = options.MASTER_PORT,
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="restart all workers up to this many times after a failure"
+    ),
+    log_dir: Path | None = typer.Option(
+        None, "--log-dir", help="keep each rank's stdout/stderr under this directory"
+    ),
+    rdzv_timeout: int = typer.Option(
+        900, "--rdzv-timeout", help="seconds to wait for all nodes to join"
+    ),
+    grace_period: int = typer.Option(
+        30, "--grace-period", help="on SIGTERM/SIGINT, seconds the workers get to finish "
+        "(e.g. write a final checkpoint) before they are killed"
+    ),
+    doctor: bool = typer.Option(
+        False, "--doctor", help="run `longboat doctor` with these options first; start SCRIPT "
+        "only if no check fails"
+    ),
+) -> None:
+    """Run SCRIPT on N processes per node (a drop-in for torchrun)."""
+    from longboat.launch.run import LaunchUsageError, RunOptions, launch, validate
+
+    opts = RunOptions(
+        script=script,
+        script_args=tuple(script_args or ()),
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        max_restarts=max_restarts,
+        log_dir=log_dir,
+        rdzv_timeout_s=rdzv_timeout,
+        grace_period_s=grace_period,
+    )
+    try:
+        if doctor:
+            validate(opts)  # usage errors first, before any check runs
+            _preflight(opts)
+        code = launch(opts)
+    except LaunchUsageError as e:
+        raise usage_error(str(e)) from None
+    raise typer.Exit(code)
+
+
+def _preflight(opts: RunOptions) -> None:
+    """``run --doctor``: the doctor's checks for this run; exit 1 without starting on failure."""
+    from longboat.launch.doctor import DoctorOptions, doctor
+
+    code = doctor(DoctorOptions(
+        nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, node_rank=opts.node_rank,
+        master_addr=opts.master_addr, master_port=opts.master_port,
+        timeout_s=min(opts.rdzv_timeout_s, 60)))
+    if code != 0:
+        print(f"longboat: not starting {opts.script}: fix the problems above (or drop --doctor)",
+              file=sys.stderr, flush=True)
+        raise typer.Exit(code)

@@ -1,0 +1,82 @@
+"""What every collectives doorway offers: the real one (:class:`~longboat.comm.collectives.
+Collectives`, over one process group) and the planner's meta one (``plan.simulate``), so the
+two cannot drift apart.
+
+Ranks are group ranks: ``rank`` is this process's position in the doorway's group, and every
+``src``/``dst`` names a position in that group, never a global rank (``global_rank`` converts).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from longboat.comm.trace import CallRecord
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """An operation in flight."""
+
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+@runtime_checkable
+class Comm(Protocol):
+    """Collectives and point-to-point operations over one group of ranks."""
+
+    rank: int  # this process's rank in the group
+    world_size: int  # the group's size
+    active: bool  # False when the group is one rank (every operation is then the identity)
+    seq: int  # collectives issued through this doorway
+    last: CallRecord | None  # the last collective issued
+    blocked_seconds: float  # wall time spent blocked in this doorway's operations
+    timeout_s: float
+    desync_check: bool
+    log: bool
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of position ``group_rank`` of this group."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
+                   ) -> Handle:
+        """Reduce ``tensor`` in place across the group (``op``: sum, avg, max or min)."""
+        ...
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                       tag: str = "") -> Handle:
+        """Sum ``input`` across the group; rank r keeps chunk r of the result in ``output``."""
+        ...
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   tag: str = "") -> Handle:
+        """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Overwrite ``tensor`` on every rank with group rank ``src``'s copy."""
+        ...
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group arrives."""
+        ...
+
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle:
+        """Send ``tensor`` to group rank ``dst`` (which must ``recv`` it)."""
+        ...
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle:
+        """Receive into ``tensor`` what group rank ``src`` sends."""
+        ...
+
+    def log_summary(self) -> list[dict[str, Any]]:
+        """The comm log's rows; empty when the log is off."""
+        ...
+
+    def close(self) -> None:
+        """Release what the doorway created (every rank of the group calls it)."""
+        ...

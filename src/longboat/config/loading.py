@@ -1,0 +1,188 @@
+"""Loading a configuration from a :class:`Config`, a dict, or a TOML/JSON/YAML file (a JSON with
+DeepSpeed's keys is translated by :mod:`longboat.config.deepspeed`), with errors that name the
+key, the value and the closest valid key; and ``explain``: every resolved value and its
+source."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from longboat.config import deepspeed
+from longboat.config.batch import resolve_batch
+from longboat.config.errors import ConfigError
+from longboat.config.sections import Config
+
+
+def _closest(name: str, choices: list[str]) -> str | None:
+    hits = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return hits[0] if hits else None
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config model that owns the key at ``loc`` (the path without its last element)."""
+    model: type[BaseModel] | None = Config
+    for part in loc[:-1]:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        ann = model.model_fields[part].annotation
+        sub = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)]
+        model = next((a for a in sub if issubclass(a, BaseModel)), None)
+    return model
+
+
+def _explain(err: ValidationError, origin: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.endswith("Config")))
+        key = ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(loc)
+            valid = sorted(owner.model_fields) if owner else []
+            guess = _closest(str(loc[-1]), valid)
+            hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), guess])}'?" if guess else (
+                f"valid keys here: {', '.join(valid)}")
+            lines.append(f"unknown key '{key}' (value {e['input']!r}); {hint}")
+        else:
+            val = e.get("input")
+            lines.append(f"key '{key}' has invalid value {val!r}: {e['msg']}")
+    return ConfigError(f"invalid config{origin}:\n  " + "\n  ".join(lines))
+
+
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """Read a TOML, JSON or YAML file into a dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    text = p.read_text()
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(
+                f"config file '{p}': unknown extension '{suffix}'; use .toml, .json, .yaml or .yml"
+            )
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file '{p}' cannot be parsed: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}' must hold a mapping at the top, got {type(data)}")
+    return data
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A config together with where each user-set key came from (for ``config explain``)."""
+
+    config: Config
+    sources: dict[str, str]
+
+
+def _user_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in data.items():
+        if isinstance(v, Mapping) and k not in ("params",):
+            keys.extend(_user_keys(v, f"{prefix}{k}."))
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def load(source: Config | Mapping[str, Any] | str | Path | None = None) -> LoadedConfig:
+    """Load a config from a :class:`Config`, a dict, a file path, or ``None`` (all defaults).
+
+    A mapping in the DeepSpeed JSON dialect is recognised by its keys and translated.
+    """
+    if isinstance(source, Config):
+        return LoadedConfig(source, {k: "given as Config" for k in source.model_fields_set})
+    origin = ""
+    if source is None:
+        data: Mapping[str, Any] = {}
+    elif isinstance(source, (str, Path)):
+        data = read_mapping(source)
+        origin = f" in '{source}'"
+    elif isinstance(source, Mapping):
+        data = source
+    else:
+        raise ConfigError(
+            f"config must be a dict, a path or a longboat.Config, got {type(source).__name__}"
+        )
+    where = origin.strip().removeprefix("in ") or "dict"
+    if deepspeed.looks_like_deepspeed(data):
+        data, sources = deepspeed.translate(data, where)
+    else:
+        sources = {k: f"set in {where}" for k in _user_keys(data)}
+    try:
+        cfg = Config.model_validate(dict(data))
+    except ValidationError as err:
+        raise _explain(err, origin) from None
+    return LoadedConfig(cfg, sources)
+
+
+def load_config(source: Config | Mapping[str, Any] | str | Path | None = None) -> Config:
+    """Load and validate a config; see :func:`load`."""
+    return load(source).config
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Every resolved value of a config as ``{"dotted.key": value}``."""
+    out: dict[str, Any] = {}
+    for name in type(cfg).model_fields:
+        val = getattr(cfg, name)
+        if isinstance(val, BaseModel):
+            out.update(flatten(val, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = val
+    return out
+
+
+def _source_of(key: str, sources: dict[str, str]) -> str:
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in sources:
+            return sources[".".join(parts[:n])]
+    return "default"
+
+
+def explain(source: Config | Mapping[str, Any] | str | Path | None, world_size: int) -> str:
+    """Every resolved value at ``world_size`` processes and where it came from, as text."""
+    loaded = load(source)
+    cfg = loaded.config
+    rows = []
+    values = flatten(cfg)
+    strategy = cfg.resolved_strategy(world_size)
+    batch = resolve_batch(cfg.batch, cfg.data_parallel_size(world_size))
+    derived = {
+        "strategy": (strategy, f"auto -> {strategy} at world size {world_size}")
+        if cfg.strategy == "auto" else None,
+    }
+    for key, value in values.items():
+        if key.startswith("batch."):
+            name = key.removeprefix("batch.")
+            value = getattr(batch, name)
+            how = batch.explanation.get(name, "default")
+            src = loaded.sources.get(key, how) if how == "set" else how
+            rows.append((key, value, src))
+            continue
+        src = _source_of(key, loaded.sources)
+        if key == "strategy" and derived["strategy"]:
+            value, note = derived["strategy"]
+            src = f"{src}; {note}"
+        rows.append((key, value, src))
+    width = max(len(k) for k, _, _ in rows)
+    vwidth = min(max(len(repr(v)) for _, v, _ in rows), 40)
+    lines = [f"longboat config at world size {world_size}:"]
+    lines += [f"  {k.ljust(width)}  {v!r:<{vwidth}}  {s}" for k, v, s in rows]
+    return "\n".join(lines)

@@ -1,0 +1,224 @@
+"""The configuration's sections: one frozen pydantic model per component, and :class:`Config`,
+the whole configuration of a run."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+StrategyName = Literal["auto", "single", "replicate", "zero"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BatchConfig(_Section):
+    """The batch triple: give any two of the three (or only the micro-batch)."""
+
+    train_batch_size: int | None = Field(None, gt=0, description="global samples per step")
+    micro_batch_size: int | None = Field(None, gt=0, description="samples per rank per forward")
+    gradient_accumulation_steps: int | None = Field(None, gt=0, description="micro-batches/step")
+
+
+class OptimizerConfig(_Section):
+    """An optimizer for the engine to build when the user passes none (``torch.optim`` name)."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerConfig(_Section):
+    """An LR scheduler for the engine to build (``torch.optim.lr_scheduler`` name)."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReplicateConfig(_Section):
+    """Bucketed all-reduce data parallelism."""
+
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB")
+    first_bucket_mb: float = Field(
+        1.0, gt=0, description="size of the first bucket, small so communication starts early"
+    )
+    overlap_optimizer: bool = Field(
+        True, description="step the optimizer bucket by bucket as each all-reduce completes "
+        "(only without clipping, and only for per-parameter optimizers)"
+    )
+
+
+class ZeroConfig(_Section):
+    """Sharded data parallelism (ZeRO): stage 1 shards optimizer state, 2 also gradients,
+    3 also parameters."""
+
+    stage: Literal[1, 2, 3] = 1
+    bucket_mb: float = Field(
+        25.0, gt=0, description="stages 1-2: size of the flat buffers gradients are reduced in"
+    )
+    unit_classes: list[str] = Field(
+        default_factory=list,
+        description="stage 3: module class names whose instances gather their parameters as "
+        "one unit (e.g. ['Block']); empty = choose by size",
+    )
+    unit_min_params: int = Field(
+        1_000_000, gt=0,
+        description="stage 3 with no unit_classes: smallest module (in parameters) made a unit",
+    )
+    prefetch: bool = Field(True, description="stage 3: gather the next unit while this one runs")
+
+
+class MeshConfig(_Section):
+    """How the ranks are laid out ([Note: mesh] in ``mesh.py``): pipeline stages x data
+    parallelism x tensor parallelism. Leave ``dp`` out to derive it from the world size."""
+
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per layer")
+    dp: int | None = Field(None, ge=1, description="data-parallel ranks; default: what pp and "
+                           "tp leave of the world")
+    dp_replicate: int | None = Field(
+        None, ge=1, description="replicas of the sharded model (hybrid sharding: ZeRO within "
+        "dp_shard ranks, replicated across dp_replicate); default 1")
+    dp_shard: int | None = Field(None, ge=1, description="ranks one replica is sharded over; "
+                                 "default dp / dp_replicate")
+
+
+_FP16_ONLY = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "min_loss_scale")
+
+
+class PrecisionConfig(_Section):
+    """Compute precision: the forward runs under autocast in ``dtype`` with the model's fp32
+    parameters as master weights; fp16 adds loss scaling (DeepSpeed's rules, see
+    :mod:`longboat.precision`)."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = Field(0.0, ge=0, description="fp16: 0 = dynamic, > 0 = this static scale")
+    initial_scale_power: int = Field(
+        16, ge=0, le=127, description="fp16 dynamic: the scale starts at 2**initial_scale_power")
+    loss_scale_window: int = Field(
+        1000, gt=0, description="fp16 dynamic: steps in a row without overflow before it doubles")
+    hysteresis: int = Field(
+        2, ge=1, description="fp16 dynamic: overflows tolerated before the scale halves "
+        "(the hysteresis-th halves it; refilled when the scale doubles)")
+    min_loss_scale: float = Field(
+        1.0, gt=0, description="fp16 dynamic: never halve below this; an overflow there is an "
+        "error")
+    communication_data_type: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="dtype gradients travel in between ranks (replicate); None = their "
+        "own dtype (fp32)")
+
+    @model_validator(mode="after")
+    def _fp16_keys_need_fp16(self) -> PrecisionConfig:
+        stray = [k for k in _FP16_ONLY if k in self.model_fields_set]
+        if stray and self.dtype != "fp16":
+            keys = ", ".join(f"precision.{k}" for k in stray)
+            raise ValueError(f"{keys}: only for dtype 'fp16' (dtype is {self.dtype!r}); remove "
+                             "or set precision.dtype = 'fp16'")
+        return self
+
+
+class DataConfig(_Section):
+    """How :meth:`Engine.loader` shards and orders data."""
+
+    shuffle: bool = True
+    remainder: Literal["drop", "pad"] = Field(
+        "drop",
+        description="samples that do not fill every rank: drop them, or pad by repeating samples",
+    )
+    num_workers: int = Field(0, ge=0)
+
+
+class CheckpointConfig(_Section):
+    """Checkpoints written by ``engine.save_checkpoint`` (see :mod:`longboat.checkpoint`)."""
+
+    keep_last: int = Field(
+        0, ge=0, description="keep only the newest K complete checkpoints of a directory "
+        "(older ones are deleted after each save); 0 = keep all")
+
+
+class LogConfig(_Section):
+    """Console output."""
+
+    progress: bool = True
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class SinkConfig(_Section):
+    """A file monitor: it writes under ``output_path/job_name/`` on rank 0."""
+
+    enabled: bool = False
+    output_path: str = Field("runs", description="directory the job's folder is created in")
+    job_name: str = Field("longboat", description="folder under output_path for this run")
+
+
+class MonitorConfig(_Section):
+    """Step events (loss, lr, loss scale, samples/s, tokens/s, step time) reduced across ranks
+    and sent to the console, a CSV file and TensorBoard (see ``docs/monitoring.md``)."""
+
+    every: int = Field(1, gt=0, description="optimizer steps between events")
+    console: bool = Field(True, description="rank-0 progress bar (lines when piped); "
+                          "log.progress = false also turns it off")
+    total_steps: int | None = Field(None, gt=0, description="steps of the run, for the ETA; "
+                                    "also engine.set_total_steps(n)")
+    csv: SinkConfig = Field(default_factory=SinkConfig)
+    tensorboard: SinkConfig = Field(default_factory=SinkConfig)
+
+
+class ProfileConfig(_Section):
+    """The step profiler: where a step's wall-clock time goes, and its flops."""
+
+    wall_clock_breakdown: bool = Field(
+        False, description="time data loading, forward, backward, communication wait, "
+        "optimizer and checkpointing per step; a table at close()")
+    flops: bool = Field(False, description="count one step's flops (after a warm-up step) and "
+                        "report achieved flop/s beside a measured matmul rate")
+
+
+class CommConfig(_Section):
+    """The collectives doorway: timeout, desync check and comm log (see docs/diagnostics.md)."""
+
+    timeout_s: float = Field(
+        600.0, gt=0, description="seconds a collective may wait for its peers before every "
+        "surviving rank reports who did not arrive and exits")
+    desync_check: bool = Field(
+        True, description="share a fingerprint of each collective first, so ranks out of step "
+        "fail at once naming the ranks and the difference")
+    log: bool = Field(False, description="count bytes and time per operation; a table at close")
+    log_verbose: bool = Field(False, description="with log: also one line per collective")
+
+
+class Config(_Section):
+    """The whole configuration of a run."""
+
+    strategy: StrategyName = Field(
+        "auto", description="auto = single for one process, replicate otherwise"
+    )
+    seed: int = 0
+    gradient_clipping: float = Field(0.0, ge=0, description="max global grad norm; 0 = off")
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    replicate: ReplicateConfig = Field(default_factory=ReplicateConfig)
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel ranks at ``world_size``: ``mesh.dp``, or what ``mesh.pp`` and
+        ``mesh.tp`` leave (the full check of the mesh is ``longboat.mesh.Mesh.resolve``)."""
+        m = self.mesh
+        return m.dp if m.dp is not None else max(world_size // (m.pp * m.tp), 1)
+
+    def resolved_strategy(self, world_size: int) -> str:
+        """The strategy actually used at this world size."""
+        if self.strategy == "auto":
+            return "single" if world_size == 1 else "replicate"
+        return self.strategy

@@ -1,0 +1,76 @@
+"""Schedules: the order in which one optimizer step's micro-batches run forward and backward.
+
+``engine.train_step(batch, loss_fn)`` hands its micro-batches to a schedule, which decides when
+each one's forward and backward run. The engine counts the backwards: the step's last one, in
+whatever order the schedule runs them, is where the data-parallel strategy synchronises
+gradients, once. Without pipeline stages the
+schedule is :class:`Sequential`: forward and backward of each micro-batch in turn, as a plain
+gradient-accumulation loop does. A pipeline schedule (GPipe, 1F1B) implements the same protocol
+and interleaves micro-batches across stages, where only the last stage has a loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+#: ``loss_fn(output, micro_batch)``: the micro-batch's loss from the model's output.
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class Steps(Protocol):
+    """What a schedule drives: the engine's forward and backward of one micro-batch."""
+
+    def forward(self, *args: Any) -> Any: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+
+class Schedule(Protocol):
+    """Runs one optimizer step's micro-batches; returns their losses."""
+
+    def run(self, steps: Steps, micro_batches: Sequence[Any], loss_fn: LossFn,
+            inputs: Callable[[Any], tuple[Any, ...]]) -> list[float]: ...
+
+
+class Sequential:
+    """Forward and backward of each micro-batch in turn."""
+
+    def run(self, steps: Steps, micro_batches: Sequence[Any], loss_fn: LossFn,
+            inputs: Callable[[Any], tuple[Any, ...]]) -> list[float]:
+        losses = []
+        for mb in micro_batches:
+            loss = loss_fn(steps.forward(*inputs(mb)), mb)
+            steps.backward(loss)
+            losses.append(float(loss.detach()))
+        return losses
+
+
+def default_inputs(micro_batch: Any) -> tuple[Any, ...]:
+    """The model's positional inputs in a micro-batch: a tensor itself, or the first element of
+    a tuple or list (``(x, y)`` -> ``(x,)``). Anything else needs ``inputs=``."""
+    if isinstance(micro_batch, torch.Tensor):
+        return (micro_batch,)
+    if isinstance(micro_batch, (tuple, list)) and micro_batch:
+        return (micro_batch[0],)
+    raise TypeError(f"train_step cannot tell the model's inputs in a {type(micro_batch).__name__}"
+                    "; pass inputs=lambda mb: (...) to say which they are")
+
+
+def split(batch: Any, size: int, count: int) -> list[Any]:
+    """``batch`` (a tensor, or a tuple, list or dict of tensors with the samples in dim 0) as
+    ``count`` micro-batches of ``size`` samples, in order."""
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] != size * count:
+            raise ValueError(f"train_step got a batch of {batch.shape[0]} samples; a step on "
+                             f"this rank takes {count} micro-batches of {size} = {size * count}")
+        return list(batch.split(size))
+    if isinstance(batch, dict):
+        parts = {k: split(v, size, count) for k, v in batch.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(count)]
+    if isinstance(batch, (tuple, list)):
+        parts = [split(v, size, count) for v in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(count)]
+    raise TypeError(f"train_step cannot split a {type(batch).__name__} into micro-batches")

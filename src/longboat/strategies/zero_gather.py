@@ -1,0 +1,226 @@
+"""ZeRO-3's gathers: a unit's parameters are gathered just before its module runs, forward and
+backward, and freed right after (see [Note: stage-3 order] in ``zero.py``).
+
+Each unit is in one :class:`~longboat.strategies.flat.UnitState`: ``SHARDED`` (only this rank's
+shard; its parameters point at empty tensors), ``GATHERING`` (an all-gather of the full flat
+parameter is in flight: a prefetch) or ``UNSHARDED`` (the full flat parameter is here and its
+parameters are views into it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
+
+from longboat.comm.protocol import Comm
+from longboat.strategies.flat import FlatUnit, UnitState
+
+
+class Gathering:
+    """Gathers and frees stage-3 units around their modules' forward and backward.
+
+    ``on_unit_done`` is called when a unit's backward is over (the strategy launches its
+    reduce-scatter then); ``root`` is the model, whose unit stays gathered from the end of a
+    training forward into the backward that follows at once (FSDP2 does not reshard its root
+    after forward either).
+    """
+
+    def __init__(self, units: list[FlatUnit], comm: Comm, root: nn.Module, prefetch: bool,
+                 on_unit_done: Callable[[], None]) -> None:
+        self.units = units
+        self.comm = comm
+        self.root = root
+        self.prefetch = prefetch
+        self.on_unit_done = on_unit_done
+        self.held = False  # gathered_parameters(): every unit stays gathered
+        self._order: list[FlatUnit] = []  # the first training forward's order of units
+        self._recording = True
+        # A freed unit's gather buffer, kept for the next gather of a unit of the same size
+        # (a fresh buffer of tens of MiB costs more than the gather itself on a CPU).
+        self._spare: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def install(self) -> list[RemovableHandle]:
+        """Forward hooks on every unit's module."""
+        hooks = []
+        by_module: dict[int, list[FlatUnit]] = {}
+        for u in self.units:
+            by_module.setdefault(id(u.module), []).append(u)
+        for us in by_module.values():
+            m = us[0].module
+            assert m is not None
+            hooks.append(m.register_forward_pre_hook(
+                lambda _m, args, kwargs, us=us: self._before_forward(us, args, kwargs),
+                with_kwargs=True))
+            hooks.append(m.register_forward_hook(
+                lambda _m, _a, out, us=us: self._after_forward(us, out)))
+        return hooks
+
+    # -- one unit ------------------------------------------------------------------------------
+
+    def gather(self, u: FlatUnit, async_op: bool = False) -> None:
+        """Start gathering ``u`` unless it is gathered or on its way."""
+        if u.state is not UnitState.SHARDED:
+            return
+        assert u.shard is not None
+        if self.comm.world_size == 1:  # the shard is the whole unit: nothing to copy
+            u.flat_param, u.state = u.shard, UnitState.UNSHARDED
+            return
+        full = self._spare.pop((u.padded, u.dtype, u.device), None)
+        if full is None:
+            full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
+        u.gather_handle = self.comm.all_gather(full, u.shard, async_op=async_op, tag=u.tag)
+        u.flat_param, u.state = full, UnitState.GATHERING
+
+    def ready(self, u: FlatUnit) -> None:
+        """Make ``u``'s parameters usable: gather (or finish a prefetch) and point at it."""
+        self.gather(u)
+        if u.state is UnitState.GATHERING:
+            u.gather_handle.wait()  # type: ignore[union-attr]
+            u.gather_handle = None
+            u.state = UnitState.UNSHARDED
+        assert u.flat_param is not None
+        u.point_params_at(u.flat_param)
+
+    def free(self, u: FlatUnit) -> None:
+        """Back to ``SHARDED`` (unless every unit is held)."""
+        if self.held or u.state is UnitState.SHARDED:
+            return
+        if u.state is UnitState.GATHERING:  # a prefetch in flight must land before its buffer goes
+            u.gather_handle.wait()  # type: ignore[union-attr]
+            u.gather_handle = None
+        u.release_params()
+        if u.flat_param is not u.shard:
+            self._spare[(u.padded, u.dtype, u.device)] = u.flat_param  # type: ignore[assignment]
+        u.flat_param, u.state = None, UnitState.SHARDED
+
+    def free_all(self) -> None:
+        for u in self.units:
+            self.free(u)
+
+    def spare_buffers(self) -> list[torch.Tensor]:
+        """Gather buffers kept for reuse (communication buffers, in memory reports)."""
+        return list(self._spare.values())
+
+    def drop_spares(self) -> None:
+        self._spare.clear()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Every unit gathered while inside (entering and leaving are collective)."""
+        if self.held:
+            yield
+            return
+        for u in self.units:
+            self.ready(u)
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+            self.free_all()
+
+    # -- around the modules --------------------------------------------------------------------
+
+    def _prefetch(self, us: list[FlatUnit], step: int) -> None:
+        if not self.prefetch or self._recording or not self._order:
+            return
+        anchor = us[-1] if step > 0 else us[0]
+        if anchor not in self._order:  # a unit the first forward did not run
+            return
+        pos = self._order.index(anchor) + step
+        if 0 <= pos < len(self._order):
+            u = self._order[pos]
+            if step < 0 and u.backward_done:
+                return  # its backward is already over: gathering again would only waste memory
+            self.gather(u, async_op=True)
+
+    def _before_forward(self, us: list[FlatUnit], args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # Only a training forward (as in [Note: buffers]) is followed by a backward on every
+        # rank; another (an evaluation, maybe on one rank) must leave no trace that one rank has
+        # and another has not.
+        training = us[0].module.training and torch.is_grad_enabled()  # type: ignore[union-attr]
+        for u in us:
+            self.ready(u)
+            if training and self._recording and u not in self._order:
+                self._order.append(u)
+        self._prefetch(us, +1)
+        return self._watch_inputs(us, args, kwargs) if training else (args, kwargs)
+
+    def _watch_inputs(self, us: list[FlatUnit], args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Pass the inputs that need a gradient through :class:`_PostBackward`, whose backward
+        runs once the unit's backward is over ([Note: stage-3 order])."""
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
+            return args, kwargs  # e.g. the first unit: handled when the backward is over
+        for u in us:
+            u.calls += 1
+        watched = _PostBackward.apply(lambda: self._after_backward(us), *(flat[i] for i in where))
+        for i, t in zip(where, watched, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _after_forward(self, us: list[FlatUnit], out: Any) -> None:
+        training = torch.is_grad_enabled() and us[0].module.training  # type: ignore[union-attr]
+        if not (training and us[0].module is self.root):
+            for u in us:
+                self.free(u)
+        if not torch.is_grad_enabled():
+            return
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(lambda g, us=us: self._before_backward(us) or g)
+
+    def _before_backward(self, us: list[FlatUnit]) -> None:
+        self._recording = False  # the first forward fixed the order prefetching follows
+        for u in us:
+            self.ready(u)
+        self._prefetch(us, -1)
+
+    def _after_backward(self, us: list[FlatUnit]) -> None:
+        for u in us:
+            u.calls -= 1
+            if u.calls == 0:  # the last of the module's calls in this forward
+                u.backward_done = True
+                self.free(u)
+        self.on_unit_done()
+
+    def backward_over(self) -> None:
+        """The whole backward returned: nothing needs a unit gathered."""
+        for u in self.units:
+            u.calls = 0
+        self.free_all()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward calls ``callback``: it runs once the
+    gradients of all those inputs exist, that is once the unit's backward is over (as FSDP2's
+    post-backward hook does)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _tensors(v)]
+    return []

@@ -1,0 +1,154 @@
+"""The process groups of the mesh (:mod:`longboat.mesh`), created once, and a doorway per axis.
+
+For every axis a rank belongs to a group of, the topology holds two doorways
+(:class:`~longboat.comm.collectives.Collectives`):
+
+- the *data plane*, on the job's backend (NCCL on GPUs, gloo on CPUs): gradients, parameters,
+  anything of the model's, on the model's device;
+- the *control plane*, on gloo: small CPU tensors that the CPU must read (desync fingerprints,
+  overflow flags, which parameters were used, checkpoint JSON, monitor events, preemption
+  votes). NCCL refuses CPU tensors ([Note: NCCL rules] in ``comm/collectives.py``), and keeping
+  them off the data groups also keeps them out of the order in which gradients flow.
+
+[Note: group creation] ``torch.distributed.new_group`` is collective over the whole world: every
+rank must create every group, members or not, in the same order. The topology does it once, in
+the fixed order of :data:`~longboat.mesh.GROUP_AXES` and, within an axis, of the groups' first
+ranks; a set of ranks that two axes share (``dp`` and ``world`` in plain data parallelism) gets
+one group and one doorway. A group of the whole world uses the default group for its data plane.
+Axes of size 1 get a doorway of one rank, whose operations are the identity.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longboat.comm.collectives import NCCL_RULES_VAR, Collectives, Rules
+from longboat.comm.protocol import Comm
+from longboat.mesh import GROUP_AXES, Axis, Mesh
+
+
+@dataclass(frozen=True)
+class DoorwayOptions:
+    """How every doorway observes its traffic (the config's ``comm`` section)."""
+
+    desync_check: bool = False
+    log: bool = False
+    log_verbose: bool = False
+    timeout_s: float = 1800.0
+
+
+class Topology:
+    """This rank's place on the mesh and a data and a control doorway per axis."""
+
+    def __init__(self, mesh: Mesh, rank: int, data: dict[str, Comm], control: dict[str, Comm],
+                 owned: list[dist.ProcessGroup] | None = None) -> None:
+        self.mesh = mesh
+        self.rank = rank
+        self.coords = mesh.coords(rank)
+        self._data = data
+        self._control = control
+        self._owned = owned or []
+        self._closed = False
+
+    # -- building ------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, mesh: Mesh, options: DoorwayOptions, device: torch.device,
+              rules: bool | None = None) -> Topology:
+        """Create every group of ``mesh`` ([Note: group creation]) and the doorways of this
+        rank. Collective: every rank calls it with the same mesh. Without a process group
+        (a world of one), every doorway is a group of one."""
+        if rules is None:
+            rules = os.environ.get(NCCL_RULES_VAR) == "1"
+        active = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if active else 1
+        rank = dist.get_rank() if active else 0
+        if mesh.world_size != world:
+            raise ValueError(f"the mesh ({mesh.describe()}) has {mesh.world_size} ranks but the "
+                             f"process group has {world}")
+        data: dict[str, Comm] = {}
+        control: dict[str, Comm] = {}
+        owned: list[dist.ProcessGroup] = []
+        created: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        doorways: dict[tuple[int, ...], tuple[Comm, Comm]] = {}
+        timeout = datetime.timedelta(seconds=options.timeout_s)
+        for axis in GROUP_AXES:
+            if mesh.size(axis) == 1 or not active:
+                data[axis] = Collectives.alone(rank, name=f"{axis} (one rank)")
+                control[axis] = data[axis]
+                continue
+            for ranks in mesh.groups(axis):  # every rank creates every group, in order
+                if ranks in created:
+                    continue
+                g_data = (None if len(ranks) == world
+                          else dist.new_group(list(ranks), timeout=timeout))
+                g_ctrl = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+                owned += [g for g in (g_data, g_ctrl) if g is not None]
+                created[ranks] = (g_data, g_ctrl)
+            mine = mesh.group_of(axis, rank)
+            if mine not in doorways:
+                g_data, g_ctrl = created[mine]
+                name = "world" if len(mine) == world else f"{axis} {list(mine)}"
+                doorways[mine] = (
+                    Collectives(g_data, desync_check=options.desync_check, check_group=g_ctrl,
+                                log=options.log, log_verbose=options.log_verbose,
+                                timeout_s=options.timeout_s, name=name,
+                                rules=Rules(device=device) if rules else None),
+                    Collectives(g_ctrl, desync_check=options.desync_check, check_group=g_ctrl,
+                                timeout_s=options.timeout_s, name=f"{name}, control",
+                                rules=Rules() if rules else None))
+            data[axis], control[axis] = doorways[mine]
+        return cls(mesh, rank, data, control, owned)
+
+    @classmethod
+    def of(cls, mesh: Mesh, rank: int, doorway: Any) -> Topology:
+        """A topology whose doorways ``doorway(group_size, rank_in_group)`` makes, one per axis
+        (the planner's meta run), control planes the same as data planes."""
+        data: dict[str, Comm] = {}
+        for axis in GROUP_AXES:
+            group = mesh.group_of(axis, rank)
+            data[axis] = doorway(len(group), group.index(rank))
+        return cls(mesh, rank, data, dict(data))
+
+    # -- what strategies and the engine use ----------------------------------------------------
+
+    def data(self, axis: Axis) -> Comm:
+        """The data-plane doorway of this rank's group along ``axis``."""
+        return self._data[axis]
+
+    def control(self, axis: Axis = "world") -> Comm:
+        """The control-plane (gloo, small CPU tensors) doorway along ``axis``."""
+        return self._control[axis]
+
+    def pipeline_neighbours(self) -> tuple[int | None, int | None]:
+        """Global ranks of the previous and next pipeline stage (None at either end)."""
+        return self.mesh.pipeline_neighbours(self.rank)
+
+    @property
+    def blocked_seconds(self) -> float:
+        """Seconds this rank spent blocked in any of its doorways (the profiler's waits)."""
+        return sum(d.blocked_seconds for d in self.doorways())
+
+    def doorways(self) -> list[Comm]:
+        """Every distinct doorway, data planes first."""
+        seen: dict[int, Comm] = {}
+        for d in (*self._data.values(), *self._control.values()):
+            seen.setdefault(id(d), d)
+        return list(seen.values())
+
+    def close(self) -> None:
+        """Close every doorway and destroy the groups the topology made (collective)."""
+        if self._closed:
+            return
+        self._closed = True
+        for d in self.doorways():
+            d.close()
+        if dist.is_initialized():
+            for g in self._owned:
+                dist.destroy_process_group(g)

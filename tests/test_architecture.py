@@ -1,0 +1,107 @@
+"""Guard rails for the package's shape: no import cycles, lower layers never import higher ones.
+
+An import counts wherever it is written (at the top, in a function, under ``TYPE_CHECKING``):
+a cycle hidden in a local import is still a cycle. ``from pkg import mod`` where ``mod`` is a
+module depends on that module, not on the package's ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Layers, lowest first: a module may import its own layer and those below, never above.
+LAYERS = [
+    {"longboat.config", "longboat.mesh", "longboat.world"},
+    {"longboat.comm", "longboat.data", "longboat.topology", "longboat.models"},
+    {"longboat.strategies", "longboat.precision", "longboat.checkpoint", "longboat.observe",
+     "longboat.optim", "longboat.grads", "longboat.schedule"},
+    {"longboat.engine"},
+    {"longboat.launch", "longboat.bench", "longboat.plan", "longboat.cli", "longboat.testing",
+     "longboat"},
+]
+
+
+@functools.cache
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in (SRC / "longboat").rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                targets = [s for s in subs if s in mods] or [node.module]
+            else:
+                continue
+            graph[m] |= {t for t in targets if t in mods and t != m}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def _layer(module: str) -> int:
+    best = None
+    for i, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (i, len(prefix))
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best[0]
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_lower_layers_never_import_higher_ones(module):
+    graph = _graph()
+    up = [t for t in graph[module] if _layer(t) > _layer(module)]
+    assert not up, f"{module} (layer {_layer(module)}) imports {up} from higher layers"
