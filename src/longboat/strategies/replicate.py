@@ -155,6 +155,12 @@ class Replicate:
         # The flags are divided too: what matters is only whether their sum is above zero.
         b.handle = self.comm.all_reduce(b.buffer, op="avg", async_op=True)
 
+    def after_backward(self) -> None:
+        if self._sync:  # buckets this backward did not complete go now, before anything else
+            self._launch_ready(force=True)
+        assert self._buffers is not None
+        self._buffers.after_backward()
+
     def finish_gradients(self) -> None:
         # Only launch here; waiting is deferred so the optimizer can overlap the tail of the
         # communication (see [Note: optimizer overlap]).

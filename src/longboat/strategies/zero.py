@@ -350,6 +350,8 @@ class Zero:
                 for *_, pc in u.pieces:
                     pc.grad = grads[id(pc)]
                 optimizer.step()
+                for *_, pc in u.pieces:
+                    pc.grad = None
             assert u.shard is not None and u.flat_param is not None
             handles.append(self.comm.all_gather(u.flat_param, u.shard.clone(), async_op=True,
                                                 tag=u.tag))
