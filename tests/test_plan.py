@@ -14,10 +14,10 @@ import torch
 from reference import TinyNet
 from typer.testing import CliRunner
 
+from longboat.cli import app
 from longboat.comm.collectives import Collectives
 from longboat.comm.protocol import Comm
 from longboat.config import load_config
-from longboat.cli import app
 from longboat.models import GPT, gpt_loss, gpt_param_count, synthetic_tokens
 from longboat.plan import Target, make_plan, resolve
 from longboat.plan.planner import OPTIMIZERS, strategy_config
