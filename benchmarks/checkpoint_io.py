@@ -54,12 +54,19 @@ STRATEGIES = {
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--strategies", default="replicate,zero3",
-                   help=f"comma-separated, from {', '.join(STRATEGIES)}")
+    p.add_argument(
+        "--strategies",
+        default="replicate,zero3",
+        help=f"comma-separated, from {', '.join(STRATEGIES)}",
+    )
     p.add_argument("--repeats", type=int, default=5, help="measured rounds per strategy")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="where to write (default: a temporary directory, removed afterwards)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to write (default: a temporary directory, removed afterwards)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     args.strategies = args.strategies.split(",")
@@ -104,24 +111,27 @@ def _checkpoint_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def _measure(rank: int, world: int, args: argparse.Namespace, name: str, root: Path
-             ) -> dict[str, Any]:
+def _measure(
+    rank: int, world: int, args: argparse.Namespace, name: str, root: Path
+) -> dict[str, Any]:
     import longboat
     from longboat.models import gpt_loss, reference_gpt, synthetic_tokens
 
     torch.manual_seed(0)
     model = reference_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    cfg = {**STRATEGIES[name], "batch": {"micro_batch_size": 2},
-           "log": {"progress": False, "level": "WARNING"}}
+    cfg = {
+        **STRATEGIES[name],
+        "batch": {"micro_batch_size": 2},
+        "log": {"progress": False, "level": "WARNING"},
+    }
     engine = longboat.initialize(model, opt, cfg)
     x, y = synthetic_tokens(2, 128, model.vocab_size, torch.Generator().manual_seed(rank))
     engine.backward(gpt_loss(engine(x), y))
     engine.step()  # AdamW now holds exp_avg and exp_avg_sq
     ckdir = root / name
     plain = root / f"plain-{name}-{rank}.bin"
-    times: dict[str, list[float]] = {"save": [], "load": [], "plain_write": [],
-                                     "plain_read": []}
+    times: dict[str, list[float]] = {"save": [], "load": [], "plain_write": [], "plain_read": []}
     nbytes = 0
     for r in range(args.repeats + 1):  # round 0 warms up (allocations, page cache, imports)
         tag = f"r{r}"
@@ -135,22 +145,29 @@ def _measure(rank: int, world: int, args: argparse.Namespace, name: str, root: P
             shutil.rmtree(ckdir / f"r{r - 1}", ignore_errors=True)  # keep the disk use small
         if r == 0:
             continue
-        for key, t in (("save", t_save), ("plain_write", t_write), ("load", t_load),
-                       ("plain_read", t_read)):
+        for key, t in (
+            ("save", t_save),
+            ("plain_write", t_write),
+            ("load", t_load),
+            ("plain_read", t_read),
+        ):
             times[key].append(t)
     engine.close()
     plain.unlink(missing_ok=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"checkpoint_bytes": nbytes, "times_s": times, "median_s": med,
-            "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
-            "parameters": sum(p.numel() for p in reference_gpt().parameters())}
+    return {
+        "checkpoint_bytes": nbytes,
+        "times_s": times,
+        "median_s": med,
+        "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "parameters": sum(p.numel() for p in reference_gpt().parameters()),
+    }
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
     join_loopback(rank, args.world_size, port, args.threads)
     try:
-        results = {s: _measure(rank, args.world_size, args, s, Path(root))
-                   for s in args.strategies}
+        results = {s: _measure(rank, args.world_size, args, s, Path(root)) for s in args.strategies}
         if rank == 0:
             _report(args, results)
     finally:
@@ -161,11 +178,16 @@ def _report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     out = {
         "benchmark": "checkpoint_io",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "config": {"model": "reference_gpt", "optimizer": "AdamW (one step taken)",
-                   "world_size": args.world_size, "threads_per_rank": args.threads,
-                   "repeats": args.repeats, "warmup_rounds": 1,
-                   "timing": "per rank between barriers, MAX over ranks; median of repeats",
-                   "reads": "page cache warm for load and plain read alike"},
+        "config": {
+            "model": "reference_gpt",
+            "optimizer": "AdamW (one step taken)",
+            "world_size": args.world_size,
+            "threads_per_rank": args.threads,
+            "repeats": args.repeats,
+            "warmup_rounds": 1,
+            "timing": "per rank between barriers, MAX over ranks; median of repeats",
+            "reads": "page cache warm for load and plain read alike",
+        },
         "results": results,
         "versions": versions(),
         "machine": machine(),
@@ -173,12 +195,16 @@ def _report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"reference GPT + AdamW at {args.world_size} ranks; median of {args.repeats}")
-    print(f"{'strategy':<10} {'bytes':>13} {'save GB/s':>10} {'plain write':>12} "
-          f"{'load GB/s':>10} {'plain read':>11}")
+    print(
+        f"{'strategy':<10} {'bytes':>13} {'save GB/s':>10} {'plain write':>12} "
+        f"{'load GB/s':>10} {'plain read':>11}"
+    )
     for name, r in results.items():
         g = r["gb_per_s"]
-        print(f"{name:<10} {r['checkpoint_bytes']:>13,} {g['save']:>10.2f} "
-              f"{g['plain_write']:>12.2f} {g['load']:>10.2f} {g['plain_read']:>11.2f}")
+        print(
+            f"{name:<10} {r['checkpoint_bytes']:>13,} {g['save']:>10.2f} "
+            f"{g['plain_write']:>12.2f} {g['load']:>10.2f} {g['plain_read']:>11.2f}"
+        )
     print(f"wrote {args.out}")
 
 
@@ -187,8 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     root = args.dir or Path(tempfile.mkdtemp(prefix="longboat-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        mp.spawn(_worker, args=(args, free_port(), str(root)), nprocs=args.world_size,
-                 join=True)
+        mp.spawn(_worker, args=(args, free_port(), str(root)), nprocs=args.world_size, join=True)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

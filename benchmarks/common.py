@@ -21,15 +21,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_loopback(rank: int, world_size: int, port: int, threads: int,
-                  timeout_s: float | None = None, **env: str) -> None:
+def join_loopback(
+    rank: int, world_size: int, port: int, threads: int, timeout_s: float | None = None, **env: str
+) -> None:
     """Join a gloo group of ``world_size`` ranks meeting on 127.0.0.1:``port`` as ``rank``.
 
     Sets the variables torchrun would, so ``longboat.initialize`` finds the job and reuses the
     group opened here (``env`` adds others), and runs ``threads`` torch threads."""
     n = str(world_size)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, **env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=n,
+        LOCAL_WORLD_SIZE=n,
+        **env,
+    )
     if sys.platform.startswith("linux"):
         # Pin gloo to loopback: by default it resolves the hostname, which on some machines
         # names an interface the other rank cannot reach.
@@ -49,8 +57,11 @@ def package_version(dist_name: str) -> str | None:
 
 def versions(*extra: str) -> dict[str, str | None]:
     """Python, torch, longboat and platform versions, plus those of ``extra`` distributions."""
-    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
-                                  "longboat": package_version("longboat")}
+    out: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "longboat": package_version("longboat"),
+    }
     out.update({name: package_version(name) for name in extra})
     out["platform"] = platform.platform()
     return out
@@ -58,5 +69,8 @@ def versions(*extra: str) -> dict[str, str | None]:
 
 def machine() -> dict[str, object]:
     """The machine a result was measured on (no hostname)."""
-    return {"cpu_count": os.cpu_count(), "processor": platform.processor(),
-            "machine": platform.machine()}
+    return {
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor(),
+        "machine": platform.machine(),
+    }

@@ -47,12 +47,20 @@ QUIET = {"level": "WARNING"}
 SETTINGS: dict[str, dict[str, Any]] = {
     "off": {"log": {**QUIET, "progress": False}},
     "console": {"log": QUIET},
-    "csv+tb": {"log": QUIET, "monitor": {"csv": {"enabled": True},
-                                         "tensorboard": {"enabled": True}}},
-    "breakdown": {"log": QUIET, "monitor": {"csv": {"enabled": True}},
-                  "profile": {"wall_clock_breakdown": True}},
-    "all": {"log": QUIET, "monitor": {"csv": {"enabled": True}, "tensorboard": {"enabled": True}},
-            "profile": {"wall_clock_breakdown": True, "flops": True}},
+    "csv+tb": {
+        "log": QUIET,
+        "monitor": {"csv": {"enabled": True}, "tensorboard": {"enabled": True}},
+    },
+    "breakdown": {
+        "log": QUIET,
+        "monitor": {"csv": {"enabled": True}},
+        "profile": {"wall_clock_breakdown": True},
+    },
+    "all": {
+        "log": QUIET,
+        "monitor": {"csv": {"enabled": True}, "tensorboard": {"enabled": True}},
+        "profile": {"wall_clock_breakdown": True, "flops": True},
+    },
 }
 NOCHECK = {"comm": {"desync_check": False}}
 SETTINGS["off-nocheck"] = {**SETTINGS["off"], **NOCHECK}
@@ -71,8 +79,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=64, help="global batch")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--out", default=str(Path(__file__).with_name("results")
-                                        / "monitor_overhead.json"))
+    p.add_argument(
+        "--out", default=str(Path(__file__).with_name("results") / "monitor_overhead.json")
+    )
     return p.parse_args(argv)
 
 
@@ -125,18 +134,33 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     for name, ts in times.items():
         base = baseline(name)
         ratio = statistics.median(t / o for t, o in zip(ts, times[base], strict=True))
-        rows[name] = {"median_step_ms": statistics.median(ts) * 1e3, "baseline": base,
-                      "overhead": ratio - 1, "rounds_ms": [t * 1e3 for t in ts]}
-        print(f"{name:15s} {rows[name]['median_step_ms']:8.3f} ms/step  "
-              f"{rows[name]['overhead']:+7.2%} vs {base}")
+        rows[name] = {
+            "median_step_ms": statistics.median(ts) * 1e3,
+            "baseline": base,
+            "overhead": ratio - 1,
+            "rounds_ms": [t * 1e3 for t in ts],
+        }
+        print(
+            f"{name:15s} {rows[name]['median_step_ms']:8.3f} ms/step  "
+            f"{rows[name]['overhead']:+7.2%} vs {base}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "monitor_overhead", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "settings": SETTINGS, "args": vars(args), "results": rows,
-        "versions": versions("tensorboard"), "machine": machine(),
-        "timing": "perf_counter over the steps after warm-up, all_reduce MAX over 2 ranks"},
-        indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "monitor_overhead",
+                "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                "settings": SETTINGS,
+                "args": vars(args),
+                "results": rows,
+                "versions": versions("tensorboard"),
+                "machine": machine(),
+                "timing": "perf_counter over the steps after warm-up, all_reduce MAX over 2 ranks",
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -54,8 +54,14 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _model(args: argparse.Namespace) -> GPT:
     if args.tiny:
-        return GPT(vocab_size=256, d_model=32, n_layers=1, n_heads=2, seq_len=args.seq_len,
-                   tie_weights=False)
+        return GPT(
+            vocab_size=256,
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            seq_len=args.seq_len,
+            tie_weights=False,
+        )
     return reference_gpt()
 
 
@@ -72,9 +78,16 @@ def _run(rank: int, args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     model = _model(args)
-    engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config={
-        "strategy": "replicate", "batch": {"micro_batch_size": args.micro_batch},
-        "comm": {"desync_check": True, "log": True}, "log": {"progress": False}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
+        config={
+            "strategy": "replicate",
+            "batch": {"micro_batch_size": args.micro_batch},
+            "comm": {"desync_check": True, "log": True},
+            "log": {"progress": False},
+        },
+    )
     comm = engine.comm
     gen = torch.Generator().manual_seed(1000 + rank)
     samples: dict[str, list[float]] = {s: [] for s in SIDES}
@@ -93,7 +106,7 @@ def _run(rank: int, args: argparse.Namespace) -> None:
     for i in range(args.warmup):
         step(SIDES[i % 2], measure=False)
     for r in range(args.rounds):
-        for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
             step(side, measure=True)
     comm.log = True
     summary = comm.log_summary()
@@ -102,33 +115,52 @@ def _run(rank: int, args: argparse.Namespace) -> None:
         _report(args, model, samples, summary)
 
 
-def _report(args: argparse.Namespace, model: GPT, samples: dict[str, list[float]],
-            comm_log: list[dict[str, Any]]) -> None:
+def _report(
+    args: argparse.Namespace,
+    model: GPT,
+    samples: dict[str, list[float]],
+    comm_log: list[dict[str, Any]],
+) -> None:
     medians = {s: statistics.median(v) for s, v in samples.items()}
     of_medians = medians["observed"] / medians["plain"]
-    paired = statistics.median(a / b for a, b in zip(samples["observed"], samples["plain"],
-                                                     strict=True))
+    paired = statistics.median(
+        a / b for a, b in zip(samples["observed"], samples["plain"], strict=True)
+    )
     result = {
         "benchmark": "observe_overhead",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         # The headline: the median of the per-round (paired) ratios.
-        "medians_s": medians, "ratio": paired, "ratio_of_medians": of_medians, "goal": 1.03,
-        "samples_s": samples, "comm_log_observed_steps": comm_log,
-        "config": {"model": "tiny GPT" if args.tiny else "reference_gpt",
-                   "parameters": sum(p.numel() for p in model.parameters()),
-                   "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-                   "world_size": args.world_size, "threads_per_rank": args.threads,
-                   "warmup": args.warmup, "rounds": args.rounds, "strategy": "replicate",
-                   "optimizer": "AdamW", "order": "ABBA, one step per side per round",
-                   "observed": "comm.desync_check and comm.log on", "backend": "gloo"},
-        "versions": versions(), "machine": machine(),
+        "medians_s": medians,
+        "ratio": paired,
+        "ratio_of_medians": of_medians,
+        "goal": 1.03,
+        "samples_s": samples,
+        "comm_log_observed_steps": comm_log,
+        "config": {
+            "model": "tiny GPT" if args.tiny else "reference_gpt",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "micro_batch": args.micro_batch,
+            "seq_len": args.seq_len,
+            "world_size": args.world_size,
+            "threads_per_rank": args.threads,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "strategy": "replicate",
+            "optimizer": "AdamW",
+            "order": "ABBA, one step per side per round",
+            "observed": "comm.desync_check and comm.log on",
+            "backend": "gloo",
+        },
+        "versions": versions(),
+        "machine": machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for s in SIDES:
         v = samples[s]
-        print(f"{s:<9} median {medians[s]:.4f} s  min {min(v):.4f}  max {max(v):.4f} "
-              f"({len(v)} steps)")
+        print(
+            f"{s:<9} median {medians[s]:.4f} s  min {min(v):.4f}  max {max(v):.4f} ({len(v)} steps)"
+        )
     print(f"ratio of the medians = {of_medians:.3f}")
     print(f"ratio (observed / plain) = {paired:.3f}  (median of per-round ratios; goal <= 1.03)")
     print(f"wrote {args.out}")

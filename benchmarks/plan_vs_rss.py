@@ -76,10 +76,16 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured ones")
     p.add_argument("--steps", type=int, default=2, help="steps after the warm-up")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help="comma-separated, from " + ",".join(STRATEGIES))
-    p.add_argument("--malloc", default="fixed-mmap-threshold,default",
-                   help="comma-separated malloc modes, see [Note: malloc modes]")
+    p.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="comma-separated, from " + ",".join(STRATEGIES),
+    )
+    p.add_argument(
+        "--malloc",
+        default="fixed-mmap-threshold,default",
+        help="comma-separated malloc modes, see [Note: malloc modes]",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     args = p.parse_args(argv)
@@ -95,9 +101,12 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _config(strategy: str, micro_batch: int) -> dict[str, Any]:
     name, _, stage = strategy.partition("-")
-    return {"strategy": name, "zero": {"stage": int(stage or 1), "unit_classes": ["_Block"]},
-            "batch": {"micro_batch_size": micro_batch},
-            "log": {"progress": False, "level": "WARNING"}}
+    return {
+        "strategy": name,
+        "zero": {"stage": int(stage or 1), "unit_classes": ["_Block"]},
+        "batch": {"micro_batch_size": micro_batch},
+        "log": {"progress": False, "level": "WARNING"},
+    }
 
 
 def _rss_bytes() -> int:
@@ -116,8 +125,9 @@ def _warm_up(strategy: str, gen: torch.Generator) -> None:
     import longboat
 
     tiny = GPT(vocab_size=64, d_model=16, n_layers=1, n_heads=2, seq_len=8, tie_weights=False)
-    engine = longboat.initialize(tiny, torch.optim.AdamW(tiny.parameters(), lr=1e-4),
-                                 _config(strategy, 2))
+    engine = longboat.initialize(
+        tiny, torch.optim.AdamW(tiny.parameters(), lr=1e-4), _config(strategy, 2)
+    )
     for _ in range(2):
         x, y = synthetic_tokens(2, 8, 64, gen)
         engine.backward(gpt_loss(engine(x), y))
@@ -127,8 +137,9 @@ def _warm_up(strategy: str, gen: torch.Generator) -> None:
     gc.collect()
 
 
-def _worker(rank: int, args: argparse.Namespace, strategy: str, world: int, port: int,
-            out_dir: str) -> None:
+def _worker(
+    rank: int, args: argparse.Namespace, strategy: str, world: int, port: int, out_dir: str
+) -> None:
     if world > 1:
         join_loopback(rank, world, port, args.threads, args.timeout)
     else:
@@ -150,8 +161,11 @@ def _worker(rank: int, args: argparse.Namespace, strategy: str, world: int, port
             engine.backward(gpt_loss(engine(x), y))
             engine.step()
         peak = _peak_rss_bytes()
-        result.update(peak_rss_bytes=peak, rss_increase_bytes=peak - baseline,
-                      model_state_bytes=engine.memory_report().measured)
+        result.update(
+            peak_rss_bytes=peak,
+            rss_increase_bytes=peak - baseline,
+            model_state_bytes=engine.memory_report().measured,
+        )
         engine.close()
     except Exception as e:  # reported to the parent
         result["error"] = f"{type(e).__name__}: {e}"
@@ -165,8 +179,7 @@ def _worker(rank: int, args: argparse.Namespace, strategy: str, world: int, port
 def _measure(args: argparse.Namespace, strategy: str) -> list[dict[str, Any]]:
     world = 1 if strategy == "single" else args.world_size
     with tempfile.TemporaryDirectory(prefix="plan_vs_rss-") as tmp:
-        mp.spawn(_worker, args=(args, strategy, world, free_port(), tmp), nprocs=world,
-                 join=True)
+        mp.spawn(_worker, args=(args, strategy, world, free_port(), tmp), nprocs=world, join=True)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     err = next((r for r in ranks if r.get("error")), None)
     if err:
@@ -187,11 +200,20 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     target = resolve("reference-gpt", seq_len=args.seq_len)
     results: dict[str, Any] = {m: {} for m in args.malloc}
-    print(f"{'malloc':<21} {'strategy':<10} {'predicted MiB':>14} "
-          f"{'measured MiB (per rank)':>24} {'ratio':>7}", flush=True)
+    print(
+        f"{'malloc':<21} {'strategy':<10} {'predicted MiB':>14} "
+        f"{'measured MiB (per rank)':>24} {'ratio':>7}",
+        flush=True,
+    )
     for strategy in args.strategies:
-        plan = make_plan(target, load_config(_config(strategy, args.micro_batch)),
-                         args.world_size, args.micro_batch, "adamw", [strategy])
+        plan = make_plan(
+            target,
+            load_config(_config(strategy, args.micro_batch)),
+            args.world_size,
+            args.micro_batch,
+            "adamw",
+            [strategy],
+        )
         predicted = plan.strategies[0]
         for mode in args.malloc:
             _set_malloc(mode)
@@ -201,30 +223,41 @@ def main(argv: list[str] | None = None) -> None:
             ratio = predicted.peak / worst
             results[mode][strategy] = {
                 "predicted_peak_bytes": predicted.peak,
-                "predicted": {"model_state": predicted.model_state,
-                              "activations": predicted.activations,
-                              "transient": predicted.transient,
-                              "comm_bytes": predicted.comm_bytes},
+                "predicted": {
+                    "model_state": predicted.model_state,
+                    "activations": predicted.activations,
+                    "transient": predicted.transient,
+                    "comm_bytes": predicted.comm_bytes,
+                },
                 "measured_rss_increase_bytes": measured,
                 "ratio_predicted_over_measured": ratio,
-                "model_state_equal": all(r["model_state_bytes"] == predicted.model_state
-                                         for r in ranks),
+                "model_state_equal": all(
+                    r["model_state_bytes"] == predicted.model_state for r in ranks
+                ),
                 "ranks": ranks,
             }
-            print(f"{mode:<21} {strategy:<10} {predicted.peak / 2**20:14.1f} "
-                  f"{', '.join(f'{m / 2**20:.1f}' for m in measured):>24} {ratio:7.3f}",
-                  flush=True)
+            print(
+                f"{mode:<21} {strategy:<10} {predicted.peak / 2**20:14.1f} "
+                f"{', '.join(f'{m / 2**20:.1f}' for m in measured):>24} {ratio:7.3f}",
+                flush=True,
+            )
     _set_malloc("default")
-    within = {m: all(abs(r["ratio_predicted_over_measured"] - 1) <= 0.10 for r in res.values())
-              for m, res in results.items()}
+    within = {
+        m: all(abs(r["ratio_predicted_over_measured"] - 1) <= 0.10 for r in res.values())
+        for m, res in results.items()
+    }
     out = {
         "benchmark": "plan_vs_rss",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "config": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path)
-                       else v) for k, v in vars(args).items()},
+        "config": {
+            k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+        },
         "results": results,
         "within_10_percent": within,
-        "versions": versions(), "machine": machine(), "wall_time_s": time.time() - t0,
+        "versions": versions(),
+        "machine": machine(),
+        "wall_time_s": time.time() - t0,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")

@@ -128,8 +128,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int, sides: tuple[str, ..
 
 
 def _run(rank: int, args: argparse.Namespace, sides: tuple[str, ...]) -> None:
-    makers = {"replicate": _make_replicate, "ddp": _make_ddp,
-              "replicate_serial_opt": lambda m, a: _make_replicate(m, a, overlap=False)}
+    makers = {
+        "replicate": _make_replicate,
+        "ddp": _make_ddp,
+        "replicate_serial_opt": lambda m, a: _make_replicate(m, a, overlap=False),
+    }
     models: dict[str, GPT] = {}
     steps: dict[str, StepFn] = {}
     gens: dict[str, torch.Generator] = {}
@@ -158,7 +161,7 @@ def _run(rank: int, args: argparse.Namespace, sides: tuple[str, ...]) -> None:
         run_side(name, args.warmup, measure=False)
     for r in range(args.rounds):
         # Rotate, and reverse every other round, so no side always follows the same one.
-        rot = sides[r % len(sides):] + sides[: r % len(sides)]
+        rot = sides[r % len(sides) :] + sides[: r % len(sides)]
         order = rot if r % 2 == 0 else tuple(reversed(rot))
         for name in order:
             run_side(name, args.steps_per_round, measure=True)
@@ -188,8 +191,9 @@ def _report(
     medians = {name: statistics.median(s) for name, s in samples.items()}
     both = "replicate" in sides and "ddp" in sides
     ratio = medians["replicate"] / medians["ddp"] if both else None
-    ratios = {f"{n}/ddp": medians[n] / medians["ddp"] for n in sides
-              if n != "ddp" and "ddp" in sides}
+    ratios = {
+        f"{n}/ddp": medians[n] / medians["ddp"] for n in sides if n != "ddp" and "ddp" in sides
+    }
     # Sample i of each side ran in the same round, so the per-round ratio cancels load that
     # other processes put on the machine for a few seconds; its median is a robustness check.
     paired = None

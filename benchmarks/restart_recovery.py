@@ -51,12 +51,25 @@ TIMEOUT_S = 180
 
 def _launch(ck: Path, out: Path, kill: bool) -> tuple[int, list[tuple[float, str]]]:
     """Run one job; its return code and every output line with its arrival time."""
-    args = [sys.executable, "-m", "longboat.cli", "run", "-n", "2", "--max-restarts",
-            "1", str(SCRIPT), str(ck), str(out), str(STEPS)]
+    args = [
+        sys.executable,
+        "-m",
+        "longboat.cli",
+        "run",
+        "-n",
+        "2",
+        "--max-restarts",
+        "1",
+        str(SCRIPT),
+        str(ck),
+        str(out),
+        str(STEPS),
+    ]
     if kill:
         args += ["--kill-at", str(KILL_AT)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     lines: list[tuple[float, str]] = []
     lock = threading.Lock()
 
@@ -65,8 +78,9 @@ def _launch(ck: Path, out: Path, kill: bool) -> tuple[int, list[tuple[float, str
             with lock:
                 lines.append((time.time(), line.rstrip("\n")))
 
-    pumps = [threading.Thread(target=pump, args=(s,), daemon=True)
-             for s in (proc.stdout, proc.stderr)]
+    pumps = [
+        threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)
+    ]
     for t in pumps:
         t.start()
     try:
@@ -94,14 +108,19 @@ def _one(work: Path, i: int, reference: Path) -> dict[str, Any]:
     detect = next((t for t, line in lines if "rank 1 was killed by SIGKILL" in line), None)
     start = _stamp(lines, r"START attempt=1 step=\d+ t=([\d.]+)")
     resumed = re.search(r"START attempt=1 step=(\d+)", "\n".join(x for _, x in lines))
-    after = [float(m.group(1)) for _, x in lines
-             if (m := re.search(r"STEP \d+ t=([\d.]+)", x)) and start and float(m.group(1)) > start]
+    after = [
+        float(m.group(1))
+        for _, x in lines
+        if (m := re.search(r"STEP \d+ t=([\d.]+)", x)) and start and float(m.group(1)) > start
+    ]
     equal = False
     if code == 0 and out.exists():
         a, b = load_file(out), load_file(reference)
         equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     return {
-        "exit_code": code, "bit_identical": equal, "recovered": code == 0 and equal,
+        "exit_code": code,
+        "bit_identical": equal,
+        "recovered": code == 0 and equal,
         "detect_s": None if kill is None or detect is None else detect - kill,
         "restart_s": None if kill is None or start is None else start - kill,
         "training_again_s": None if kill is None or not after else min(after) - kill,
@@ -124,42 +143,63 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         code, lines = _launch(work / "ref-ck", work / "ref.safetensors", kill=False)
         if code != 0:
-            sys.exit("the uninterrupted reference run failed:\n"
-                     + "\n".join(x for _, x in lines[-20:]))
+            sys.exit(
+                "the uninterrupted reference run failed:\n" + "\n".join(x for _, x in lines[-20:])
+            )
         runs = []
         for i in range(args.repeats):
             r = _one(work, i, work / "ref.safetensors")
             runs.append(r)
-            print(f"run {i + 1:>2}: {'recovered' if r['recovered'] else 'FAILED'}  "
-                  f"detect {r['detect_s'] or float('nan'):.3f} s  restart "
-                  f"{r['restart_s'] or float('nan'):.2f} s  training again "
-                  f"{r['training_again_s'] or float('nan'):.2f} s  steps redone "
-                  f"{r['steps_redone']}", flush=True)
+            print(
+                f"run {i + 1:>2}: {'recovered' if r['recovered'] else 'FAILED'}  "
+                f"detect {r['detect_s'] or float('nan'):.3f} s  restart "
+                f"{r['restart_s'] or float('nan'):.2f} s  training again "
+                f"{r['training_again_s'] or float('nan'):.2f} s  steps redone "
+                f"{r['steps_redone']}",
+                flush=True,
+            )
     ok = [r for r in runs if r["recovered"]]
-    summary: dict[str, Any] = {"recovered": len(ok), "runs": len(runs),
-                               "success_rate": len(ok) / len(runs)}
+    summary: dict[str, Any] = {
+        "recovered": len(ok),
+        "runs": len(runs),
+        "success_rate": len(ok) / len(runs),
+    }
     for key in ("detect_s", "restart_s", "training_again_s"):
         vals = [r[key] for r in ok if r[key] is not None]
         if vals:
-            summary[key] = {"p50": statistics.median(vals), "p95": _pct(vals, 0.95),
-                            "max": max(vals)}
+            summary[key] = {
+                "p50": statistics.median(vals),
+                "p95": _pct(vals, 0.95),
+                "max": max(vals),
+            }
     summary["steps_redone"] = sorted({r["steps_redone"] for r in ok})
     result = {
         "benchmark": "restart_recovery",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "config": {"script": "tests/launch_scripts/train_resume.py", "ranks": 2,
-                   "strategy": "zero-2", "steps": STEPS, "checkpoint_every": 2,
-                   "kill": f"rank 1 SIGKILL after step {KILL_AT}, first attempt only",
-                   "max_restarts": 1},
-        "summary": summary, "runs": runs,
+        "config": {
+            "script": "tests/launch_scripts/train_resume.py",
+            "ranks": 2,
+            "strategy": "zero-2",
+            "steps": STEPS,
+            "checkpoint_every": 2,
+            "kill": f"rank 1 SIGKILL after step {KILL_AT}, first attempt only",
+            "max_restarts": 1,
+        },
+        "summary": summary,
+        "runs": runs,
         "versions": versions(),
         "machine": machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{len(ok)} of {len(runs)} recovered bit-identically; " + ", ".join(
-        f"{k} p50 {v['p50']:.3f} p95 {v['p95']:.3f}" for k, v in summary.items()
-        if isinstance(v, dict)))
+    print(
+        f"{len(ok)} of {len(runs)} recovered bit-identically; "
+        + ", ".join(
+            f"{k} p50 {v['p50']:.3f} p95 {v['p95']:.3f}"
+            for k, v in summary.items()
+            if isinstance(v, dict)
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -103,8 +103,14 @@ from longboat.bench.models import reference_gpt_spec
 from longboat.bench.sides import DeepSpeedSide, deepspeed_config, import_deepspeed, make_fsdp2
 from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
 
-SIDES = ("longboat_zero2", "fsdp2_zero2", "deepspeed_zero2",
-         "longboat_zero3", "fsdp2_zero3", "deepspeed_zero3")
+SIDES = (
+    "longboat_zero2",
+    "fsdp2_zero2",
+    "deepspeed_zero2",
+    "longboat_zero3",
+    "fsdp2_zero3",
+    "deepspeed_zero3",
+)
 STAGE_OF = {name: int(name[-1]) for name in SIDES}
 PEERS = ("fsdp2", "deepspeed")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zero_vs_peers.json"
@@ -124,17 +130,27 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side, first")
     p.add_argument("--rounds", type=int, default=10, help="timing rounds (each runs every side)")
     p.add_argument("--steps-per-round", type=int, default=1, help="steps per side per round")
-    p.add_argument("--memory-repeats", type=int, default=2,
-                   help="fresh process pairs per side for peak RSS (0: skip the memory phase)")
-    p.add_argument("--memory-steps", type=int, default=2,
-                   help="steps after the warm-up in each memory pair")
+    p.add_argument(
+        "--memory-repeats",
+        type=int,
+        default=2,
+        help="fresh process pairs per side for peak RSS (0: skip the memory phase)",
+    )
+    p.add_argument(
+        "--memory-steps", type=int, default=2, help="steps after the warm-up in each memory pair"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stage", type=int, choices=(2, 3), default=None,
-                   help="measure one stage's sides only")
+    p.add_argument(
+        "--stage", type=int, choices=(2, 3), default=None, help="measure one stage's sides only"
+    )
     p.add_argument("--only", choices=SIDES, default=None, help="measure one side alone")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds a collective may wait before a pair is declared hung")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a collective may wait before a pair is declared hung",
+    )
     p.add_argument("--out", type=Path, default=None, help=f"results JSON (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
     if args.warmup < 2:
@@ -168,8 +184,9 @@ def _ds_config(args: argparse.Namespace, stage: int) -> dict[str, Any]:
 # -- the sides ---------------------------------------------------------------------------------
 
 
-def _make_longboat(model: GPT, args: argparse.Namespace, stage: int
-                   ) -> tuple[StepFn, ForwardFn, Callable[[], Any]]:
+def _make_longboat(
+    model: GPT, args: argparse.Namespace, stage: int
+) -> tuple[StepFn, ForwardFn, Callable[[], Any]]:
     import longboat
 
     zero: dict[str, Any] = {"stage": stage}
@@ -200,16 +217,22 @@ def _make_longboat(model: GPT, args: argparse.Namespace, stage: int
 # measure the same peers.
 
 
-def _make_fsdp2(model: GPT, args: argparse.Namespace, stage: int
-                ) -> tuple[StepFn, ForwardFn, None]:
+def _make_fsdp2(model: GPT, args: argparse.Namespace, stage: int) -> tuple[StepFn, ForwardFn, None]:
     side = make_fsdp2(f"fsdp2_zero{stage}", reference_gpt_spec(args.seq_len), model, args.lr)
     return lambda x, y: side.step((x, y)), model, None
 
 
-def _make_deepspeed(model: GPT, args: argparse.Namespace, stage: int
-                    ) -> tuple[StepFn, ForwardFn, None]:
-    side = DeepSpeedSide(f"deepspeed_zero{stage}", reference_gpt_spec(args.seq_len), model,
-                         args.lr, args.micro_batch, args.world_size)
+def _make_deepspeed(
+    model: GPT, args: argparse.Namespace, stage: int
+) -> tuple[StepFn, ForwardFn, None]:
+    side = DeepSpeedSide(
+        f"deepspeed_zero{stage}",
+        reference_gpt_spec(args.seq_len),
+        model,
+        args.lr,
+        args.micro_batch,
+        args.world_size,
+    )
     return lambda x, y: side.step((x, y)), side.engine, None
 
 
@@ -219,8 +242,9 @@ MAKERS = {"longboat": _make_longboat, "fsdp2": _make_fsdp2, "deepspeed": _make_d
 # -- one process pair --------------------------------------------------------------------------
 
 
-def _timed_step(step: StepFn, batch: tuple[torch.Tensor, torch.Tensor], world: int
-                ) -> tuple[float, float, float]:
+def _timed_step(
+    step: StepFn, batch: tuple[torch.Tensor, torch.Tensor], world: int
+) -> tuple[float, float, float]:
     """Run one step; return the max over ranks of its wall time and of its CPU time (all of
     the process's threads, gloo's included), and its loss averaged over ranks."""
     c0 = time.process_time()
@@ -236,8 +260,9 @@ def _timed_step(step: StepFn, batch: tuple[torch.Tensor, torch.Tensor], world: i
 
 
 def _eval_batch(args: argparse.Namespace, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return synthetic_tokens(args.micro_batch, args.seq_len, vocab,
-                            torch.Generator().manual_seed(args.seed + 4242))
+    return synthetic_tokens(
+        args.micro_batch, args.seq_len, vocab, torch.Generator().manual_seed(args.seed + 4242)
+    )
 
 
 def _eval_loss(forward: ForwardFn, args: argparse.Namespace, vocab: int) -> float:
@@ -267,8 +292,9 @@ def _lib(side: str) -> str:
     return side.rsplit("_zero", 1)[0]
 
 
-def _build(args: argparse.Namespace, side: str, result: dict[str, Any]
-           ) -> tuple[StepFn, ForwardFn, Callable[[], Any] | None, int] | str:
+def _build(
+    args: argparse.Namespace, side: str, result: dict[str, Any]
+) -> tuple[StepFn, ForwardFn, Callable[[], Any] | None, int] | str:
     """Build and wrap ``side``'s model; the reason instead when DeepSpeed fails to initialise.
 
     Same seed on every side: identical weights, identical batches (the generator differs per
@@ -277,9 +303,13 @@ def _build(args: argparse.Namespace, side: str, result: dict[str, Any]
     torch.manual_seed(args.seed)
     model = reference_gpt()
     result["parameters"] = sum(p.numel() for p in model.parameters())
-    result["model"] = {"vocab_size": model.vocab_size, "d_model": model.d_model,
-                       "n_layers": model.n_layers, "n_heads": model.n_heads,
-                       "seq_len": model.seq_len}
+    result["model"] = {
+        "vocab_size": model.vocab_size,
+        "d_model": model.d_model,
+        "n_layers": model.n_layers,
+        "n_heads": model.n_heads,
+        "seq_len": model.seq_len,
+    }
     result.setdefault("rss_baseline_bytes", _rss_bytes())
     try:
         step, forward, report = MAKERS[_lib(side)](model, args, STAGE_OF[side])
@@ -290,8 +320,9 @@ def _build(args: argparse.Namespace, side: str, result: dict[str, Any]
     return step, forward, report, model.vocab_size
 
 
-def _run_timing(rank: int, args: argparse.Namespace, sides: tuple[str, ...],
-                result: dict[str, Any]) -> None:
+def _run_timing(
+    rank: int, args: argparse.Namespace, sides: tuple[str, ...], result: dict[str, Any]
+) -> None:
     """All sides in this pair, their steps alternated; see [Note: two phases]."""
     unavailable: dict[str, str] = {}
     if any(_lib(s) == "deepspeed" for s in sides):
@@ -332,13 +363,17 @@ def _run_timing(rank: int, args: argparse.Namespace, sides: tuple[str, ...],
     order = []
     for r in range(args.rounds):
         # Rotate, and reverse every other round, so no side always follows the same one.
-        rot = names[r % len(names):] + names[: r % len(names)]
+        rot = names[r % len(names) :] + names[: r % len(names)]
         order.append(list(rot if r % 2 == 0 else tuple(reversed(rot))))
         for name in order[-1]:
             run_side(name, args.steps_per_round, measure=True)
     result.update(
-        samples_s=samples, cpu_samples_s=cpu, losses=losses, unavailable=unavailable,
-        round_order=order, threads=torch.get_num_threads(),
+        samples_s=samples,
+        cpu_samples_s=cpu,
+        losses=losses,
+        unavailable=unavailable,
+        round_order=order,
+        threads=torch.get_num_threads(),
         eval_loss={n: _eval_loss(forwards[n], args, vocab) for n in names},
     )
     for n in names:
@@ -378,22 +413,28 @@ def _run_memory(rank: int, args: argparse.Namespace, side: str, result: dict[str
     )
     if memory_report is not None:
         rep = memory_report()
-        result["memory_report"] = {**dataclasses.asdict(rep), "total": rep.total,
-                                   "expected_total": rep.expected_total}
+        result["memory_report"] = {
+            **dataclasses.asdict(rep),
+            "total": rep.total,
+            "expected_total": rep.expected_total,
+        }
     result["eval_loss"] = _eval_loss(forward, args, vocab)
     if _lib(side) == "longboat":
         forward.close()  # type: ignore[attr-defined]
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, phase: str,
-            sides: tuple[str, ...], out_dir: str) -> None:
+def _worker(
+    rank: int, args: argparse.Namespace, port: int, phase: str, sides: tuple[str, ...], out_dir: str
+) -> None:
     # DeepSpeed still calls the tensor collectives by their pre-2.13 names; one warning per
     # call site and rank would bury the table.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
     # DeepSpeed's CPU accelerator counts "devices" by LOCAL_SIZE.
-    join_loopback(rank, args.world_size, port, args.threads, args.timeout,
-                  LOCAL_SIZE=str(args.world_size))
+    join_loopback(
+        rank, args.world_size, port, args.threads, args.timeout, LOCAL_SIZE=str(args.world_size)
+    )
     result: dict[str, Any] = {"phase": phase, "sides": list(sides), "rank": rank}
     try:
         if phase == "timing":
@@ -412,8 +453,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, phase: str,
         dist.destroy_process_group()
 
 
-def _spawn_pair(args: argparse.Namespace, phase: str, sides: tuple[str, ...]
-                ) -> list[dict[str, Any]]:
+def _spawn_pair(
+    args: argparse.Namespace, phase: str, sides: tuple[str, ...]
+) -> list[dict[str, Any]]:
     """One fresh process pair; returns each rank's result (or raises).
 
     A rank that dies after every rank reported (seen once in ~20 pairs: ``terminate called
@@ -423,14 +465,19 @@ def _spawn_pair(args: argparse.Namespace, phase: str, sides: tuple[str, ...]
     with tempfile.TemporaryDirectory(prefix="zero_vs_peers-") as tmp:
         crash = None
         try:
-            mp.spawn(_worker, args=(args, free_port(), phase, sides, tmp),
-                     nprocs=args.world_size, join=True)
+            mp.spawn(
+                _worker,
+                args=(args, free_port(), phase, sides, tmp),
+                nprocs=args.world_size,
+                join=True,
+            )
         except Exception as e:  # judged below by what the ranks reported
             crash = f"{type(e).__name__}: {str(e).strip()[-2000:]}"
         files = [Path(tmp, f"rank{r}.json") for r in range(args.world_size)]
         if not all(f.exists() for f in files):
-            raise RuntimeError(f"a rank of the {phase} pair {list(sides)} died before it "
-                               f"reported: {crash}")
+            raise RuntimeError(
+                f"a rank of the {phase} pair {list(sides)} died before it reported: {crash}"
+            )
         ranks = [json.loads(f.read_text()) for f in files]
         if crash is not None:
             for x in ranks:
@@ -438,8 +485,13 @@ def _spawn_pair(args: argparse.Namespace, phase: str, sides: tuple[str, ...]
         return ranks
 
 
-def _spawn_with_retry(args: argparse.Namespace, phase: str, sides: tuple[str, ...],
-                      incidents: list[str], may_fail: bool) -> list[dict[str, Any]] | None:
+def _spawn_with_retry(
+    args: argparse.Namespace,
+    phase: str,
+    sides: tuple[str, ...],
+    incidents: list[str],
+    may_fail: bool,
+) -> list[dict[str, Any]] | None:
     """:func:`_spawn_pair`, once more if a rank died before reporting; None if it died twice
     and ``may_fail`` (a DeepSpeed side alone)."""
     for attempt in (1, 2):
@@ -454,12 +506,15 @@ def _spawn_with_retry(args: argparse.Namespace, phase: str, sides: tuple[str, ..
                 raise
             continue
         if "teardown_crash" in ranks[0]:
-            incidents.append(f"{phase} {list(sides)}: a rank crashed after reporting: "
-                             f"{ranks[0]['teardown_crash']}")
+            incidents.append(
+                f"{phase} {list(sides)}: a rank crashed after reporting: "
+                f"{ranks[0]['teardown_crash']}"
+            )
         err = next((x for x in ranks if x.get("error")), None)
         if err is not None:
-            sys.exit(f"{phase} pair {list(sides)} failed on rank {err['rank']}:\n"
-                     f"{err['traceback']}")
+            sys.exit(
+                f"{phase} pair {list(sides)} failed on rank {err['rank']}:\n{err['traceback']}"
+            )
         return ranks
     return None
 
@@ -506,23 +561,36 @@ def _report(
     k = args.steps_per_round
 
     def per_round(s: str) -> list[float]:
-        return [statistics.median(samples[s][i: i + k]) for i in range(0, len(samples[s]), k)]
+        return [statistics.median(samples[s][i : i + k]) for i in range(0, len(samples[s]), k)]
 
     ratios = {f"{a}/{b}": medians[a] / medians[b] for a, b in pairs}
     # Round r's samples of every side ran within seconds of each other, so the per-round ratio
     # cancels load that other processes put on the machine for a while.
-    paired = {f"{a}/{b}": statistics.median(x / y for x, y in
-                                            zip(per_round(a), per_round(b), strict=True))
-              for a, b in pairs}
+    paired = {
+        f"{a}/{b}": statistics.median(
+            x / y for x, y in zip(per_round(a), per_round(b), strict=True)
+        )
+        for a, b in pairs
+    }
     min_ratios = {f"{a}/{b}": min(samples[a]) / min(samples[b]) for a, b in pairs}
     cpu_ratios = {f"{a}/{b}": cpu_medians[a] / cpu_medians[b] for a, b in pairs}
 
     # Memory: per rank, the median over the pairs; the headline is the rank that needed most.
     mem = {s: runs for s, runs in memory.items() if runs}
-    peak_rank = {s: [statistics.median(rr[r]["peak_rss_bytes"] for rr in runs)
-                     for r in range(args.world_size)] for s, runs in mem.items()}
-    incr_rank = {s: [statistics.median(rr[r]["rss_increase_bytes"] for rr in runs)
-                     for r in range(args.world_size)] for s, runs in mem.items()}
+    peak_rank = {
+        s: [
+            statistics.median(rr[r]["peak_rss_bytes"] for rr in runs)
+            for r in range(args.world_size)
+        ]
+        for s, runs in mem.items()
+    }
+    incr_rank = {
+        s: [
+            statistics.median(rr[r]["rss_increase_bytes"] for rr in runs)
+            for r in range(args.world_size)
+        ]
+        for s, runs in mem.items()
+    }
     peak = {s: max(v) for s, v in peak_rank.items()}
     incr = {s: max(v) for s, v in incr_rank.items()}
     mpairs = _pairs(tuple(mem))
@@ -530,8 +598,7 @@ def _report(
     incr_ratios = {f"{a}/{b}": incr[a] / incr[b] for a, b in mpairs}
     isolated = {s: [t for rr in runs for t in rr[0]["samples_s"]] for s, runs in mem.items()}
     isolated_medians = {s: statistics.median(v) for s, v in isolated.items()}
-    isolated_ratios = {f"{a}/{b}": isolated_medians[a] / isolated_medians[b]
-                       for a, b in mpairs}
+    isolated_ratios = {f"{a}/{b}": isolated_medians[a] / isolated_medians[b] for a, b in mpairs}
 
     # Sameness: every side's per-step losses and evaluation loss against the first side's, and
     # the memory pairs' losses against the timing pair's first steps of the same side.
@@ -545,8 +612,15 @@ def _report(
         mem_evals = [rr[0]["eval_loss"] for runs in mem.values() for rr in runs]
         if mem_evals:
             eval_diff = max(eval_diff, max(mem_evals) - min(mem_evals))
-        mem_diff = max((_max_diff(rr[0]["losses"], losses[s]) for s, runs in mem.items()
-                        if s in losses for rr in runs), default=None)
+        mem_diff = max(
+            (
+                _max_diff(rr[0]["losses"], losses[s])
+                for s, runs in mem.items()
+                if s in losses
+                for rr in runs
+            ),
+            default=None,
+        )
     n = args.rounds * args.steps_per_round
     result: dict[str, Any] = {
         "benchmark": "zero_vs_peers",
@@ -575,13 +649,29 @@ def _report(
         "peak_rss_bytes_per_rank": peak_rank,
         "rss_increase_bytes_per_rank": incr_rank,
         "memory_runs": {
-            s: [[{key: r[key] for key in ("rank", "rss_baseline_bytes", "peak_rss_bytes",
-                                          "rss_increase_bytes", "rss_end_bytes")} for r in rr]
-                for rr in runs]
+            s: [
+                [
+                    {
+                        key: r[key]
+                        for key in (
+                            "rank",
+                            "rss_baseline_bytes",
+                            "peak_rss_bytes",
+                            "rss_increase_bytes",
+                            "rss_end_bytes",
+                        )
+                    }
+                    for r in rr
+                ]
+                for rr in runs
+            ]
             for s, runs in mem.items()
         },
-        "memory_report": {s: [r.get("memory_report") for r in runs[-1]]
-                          for s, runs in mem.items() if s.startswith("longboat_")},
+        "memory_report": {
+            s: [r.get("memory_report") for r in runs[-1]]
+            for s, runs in mem.items()
+            if s.startswith("longboat_")
+        },
         "losses": losses,
         "eval_loss": eval_loss,
         "eval_loss_init": _eval_loss_init(args),
@@ -593,8 +683,11 @@ def _report(
         "memory_order": memory_order,
         "incidents": incidents,
         "config": {
-            "model": {"name": "reference_gpt", **t0.get("model", {}),
-                      "parameters": t0.get("parameters")},
+            "model": {
+                "name": "reference_gpt",
+                **t0.get("model", {}),
+                "parameters": t0.get("parameters"),
+            },
             "optimizer": {"type": "AdamW", "lr": args.lr},
             "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
@@ -610,18 +703,24 @@ def _report(
                 "zero2": {"strategy": "zero", "zero": {"stage": 2}},
                 "zero3": {"strategy": "zero", "zero": {"stage": 3, "unit_classes": ["_Block"]}},
             },
-            "fsdp2": {"fully_shard": "each model.blocks[i], then the root",
-                      "zero2": {"reshard_after_forward": False},
-                      "zero3": {"reshard_after_forward": True}},
-            "deepspeed": {"zero2": _ds_config(args, 2), "zero3": _ds_config(args, 3),
-                          "accelerator": "cpu", "dist_backend": "gloo"},
+            "fsdp2": {
+                "fully_shard": "each model.blocks[i], then the root",
+                "zero2": {"reshard_after_forward": False},
+                "zero3": {"reshard_after_forward": True},
+            },
+            "deepspeed": {
+                "zero2": _ds_config(args, 2),
+                "zero3": _ds_config(args, 3),
+                "accelerator": "cpu",
+                "dist_backend": "gloo",
+            },
             "order": "timing: all sides in one process pair, ABBA: side order rotates every "
-                     "round and flips every other round",
+            "round and flips every other round",
             "timing": "perf_counter per step per rank, all_reduce MAX over ranks",
             "cpu_timing": "process_time (all threads) per step per rank, all_reduce MAX",
             "memory": "one fresh process pair per side and repeat; ru_maxrss per rank after "
-                      "the steps (before evaluation); increase = that peak minus the RSS right "
-                      "after the model was built; median over repeats per rank, max over ranks",
+            "the steps (before evaluation); increase = that peak minus the RSS right "
+            "after the model was built; median over repeats per rank, max over ranks",
             "backend": "gloo",
             "seed": args.seed,
         },
@@ -640,18 +739,24 @@ def _report(
         f"reference GPT {t0.get('parameters', 0):,} params, micro-batch {args.micro_batch} x "
         f"{args.seq_len}, {args.world_size} ranks x {args.threads} thread(s), AdamW lr {args.lr:g}"
     )
-    print(f"time: {n} measured steps per side ({args.rounds} rounds x {k}, ABBA, one process "
-          f"pair, after {args.warmup} warm-up steps); memory: {args.memory_repeats} fresh "
-          f"pair(s) per side, {args.warmup} + {args.memory_steps} steps")
-    print(f"{'side':<16} {'median s':>9} {'min':>7} {'max':>7} {'CPU s':>7} {'alone s':>8} "
-          f"{'peak RSS MiB':>13} {'+RSS MiB':>9}  final loss  eval loss")
+    print(
+        f"time: {n} measured steps per side ({args.rounds} rounds x {k}, ABBA, one process "
+        f"pair, after {args.warmup} warm-up steps); memory: {args.memory_repeats} fresh "
+        f"pair(s) per side, {args.warmup} + {args.memory_steps} steps"
+    )
+    print(
+        f"{'side':<16} {'median s':>9} {'min':>7} {'max':>7} {'CPU s':>7} {'alone s':>8} "
+        f"{'peak RSS MiB':>13} {'+RSS MiB':>9}  final loss  eval loss"
+    )
     for s in ran:
         v = samples[s]
         alone = f"{isolated_medians[s]:8.4f}" if s in isolated_medians else f"{'-':>8}"
         pk = _mib(peak[s]) if s in peak else "-"
         inc = _mib(incr[s]) if s in incr else "-"
-        print(f"{s:<16} {medians[s]:9.4f} {min(v):7.4f} {max(v):7.4f} {cpu_medians[s]:7.4f} "
-              f"{alone} {pk:>13} {inc:>9}  {losses[s][-1]:10.6f} {eval_loss[s]:10.6f}")
+        print(
+            f"{s:<16} {medians[s]:9.4f} {min(v):7.4f} {max(v):7.4f} {cpu_medians[s]:7.4f} "
+            f"{alone} {pk:>13} {inc:>9}  {losses[s][-1]:10.6f} {eval_loss[s]:10.6f}"
+        )
     for s, why in unavailable.items():
         print(f"{s:<16} not run: {why}")
     for line in incidents:
@@ -659,21 +764,29 @@ def _report(
     for s, reps in result["memory_report"].items():
         if reps and reps[0]:
             m, e = reps[0]["measured"], reps[0]["expected"]
-            print(f"{s} memory_report rank 0: " + ", ".join(
-                f"{c} {m[c] / 2**20:.1f} MiB (formula {e[c] / 2**20:.1f})" for c in m))
+            print(
+                f"{s} memory_report rank 0: "
+                + ", ".join(f"{c} {m[c] / 2**20:.1f} MiB (formula {e[c] / 2**20:.1f})" for c in m)
+            )
     if ref is not None:
-        print(f"max |loss difference| between sides, per step = {loss_diff:.3g}; eval loss = "
-              f"{eval_diff:.3g}; memory pairs vs timing pair = "
-              f"{mem_diff if mem_diff is None else format(mem_diff, '.3g')} "
-              f"(eval loss before training {result['eval_loss_init']:.6f})")
+        print(
+            f"max |loss difference| between sides, per step = {loss_diff:.3g}; eval loss = "
+            f"{eval_diff:.3g}; memory pairs vs timing pair = "
+            f"{mem_diff if mem_diff is None else format(mem_diff, '.3g')} "
+            f"(eval loss before training {result['eval_loss_init']:.6f})"
+        )
     for key in ratios:
         alone = f", alone {isolated_ratios[key]:.3f}" if key in isolated_ratios else ""
-        print(f"ratio time ({key.replace('/', ' / ')}) = {ratios[key]:.3f}  "
-              f"(median of per-round ratios {paired[key]:.3f}, of minima {min_ratios[key]:.3f}, "
-              f"CPU {cpu_ratios[key]:.3f}{alone})")
+        print(
+            f"ratio time ({key.replace('/', ' / ')}) = {ratios[key]:.3f}  "
+            f"(median of per-round ratios {paired[key]:.3f}, of minima {min_ratios[key]:.3f}, "
+            f"CPU {cpu_ratios[key]:.3f}{alone})"
+        )
     for key in rss_ratios:
-        print(f"ratio peak RSS ({key.replace('/', ' / ')}) = {rss_ratios[key]:.3f}  "
-              f"(RSS increase {incr_ratios[key]:.3f})")
+        print(
+            f"ratio peak RSS ({key.replace('/', ' / ')}) = {rss_ratios[key]:.3f}  "
+            f"(RSS increase {incr_ratios[key]:.3f})"
+        )
     print(f"wrote {out}")
 
 
@@ -709,19 +822,26 @@ def main(argv: list[str] | None = None) -> None:
         memory_order.append(list(names if rep % 2 == 0 else reversed(names)))
         for side in memory_order[-1]:
             t = time.perf_counter()
-            ranks = _spawn_with_retry(args, "memory", (side,), incidents,
-                                      may_fail=_lib(side) == "deepspeed")
-            why = "its process pair died twice" if ranks is None else next(
-                (x["unavailable"] for x in ranks if x.get("unavailable")), None)
+            ranks = _spawn_with_retry(
+                args, "memory", (side,), incidents, may_fail=_lib(side) == "deepspeed"
+            )
+            why = (
+                "its process pair died twice"
+                if ranks is None
+                else next((x["unavailable"] for x in ranks if x.get("unavailable")), None)
+            )
             if why or ranks is None:
                 print(f"memory: {side} not measured: {why}", flush=True)
                 unavailable[f"{side} (memory)"] = str(why)
                 continue
             memory[side].append(ranks)
-            print(f"memory {rep}: {side:<16} peak RSS "
-                  f"{_mib(max(x['peak_rss_bytes'] for x in ranks))} MiB  alone median "
-                  f"{statistics.median(ranks[0]['samples_s']):.4f} s  "
-                  f"({time.perf_counter() - t:.1f} s)", flush=True)
+            print(
+                f"memory {rep}: {side:<16} peak RSS "
+                f"{_mib(max(x['peak_rss_bytes'] for x in ranks))} MiB  alone median "
+                f"{statistics.median(ranks[0]['samples_s']):.4f} s  "
+                f"({time.perf_counter() - t:.1f} s)",
+                flush=True,
+            )
     wall = time.perf_counter() - t0
     _report(args, timing, memory, unavailable, memory_order, wall, incidents)
     print(f"total wall time {wall:.1f} s")

@@ -22,22 +22,31 @@ QUIET = {"log": {"progress": False, "level": "WARNING"}}
 # divide the world size.
 LAYOUTS: dict[str, dict[str, Any]] = {
     "single": {"strategy": "single"},
-    "replicate": {"strategy": "replicate", "replicate": {"bucket_mb": 0.001,
-                                                         "first_bucket_mb": 0.0005}},
+    "replicate": {
+        "strategy": "replicate",
+        "replicate": {"bucket_mb": 0.001, "first_bucket_mb": 0.0005},
+    },
     "zero1": {"strategy": "zero", "zero": {"stage": 1, "bucket_mb": 0.001}},
     "zero2": {"strategy": "zero", "zero": {"stage": 2, "bucket_mb": 0.001}},
     "zero3": {"strategy": "zero", "zero": {"stage": 3, "unit_classes": ["Linear", "LayerNorm"]}},
     # ZeRO-3 within pairs of ranks, replicated across the pairs (at 4 ranks: 2 x 2)
-    "hsdp": {"strategy": "zero", "zero": {"stage": 3, "unit_classes": ["Linear", "LayerNorm"]},
-             "mesh": {"dp_replicate": 2}},
+    "hsdp": {
+        "strategy": "zero",
+        "zero": {"stage": 3, "unit_classes": ["Linear", "LayerNorm"]},
+        "mesh": {"dp_replicate": 2},
+    },
 }
 
 
 def config(layout: str, world: int, **extra: Any) -> dict[str, Any]:
-    return {**QUIET, **LAYOUTS[layout],
-            "batch": {"train_batch_size": GLOBAL_BATCH, "micro_batch_size": GLOBAL_BATCH // world},
-            # reference.Recipe's schedule, so a run can be replayed by the plain loop
-            "scheduler": {"type": "StepLR", "params": {"step_size": 3, "gamma": 0.5}}, **extra}
+    return {
+        **QUIET,
+        **LAYOUTS[layout],
+        "batch": {"train_batch_size": GLOBAL_BATCH, "micro_batch_size": GLOBAL_BATCH // world},
+        # reference.Recipe's schedule, so a run can be replayed by the plain loop
+        "scheduler": {"type": "StepLR", "params": {"step_size": 3, "gamma": 0.5}},
+        **extra,
+    }
 
 
 def build(cfg: dict[str, Any], model_name: str = "tiny") -> longboat.Engine:
@@ -56,8 +65,13 @@ def build(cfg: dict[str, Any], model_name: str = "tiny") -> longboat.Engine:
     return longboat.initialize(model, opt, cfg)
 
 
-def train(engine: longboat.Engine, steps: int, ckpt: str | None = None,
-          save_at: tuple[int, ...] = (), noise: bool = True) -> dict[str, Any]:
+def train(
+    engine: longboat.Engine,
+    steps: int,
+    ckpt: str | None = None,
+    save_at: tuple[int, ...] = (),
+    noise: bool = True,
+) -> dict[str, Any]:
     """Train until ``engine.global_step == steps``, saving at the steps in ``save_at``.
 
     With ``noise``, inputs get noise from torch's RNG (different on each rank) and a scale from
@@ -96,22 +110,39 @@ def weights(engine: longboat.Engine) -> dict[str, torch.Tensor]:
 def result(engine: longboat.Engine) -> dict[str, Any]:
     """Final weights, this rank's optimizer state in order, RNG draws, and the step."""
     state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
-    optim = [(k, t.clone()) for g in engine.optimizer.param_groups for p in g["params"]
-             for k, t in sorted(engine.optimizer.state.get(p, {}).items())
-             if isinstance(t, torch.Tensor)]
+    optim = [
+        (k, t.clone())
+        for g in engine.optimizer.param_groups
+        for p in g["params"]
+        for k, t in sorted(engine.optimizer.state.get(p, {}).items())
+        if isinstance(t, torch.Tensor)
+    ]
     lr = [g["lr"] for g in engine.optimizer.param_groups]
     draws = [torch.rand(3), random.random(), float(np.random.rand())]
     scaler = getattr(getattr(engine, "precision", None), "scaler", None)
-    out = {"state": state, "optim": optim, "lr": lr, "draws": draws,
-           "step": engine.global_step,
-           "scaler": scaler.state_dict() if scaler is not None else None}
+    out = {
+        "state": state,
+        "optim": optim,
+        "lr": lr,
+        "draws": draws,
+        "step": engine.global_step,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+    }
     engine.close()
     return out
 
 
-def run(layout: str, world: int, steps: int, ckpt: str | None = None,
-        save_at: tuple[int, ...] = (), load: bool = False, model_name: str = "tiny",
-        noise: bool = True, **extra: Any) -> dict[str, Any]:
+def run(
+    layout: str,
+    world: int,
+    steps: int,
+    ckpt: str | None = None,
+    save_at: tuple[int, ...] = (),
+    load: bool = False,
+    model_name: str = "tiny",
+    noise: bool = True,
+    **extra: Any,
+) -> dict[str, Any]:
     """Build, optionally resume from ``ckpt``, train to ``steps``; the result, with what the
     load restored (``loaded_step``, ``loaded`` weights beside the ``fresh`` ones it replaced)
     and what training saw and saved (``trained``: see :func:`train`)."""

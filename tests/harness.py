@@ -25,8 +25,9 @@ def data_for(recipe: reference.Recipe, n: int) -> TensorDataset:
     return data if recipe.model == "zoo" else reference.indexed(data)
 
 
-def config(strategy: dict[str, Any], recipe: reference.Recipe, global_batch: int, micro: int,
-           **extra: Any) -> dict[str, Any]:
+def config(
+    strategy: dict[str, Any], recipe: reference.Recipe, global_batch: int, micro: int, **extra: Any
+) -> dict[str, Any]:
     """A longboat config for ``recipe`` under ``strategy`` (e.g. {"strategy": "replicate"})."""
     precision: dict[str, Any] = {}
     if recipe.precision == "bf16":
@@ -34,15 +35,30 @@ def config(strategy: dict[str, Any], recipe: reference.Recipe, global_batch: int
     elif recipe.precision == "fp16":
         # One overflow halves the scale (hysteresis 1), as torch's GradScaler does.
         power = int(recipe.loss_scale).bit_length() - 1
-        precision = {"dtype": "fp16", "initial_scale_power": power, "hysteresis": 1,
-                     "loss_scale_window": recipe.loss_scale_window}
-    return {**QUIET, **strategy, "gradient_clipping": recipe.clip, "precision": precision,
-            "batch": {"train_batch_size": global_batch, "micro_batch_size": micro}, **extra}
+        precision = {
+            "dtype": "fp16",
+            "initial_scale_power": power,
+            "hysteresis": 1,
+            "loss_scale_window": recipe.loss_scale_window,
+        }
+    return {
+        **QUIET,
+        **strategy,
+        "gradient_clipping": recipe.clip,
+        "precision": precision,
+        "batch": {"train_batch_size": global_batch, "micro_batch_size": micro},
+        **extra,
+    }
 
 
-def train(recipe: reference.Recipe, cfg: dict[str, Any], steps: int,
-          perturb: bool = True, poison: tuple[int, int] | None = None,
-          poison_how: str = "loss") -> dict[str, Any]:
+def train(
+    recipe: reference.Recipe,
+    cfg: dict[str, Any],
+    steps: int,
+    perturb: bool = True,
+    poison: tuple[int, int] | None = None,
+    poison_how: str = "loss",
+) -> dict[str, Any]:
     """Train ``recipe`` under ``cfg`` for ``steps`` optimizer steps on this rank.
 
     ``poison = (step, rank)`` makes that rank meet an overflow in that (1-based) step: with
@@ -94,11 +110,16 @@ def train(recipe: reference.Recipe, cfg: dict[str, Any], steps: int,
                 break
     assert engine.global_step == steps, f"the loader ran out after {engine.global_step} steps"
     scaler = engine.precision.scaler
-    out = {"ids": ids, "losses": losses, "lrs": lrs, "skipped": skipped,
-           "scales": scales if scaler is not None else [],
-           "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
-           "optim": optimizer_pieces(engine),
-           "overlapped": getattr(engine.strategy, "overlapped_steps", None)}
+    out = {
+        "ids": ids,
+        "losses": losses,
+        "lrs": lrs,
+        "skipped": skipped,
+        "scales": scales if scaler is not None else [],
+        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
+        "optim": optimizer_pieces(engine),
+        "overlapped": getattr(engine.strategy, "overlapped_steps", None),
+    }
     engine.close()
     return out
 
@@ -107,10 +128,15 @@ def optimizer_pieces(engine: longboat.Engine) -> dict[str, Any]:
     """This rank's optimizer state as (name, key, start, end, tensor) pieces of the full
     per-parameter tensors, and the scalars per parameter name."""
     state = engine.strategy.checkpoint_state(engine.model, engine.optimizer)
-    pieces = [(p.name, p.key.removeprefix("optim."), p.shape, p.start, p.end,
-               p.tensor.detach().clone()) for p in state.pieces if p.key != "model"]
-    scalars = {name: {k: (v["value"] if isinstance(v, dict) else v) for k, v in sc.items()}
-               for name, sc in state.scalars.items()}
+    pieces = [
+        (p.name, p.key.removeprefix("optim."), p.shape, p.start, p.end, p.tensor.detach().clone())
+        for p in state.pieces
+        if p.key != "model"
+    ]
+    scalars = {
+        name: {k: (v["value"] if isinstance(v, dict) else v) for k, v in sc.items()}
+        for name, sc in state.scalars.items()
+    }
     return {"pieces": pieces, "scalars": scalars}
 
 
@@ -124,8 +150,9 @@ def assemble(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             n = 1
             for d in shape:
                 n *= d
-            buf = full.setdefault(name, {}).setdefault(key, torch.full((n,), float("nan"),
-                                                                       dtype=t.dtype))
+            buf = full.setdefault(name, {}).setdefault(
+                key, torch.full((n,), float("nan"), dtype=t.dtype)
+            )
             mask = filled.setdefault((name, key), torch.zeros(n, dtype=torch.bool))
             seen = mask[start:end]
             assert torch.equal(buf[start:end][seen], t[seen]), f"ranks disagree on {name} {key}"
@@ -137,8 +164,9 @@ def assemble(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 assert prev == v, f"ranks disagree on {name} {k}: {prev} vs {v}"
     for (name, key), mask in filled.items():
         assert bool(mask.all()), f"no rank holds all of {name} {key}"
-        shape = next(s for res in results for n, k, s, *_ in res["optim"]["pieces"]
-                     if (n, k) == (name, key))
+        shape = next(
+            s for res in results for n, k, s, *_ in res["optim"]["pieces"] if (n, k) == (name, key)
+        )
         full[name][key] = full[name][key].view(shape)
     return full
 
@@ -156,21 +184,24 @@ def compare(results: list[dict[str, Any]], plain: reference.PlainRun, tol: float
     state), and the learning rate after every step."""
     for r, res in enumerate(results):
         assert res["skipped"] == plain.skipped, (
-            f"rank {r} skipped steps {res['skipped']}, plain {plain.skipped}")
+            f"rank {r} skipped steps {res['skipped']}, plain {plain.skipped}"
+        )
         for s, step in enumerate(res["losses"]):
             for t, loss in enumerate(step):
                 want = plain.losses[s][t][r]
                 if not math.isfinite(want):  # the plain loop's poisoned loss
                     continue
                 assert abs(loss - want) <= tol * max(abs(want), 1.0), (
-                    f"rank {r}, step {s + 1}, micro-batch {t}: loss {loss!r} vs plain {want!r}")
+                    f"rank {r}, step {s + 1}, micro-batch {t}: loss {loss!r} vs plain {want!r}"
+                )
         assert res["lrs"] == plain.lrs, f"rank {r}: lr {res['lrs']} vs plain {plain.lrs}"
         diff = reference.max_rel_diff(res["state"], plain.state)
         assert diff <= tol, f"rank {r}: parameters/buffers differ by {diff:.3g} (rel)"
     optim = assemble(results)
     assert optim.keys() == plain.optim.keys(), (
         f"parameters with optimizer state differ: longboat only {set(optim) - set(plain.optim)}"
-        f", plain only {set(plain.optim) - set(optim)}")
+        f", plain only {set(plain.optim) - set(optim)}"
+    )
     for name, want in plain.optim.items():
         got = optim[name]
         assert got.keys() == want.keys(), f"{name}: state keys {set(got)} vs {set(want)}"
@@ -183,11 +214,19 @@ def compare(results: list[dict[str, Any]], plain: reference.PlainRun, tol: float
                 assert got[k] == v, f"optimizer state {name}.{k}: {got[k]} vs plain {v}"
 
 
-def run_and_compare(ranks: Any, world: int, strategy: dict[str, Any],
-                    recipe: reference.Recipe, steps: int, accum: int, global_batch: int,
-                    tol: float, poison: tuple[int, int] | None = None,
-                    poison_how: str = "loss", **extra: Any
-                    ) -> tuple[list[dict[str, Any]], reference.PlainRun]:
+def run_and_compare(
+    ranks: Any,
+    world: int,
+    strategy: dict[str, Any],
+    recipe: reference.Recipe,
+    steps: int,
+    accum: int,
+    global_batch: int,
+    tol: float,
+    poison: tuple[int, int] | None = None,
+    poison_how: str = "loss",
+    **extra: Any,
+) -> tuple[list[dict[str, Any]], reference.PlainRun]:
     """Train on ``world`` ranks, replay the same samples through the plain loop (which meets
     a poisoned step as an inf loss), compare."""
     micro = global_batch // (world * accum)

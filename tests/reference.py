@@ -164,19 +164,24 @@ class Recipe:
         torch.manual_seed(0)
         model = MODELS[self.model]()
         if self.optimizer == "adamw":
-            opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3,
-                                                           weight_decay=0.1)
+            opt: torch.optim.Optimizer = torch.optim.AdamW(
+                model.parameters(), lr=3e-3, weight_decay=0.1
+            )
         elif self.optimizer == "adam":
             opt = torch.optim.Adam(model.parameters(), lr=3e-3)
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        sched = (torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-                 if self.scheduler else None)
+        sched = (
+            torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if self.scheduler else None
+        )
         return model, opt, sched
 
 
-def forward_loss(model: Callable[..., torch.Tensor], batch: Sequence[torch.Tensor],
-                 autocast: torch.dtype | None = None) -> torch.Tensor:
+def forward_loss(
+    model: Callable[..., torch.Tensor],
+    batch: Sequence[torch.Tensor],
+    autocast: torch.dtype | None = None,
+) -> torch.Tensor:
     """Cross-entropy of the model on ``batch`` = (inputs..., targets), the forward under
     ``torch.autocast`` to ``autocast`` when given, the loss in fp32."""
     *inputs, y = batch
@@ -201,9 +206,12 @@ class PlainRun:
     skipped: list[int] = field(default_factory=list)  # fp16: steps skipped for overflow (1-based)
 
 
-def plain_train(recipe: Recipe, data: TensorDataset,
-                order: Sequence[Sequence[Sequence[Sequence[int]]]],
-                poison: tuple[int, int] | None = None) -> PlainRun:
+def plain_train(
+    recipe: Recipe,
+    data: TensorDataset,
+    order: Sequence[Sequence[Sequence[Sequence[int]]]],
+    poison: tuple[int, int] | None = None,
+) -> PlainRun:
     """Train as one process would on ``order[step][micro][rank]`` = that rank's sample ids
     (``data``'s first tensor is the sample id). ``poison = (step, rank)`` (1-based step)
     multiplies that rank's loss by inf in that step, so that fp16's scaler skips it."""
@@ -216,9 +224,13 @@ def plain_train(recipe: Recipe, data: TensorDataset,
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(lambda q: current.add(names[id(q)]))
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.precision)
-    scaler = (torch.amp.GradScaler("cpu", init_scale=recipe.loss_scale,
-                                   growth_interval=recipe.loss_scale_window)
-              if recipe.precision == "fp16" else None)
+    scaler = (
+        torch.amp.GradScaler(
+            "cpu", init_scale=recipe.loss_scale, growth_interval=recipe.loss_scale_window
+        )
+        if recipe.precision == "fp16"
+        else None
+    )
     run = PlainRun(losses=[], state={}, optim={}, lrs=[])
     for step_order in order:
         opt.zero_grad(set_to_none=True)
@@ -266,8 +278,9 @@ def plain_train(recipe: Recipe, data: TensorDataset,
         run.lrs.append(opt.param_groups[0]["lr"])
     run.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for p, st in opt.state.items():
-        run.optim[names[id(p)]] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                   for k, v in st.items()}
+        run.optim[names[id(p)]] = {
+            k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()
+        }
     return run
 
 

@@ -17,11 +17,24 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     {"longboat.config", "longboat.mesh", "longboat.world"},
     {"longboat.comm", "longboat.data", "longboat.topology", "longboat.models"},
-    {"longboat.strategies", "longboat.precision", "longboat.checkpoint", "longboat.observe",
-     "longboat.optim", "longboat.grads", "longboat.schedule"},
+    {
+        "longboat.strategies",
+        "longboat.precision",
+        "longboat.checkpoint",
+        "longboat.observe",
+        "longboat.optim",
+        "longboat.grads",
+        "longboat.schedule",
+    },
     {"longboat.engine"},
-    {"longboat.launch", "longboat.bench", "longboat.plan", "longboat.cli", "longboat.testing",
-     "longboat"},
+    {
+        "longboat.launch",
+        "longboat.bench",
+        "longboat.plan",
+        "longboat.cli",
+        "longboat.testing",
+        "longboat",
+    },
 ]
 
 
@@ -100,6 +113,10 @@ def _layer(module: str) -> int:
 
 def test_lower_layers_never_import_higher_ones():
     graph = _graph()
-    up = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
-          for m in sorted(graph) for t in sorted(graph[m]) if _layer(t) > _layer(m)]
+    up = [
+        f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+        for m in sorted(graph)
+        for t in sorted(graph[m])
+        if _layer(t) > _layer(m)
+    ]
     assert not up, "\n".join(up)

@@ -17,14 +17,31 @@ from longboat.models import GPT, gpt_param_count
 
 SIDES = ("replicate", "zero2", "ddp")
 SIZES = (1, 2)
-FIELDS = ("side", "world_size", "global_batch", "measured_steps", "step_time_median_s",
-          "step_time_iqr_s", "step_time_min_s", "step_time_max_s", "samples_per_s", "speedup",
-          "efficiency", "peak_rss_bytes_per_rank", "state_bytes_per_rank", "losses")
+FIELDS = (
+    "side",
+    "world_size",
+    "global_batch",
+    "measured_steps",
+    "step_time_median_s",
+    "step_time_iqr_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "samples_per_s",
+    "speedup",
+    "efficiency",
+    "peak_rss_bytes_per_rank",
+    "state_bytes_per_rank",
+    "losses",
+)
 # tiny-gpt: vocabulary 128, d_model 32, 2 layers, positions 32, untied head.
-TINY_PARAMS = gpt_param_count(vocab_size=128, d_model=32, n_layers=2, seq_len=32,
-                              tie_weights=False)
-TINY_TENSORS = len(list(GPT(vocab_size=128, d_model=32, n_layers=2, n_heads=2, seq_len=32,
-                            tie_weights=False).parameters()))
+TINY_PARAMS = gpt_param_count(vocab_size=128, d_model=32, n_layers=2, seq_len=32, tie_weights=False)
+TINY_TENSORS = len(
+    list(
+        GPT(
+            vocab_size=128, d_model=32, n_layers=2, n_heads=2, seq_len=32, tie_weights=False
+        ).parameters()
+    )
+)
 
 
 def _bench(out: Path, *flags: str) -> Any:
@@ -34,9 +51,25 @@ def _bench(out: Path, *flags: str) -> Any:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("bench")
-    res = _bench(out, "--model", "tiny-gpt", "--strategies", "replicate,zero2", "--peers", "ddp",
-                 "--world-sizes", "1,2", "--micro-batch", "4", "--seq-len", "16",
-                 "--warmup", "2", "--steps", "3")
+    res = _bench(
+        out,
+        "--model",
+        "tiny-gpt",
+        "--strategies",
+        "replicate,zero2",
+        "--peers",
+        "ddp",
+        "--world-sizes",
+        "1,2",
+        "--micro-batch",
+        "4",
+        "--seq-len",
+        "16",
+        "--warmup",
+        "2",
+        "--steps",
+        "3",
+    )
     assert res.exit_code == 0, res.output
     return out, json.loads((out / "bench.json").read_text())
 
@@ -49,7 +82,8 @@ def _row(result: dict[str, Any], side: str, n: int) -> dict[str, Any]:
 def test_json_has_every_side_and_world_size(run: tuple[Path, dict[str, Any]]) -> None:
     _, result = run
     assert sorted((r["side"], r["world_size"]) for r in result["rows"]) == sorted(
-        (s, n) for s in SIDES for n in SIZES)
+        (s, n) for s in SIDES for n in SIZES
+    )
     for r in result["rows"]:
         assert set(FIELDS) <= set(r), r["side"]
         assert r["measured_steps"] == 3 and len(r["step_times_s"]) == 3
@@ -79,8 +113,9 @@ def test_model_state_bytes_per_rank(run: tuple[Path, dict[str, Any]]) -> None:
     _, result = run
     a = TINY_PARAMS
     for n in SIZES:
-        rep, ddp, z2 = (_row(result, s, n)["state_bytes_per_rank"]
-                        for s in ("replicate", "ddp", "zero2"))
+        rep, ddp, z2 = (
+            _row(result, s, n)["state_bytes_per_rank"] for s in ("replicate", "ddp", "zero2")
+        )
         # Parameters + gradients + AdamW state, counted the same way; replicate's buckets also
         # hold one 4-byte usage flag per parameter ([Note: usage flags]).
         assert [r - d for r, d in zip(rep, ddp, strict=True)] == [4 * TINY_TENSORS] * len(rep)
@@ -106,8 +141,10 @@ def test_markdown_and_chart(run: tuple[Path, dict[str, Any]]) -> None:
     md = (out / "bench.md").read_text()
     assert "| side | ranks | batch | median s |" in md
     for r in result["rows"]:
-        assert f"| {r['side']} | {r['world_size']} | {r['global_batch']} | " \
-               f"{r['step_time_median_s']:.4f} |" in md
+        assert (
+            f"| {r['side']} | {r['world_size']} | {r['global_batch']} | "
+            f"{r['step_time_median_s']:.4f} |" in md
+        )
     assert result["versions"]["torch"] in md and '"micro_batch": 4' in md
     assert "![samples/s against world size](bench.png)" in md
     assert "Smoke run: 3 measured step(s)" in md  # fewer than 10 steps is flagged as such
@@ -118,10 +155,26 @@ def test_markdown_and_chart(run: tuple[Path, dict[str, Any]]) -> None:
 def test_strong_scaling_user_model_same_losses_at_every_world_size(tmp_path: Path) -> None:
     # Strong scaling splits one global batch over the ranks, so data-parallel training at 1 and
     # 2 ranks is the same computation; the model comes by import path, as a user's would.
-    res = _bench(tmp_path, "--model", "longboat.bench.models:digits_cnn_spec",
-                 "--strategies", "replicate", "--peers", "", "--world-sizes", "1,2",
-                 "--micro-batch", "4", "--scaling", "strong", "--warmup", "1", "--steps", "2",
-                 "--no-memory")
+    res = _bench(
+        tmp_path,
+        "--model",
+        "longboat.bench.models:digits_cnn_spec",
+        "--strategies",
+        "replicate",
+        "--peers",
+        "",
+        "--world-sizes",
+        "1,2",
+        "--micro-batch",
+        "4",
+        "--scaling",
+        "strong",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--no-memory",
+    )
     assert res.exit_code == 0, res.output
     result = json.loads((tmp_path / "bench.json").read_text())
     one, two = (_row(result, "replicate", n) for n in SIZES)
@@ -130,17 +183,22 @@ def test_strong_scaling_user_model_same_losses_at_every_world_size(tmp_path: Pat
     assert two["peak_rss_bytes_per_rank"] is None  # --no-memory
 
 
-@pytest.mark.parametrize(("flags", "words"), [
-    (["--strategies", "zero4"], ["--strategies", "zero4", "zero3"]),
-    (["--peers", "fsdp"], ["--peers", "'fsdp'", "fsdp2"]),
-    (["--world-sizes", "0,2"], ["--world-sizes", "0,2"]),
-    (["--world-sizes", "one"], ["--world-sizes", "one"]),
-    (["--steps", "0"], ["--steps", "1 or more"]),
-    (["--model", "no-such-model"], ["--model", "reference-gpt"]),
-    (["--model", "no_such_pkg:spec"], ["--model", "no_such_pkg"]),
-    (["--scaling", "strong", "--world-sizes", "2,3,4", "--micro-batch", "1"],
-     ["--scaling strong", "world size 3"]),
-])
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--strategies", "zero4"], ["--strategies", "zero4", "zero3"]),
+        (["--peers", "fsdp"], ["--peers", "'fsdp'", "fsdp2"]),
+        (["--world-sizes", "0,2"], ["--world-sizes", "0,2"]),
+        (["--world-sizes", "one"], ["--world-sizes", "one"]),
+        (["--steps", "0"], ["--steps", "1 or more"]),
+        (["--model", "no-such-model"], ["--model", "reference-gpt"]),
+        (["--model", "no_such_pkg:spec"], ["--model", "no_such_pkg"]),
+        (
+            ["--scaling", "strong", "--world-sizes", "2,3,4", "--micro-batch", "1"],
+            ["--scaling strong", "world size 3"],
+        ),
+    ],
+)
 def test_bad_flags_exit_2(tmp_path: Path, flags: list[str], words: list[str]) -> None:
     res = _bench(tmp_path, "--model", "tiny-gpt", "--seq-len", "16", *flags)
     assert res.exit_code == 2, res.output
@@ -151,9 +209,20 @@ def test_bad_flags_exit_2(tmp_path: Path, flags: list[str], words: list[str]) ->
 
 def test_plan_spelling_of_a_stage_is_accepted() -> None:
     from longboat.bench.command import settings_from_flags
-    s = settings_from_flags(model="tiny-gpt", strategies="replicate,zero-2,zero2", peers="",
-                            world_sizes="1", micro_batch=1, seq_len=16, warmup=1, steps=1,
-                            scaling="weak", threads=1, memory=False)
+
+    s = settings_from_flags(
+        model="tiny-gpt",
+        strategies="replicate,zero-2,zero2",
+        peers="",
+        world_sizes="1",
+        micro_batch=1,
+        seq_len=16,
+        warmup=1,
+        steps=1,
+        scaling="weak",
+        threads=1,
+        memory=False,
+    )
     assert s.strategies == ("replicate", "zero2")
 
 
@@ -162,16 +231,35 @@ def _hide(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == package else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a)
+    )
 
 
-def test_missing_peer_is_skipped_with_a_note(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_peer_is_skipped_with_a_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _hide(monkeypatch, "deepspeed")
-    res = _bench(tmp_path, "--model", "tiny-gpt", "--seq-len", "16", "--strategies",
-                 "replicate", "--peers", "deepspeed", "--world-sizes", "1", "--micro-batch",
-                 "2", "--warmup", "1", "--steps", "2", "--no-memory")
+    res = _bench(
+        tmp_path,
+        "--model",
+        "tiny-gpt",
+        "--seq-len",
+        "16",
+        "--strategies",
+        "replicate",
+        "--peers",
+        "deepspeed",
+        "--world-sizes",
+        "1",
+        "--micro-batch",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--no-memory",
+    )
     assert res.exit_code == 0, res.output
     result = json.loads((tmp_path / "bench.json").read_text())
     assert [r["side"] for r in result["rows"]] == ["replicate"]
@@ -180,8 +268,9 @@ def test_missing_peer_is_skipped_with_a_note(tmp_path: Path,
     assert "deepspeed not run" in res.output
 
 
-def test_missing_matplotlib_is_a_clear_usage_error(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_matplotlib_is_a_clear_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _hide(monkeypatch, "matplotlib")
     res = _bench(tmp_path, "--model", "tiny-gpt", "--seq-len", "16")
     assert res.exit_code == 2

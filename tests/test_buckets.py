@@ -52,4 +52,4 @@ def test_views_cover_the_buffer_without_overlap():
     assert int((bucket.buffer[: bucket.numel] == 0).sum()) == 0
     assert bucket.size == bucket.numel + 3 == bucket.buffer.numel()
     bucket.flags().fill_(7)
-    assert int((bucket.buffer[bucket.numel:] == 7).sum()) == 3
+    assert int((bucket.buffer[bucket.numel :] == 7).sum()) == 3

@@ -38,11 +38,18 @@ def test_consolidate_writes_weights_load_state_dict_accepts(sharded, tmp_path):
     result = CliRunner().invoke(app, ["checkpoint", "consolidate", str(ckpt), str(out)])
     assert result.exit_code == 0, result.output
     # Read back with safetensors alone, in a process that never imports longboat.
-    code = ("import sys; from safetensors.numpy import load_file; "
-            "t = load_file(sys.argv[1]); print(sorted(t)); "
-            "assert 'longboat' not in sys.modules")
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""})
+    code = (
+        "import sys; from safetensors.numpy import load_file; "
+        "t = load_file(sys.argv[1]); print(sorted(t)); "
+        "assert 'longboat' not in sys.modules"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert proc.returncode == 0, proc.stderr
     from safetensors.torch import load_file
 
@@ -73,18 +80,22 @@ def test_inspect_flags_a_damaged_checkpoint(sharded, tmp_path):
     result = CliRunner().invoke(app, ["checkpoint", "inspect", str(copy)])
     assert result.exit_code == 1
     assert "NOT VERIFIED" in result.output and "rank-00001.safetensors" in result.output
-    result = CliRunner().invoke(app, ["checkpoint", "consolidate", str(copy),
-                                      str(tmp_path / "o.safetensors")])
+    result = CliRunner().invoke(
+        app, ["checkpoint", "consolidate", str(copy), str(tmp_path / "o.safetensors")]
+    )
     assert result.exit_code == 1 and not (tmp_path / "o.safetensors").exists()
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["inspect", "/no/such/dir"], "does not exist"),
-    (["consolidate", "/no/such/dir", "o.safetensors"], "does not exist"),
-    (["consolidate", "{ckpt}", "weights.bin"], "must end in .safetensors"),
-    (["consolidate", "{ckpt}", "/no/such/dir/o.safetensors"], "output directory"),
-    (["inspect", "{empty}"], "neither a checkpoint"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "/no/such/dir"], "does not exist"),
+        (["consolidate", "/no/such/dir", "o.safetensors"], "does not exist"),
+        (["consolidate", "{ckpt}", "weights.bin"], "must end in .safetensors"),
+        (["consolidate", "{ckpt}", "/no/such/dir/o.safetensors"], "output directory"),
+        (["inspect", "{empty}"], "neither a checkpoint"),
+    ],
+)
 def test_usage_errors_exit_2(sharded, tmp_path, args, message):
     ckpt, _ = sharded
     args = [a.format(ckpt=ckpt, empty=tmp_path) for a in args]

@@ -38,6 +38,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 # -- 6: a crash in each phase of a save --------------------------------------------------------
 
+
 def _crash_in_phase(ckpt: str, layout: str, world: int, phase: str) -> dict:
     engine = h.build(h.config(layout, world))
     h.train(engine, 2, ckpt, save_at=(2,), noise=False)  # the previous, complete checkpoint
@@ -57,14 +58,17 @@ def _crash_in_phase(ckpt: str, layout: str, world: int, phase: str) -> dict:
     loaded = restarted.load_checkpoint(ckpt)
     state = _snapshot(restarted)
     restarted.close()
-    return {"step": loaded.step, "entries": entries,
-            "equal_2": _equal(state, at_2), "equal_4": _equal(state, at_4)}
+    return {
+        "step": loaded.step,
+        "entries": entries,
+        "equal_2": _equal(state, at_2),
+        "equal_4": _equal(state, at_4),
+    }
 
 
 @pytest.mark.parametrize("phase", checkpoint.PHASES)
 @pytest.mark.parametrize(("layout", "world"), [("single", 1), ("zero2", 2)])
-def test_crash_in_each_save_phase_leaves_previous_checkpoint(ranks, tmp_path, phase, layout,
-                                                            world):
+def test_crash_in_each_save_phase_leaves_previous_checkpoint(ranks, tmp_path, phase, layout, world):
     results = ranks(world, _crash_in_phase, str(tmp_path), layout, world, phase)
     for res in results:
         if phase == "latest_moved":  # the new checkpoint was complete and published
@@ -84,6 +88,7 @@ def test_crash_in_each_save_phase_leaves_previous_checkpoint(ranks, tmp_path, ph
 
 
 # -- 7: damaged files ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def good(ranks, tmp_path_factory) -> Path:
@@ -122,19 +127,24 @@ def _flip(path: Path, offset_from_end: int) -> None:
 
 
 DAMAGE = {
-    "bit flip in tensor data": ("rank-00001.safetensors",
-                                lambda p: _flip(p, 5), ["rank-00001.safetensors", "SHA-256",
-                                                        "tensors affected"]),
-    "truncated tensor file": ("rank-00000.safetensors",
-                              lambda p: p.write_bytes(p.read_bytes()[:-100]),
-                              ["rank-00000.safetensors", "bytes", "SHA-256"]),
-    "missing tensor file": ("rank-00001.safetensors", lambda p: p.unlink(),
-                            ["rank-00001.safetensors", "missing"]),
-    "missing rank state": ("rank-00000.json", lambda p: p.unlink(),
-                           ["rank-00000.json", "missing"]),
+    "bit flip in tensor data": (
+        "rank-00001.safetensors",
+        lambda p: _flip(p, 5),
+        ["rank-00001.safetensors", "SHA-256", "tensors affected"],
+    ),
+    "truncated tensor file": (
+        "rank-00000.safetensors",
+        lambda p: p.write_bytes(p.read_bytes()[:-100]),
+        ["rank-00000.safetensors", "bytes", "SHA-256"],
+    ),
+    "missing tensor file": (
+        "rank-00001.safetensors",
+        lambda p: p.unlink(),
+        ["rank-00001.safetensors", "missing"],
+    ),
+    "missing rank state": ("rank-00000.json", lambda p: p.unlink(), ["rank-00000.json", "missing"]),
     "bit flip in state": ("state.json", lambda p: _flip(p, 3), ["state.json", "SHA-256"]),
-    "bit flip in manifest": ("manifest.json", lambda p: _flip(p, 40),
-                             ["manifest.json"]),
+    "bit flip in manifest": ("manifest.json", lambda p: _flip(p, 40), ["manifest.json"]),
 }
 
 
@@ -156,11 +166,13 @@ def test_intact_copy_loads(ranks, good, tmp_path):
 
 # -- 9: another model, swapped layers -----------------------------------------------------------
 
+
 def _load_into(ckpt: str, model: torch.nn.Module) -> str:
     import longboat
 
-    engine = longboat.initialize(model, torch.optim.AdamW(model.parameters()), {
-        **h.QUIET, "batch": {"micro_batch_size": 4}})
+    engine = longboat.initialize(
+        model, torch.optim.AdamW(model.parameters()), {**h.QUIET, "batch": {"micro_batch_size": 4}}
+    )
     try:
         engine.load_checkpoint(ckpt, "t")
     except CheckpointError as e:
@@ -173,8 +185,9 @@ def _load_into(ckpt: str, model: torch.nn.Module) -> str:
 def test_another_models_checkpoint_is_refused_by_fingerprint(good, tmp_path):
     _copy(good, tmp_path / "t")
     msg = _load_into(str(tmp_path), reference.TiedNet())
-    assert "another model" in msg and "'inp.weight' is in the checkpoint but not in the model" \
-        in msg, msg
+    assert (
+        "another model" in msg and "'inp.weight' is in the checkpoint but not in the model" in msg
+    ), msg
     msg = _load_into(str(tmp_path), reference.TinyNet(d_hidden=16))
     assert "'mid.weight': checkpoint float32[24, 24], model float32[16, 16]" in msg, msg
 
@@ -192,11 +205,13 @@ def _swap_tensors(path: Path, a: str, b: str) -> None:
     the file stays valid safetensors, each name now points at the other's bytes."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8: 8 + n])
-    header[a]["data_offsets"], header[b]["data_offsets"] = (header[b]["data_offsets"],
-                                                            header[a]["data_offsets"])
+    header = json.loads(raw[8 : 8 + n])
+    header[a]["data_offsets"], header[b]["data_offsets"] = (
+        header[b]["data_offsets"],
+        header[a]["data_offsets"],
+    )
     text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
-    path.write_bytes(raw[:8] + text + raw[8 + n:])
+    path.write_bytes(raw[:8] + text + raw[8 + n :])
 
 
 def test_swapped_same_shaped_layers_are_refused(tmp_path):
@@ -217,6 +232,7 @@ def test_swapped_same_shaped_layers_are_refused(tmp_path):
 
 
 # -- 13: crafted pickles ------------------------------------------------------------------------
+
 
 class _Payload:
     def __init__(self, sentinel: Path) -> None:
@@ -247,8 +263,7 @@ def test_crafted_pickles_are_never_executed(tmp_path, good):
     planted = tmp_path / "planted"
     _copy(good, planted / "t")
     for name in ("model.pt", "mp_rank_00_model_states.pt", ".metadata", "__0_0.distcp"):
-        (planted / "t" / name).write_bytes(torch_evil.read_bytes() if name.endswith("pt")
-                                           else evil)
+        (planted / "t" / name).write_bytes(torch_evil.read_bytes() if name.endswith("pt") else evil)
     # A pickle as state.json with the manifest rewritten to match it (checksums and all).
     forged = tmp_path / "forged"
     _copy(good, forged / "t")
@@ -290,6 +305,7 @@ def _rewrite_manifest(path: Path) -> None:
 
 
 # -- errors of saving and finding ----------------------------------------------------------------
+
 
 def _save_with_tag(ckpt: str, bad_rank: int | None) -> str:
     engine = h.build(h.config("replicate", 2))
@@ -334,8 +350,7 @@ def test_missing_checkpoint_is_an_error_unless_allowed(tmp_path):
 
 
 def test_save_between_accumulation_boundaries_is_refused(tmp_path):
-    engine = h.build(h.config("single", 1, batch={"train_batch_size": 12,
-                                                  "micro_batch_size": 6}))
+    engine = h.build(h.config("single", 1, batch={"train_batch_size": 12, "micro_batch_size": 6}))
     x, y = reference.dataset(6)[:]
     engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
     with pytest.raises(CheckpointError, match="between accumulation boundaries"):

@@ -25,9 +25,14 @@ TIMEOUT_S = 120
 
 
 def _launch(*args: str, **popen) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "longboat.cli", "run", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "longboat.cli", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **popen,
+    )
 
 
 def _finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
@@ -55,9 +60,20 @@ def test_killed_rank_restarts_from_last_checkpoint_bit_exact(tmp_path, uninterru
     """Fault test 1: rank 1 is SIGKILLed after step 5 (checkpoints every 2 steps); the launcher
     names it, restarts both workers, they resume from step 4 and end bit-identical."""
     t0 = time.monotonic()
-    code, out, err = _finish(_launch("-n", "2", "--max-restarts", "2", str(TRAIN),
-                                     str(tmp_path / "ck"), str(tmp_path / "w"), str(STEPS),
-                                     "--kill-at", "5"))
+    code, out, err = _finish(
+        _launch(
+            "-n",
+            "2",
+            "--max-restarts",
+            "2",
+            str(TRAIN),
+            str(tmp_path / "ck"),
+            str(tmp_path / "w"),
+            str(STEPS),
+            "--kill-at",
+            "5",
+        )
+    )
     assert code == 0, err
     assert "longboat: rank 1 was killed by SIGKILL" in err
     assert "longboat: restarting all workers (attempt 2 of 3)" in err
@@ -71,11 +87,13 @@ def test_rank_crashing_on_every_attempt_gives_up_after_k_plus_1(tmp_path):
     """Fault test 3: exactly max_restarts + 1 attempts, then a summary naming the rank and its
     exit code."""
     t0 = time.monotonic()
-    code, _out, err = _finish(_launch("-n", "2", "--max-restarts", "2",
-                                     str(SCRIPTS / "crash_always.py"), str(tmp_path)))
+    code, _out, err = _finish(
+        _launch("-n", "2", "--max-restarts", "2", str(SCRIPTS / "crash_always.py"), str(tmp_path))
+    )
     assert code == 3, err
-    assert sorted(os.listdir(tmp_path)) == [f"attempt{a}-rank{r}" for a in range(3)
-                                            for r in range(2)]
+    assert sorted(os.listdir(tmp_path)) == [
+        f"attempt{a}-rank{r}" for a in range(3) for r in range(2)
+    ]
     assert "longboat: rank 1 failed with exit code 3" in err, err
     assert "longboat: giving up after 3 attempts" in err, err
     print(f"fault 3: gave up after 3 attempts in {time.monotonic() - t0:.1f} s")
@@ -85,8 +103,18 @@ def test_sigterm_to_the_launcher_writes_a_final_checkpoint(tmp_path, uninterrupt
     """Fault test 15: SIGTERM to the launcher mid-run; every worker stops at the same step,
     writes a final checkpoint within the grace period and exits; resuming loses no step."""
     ck = tmp_path / "ck"
-    proc = _launch("-n", "2", "--grace-period", "30", str(TRAIN), str(ck), str(tmp_path / "w"),
-                   str(STEPS), "--sleep", "0.2")
+    proc = _launch(
+        "-n",
+        "2",
+        "--grace-period",
+        "30",
+        str(TRAIN),
+        str(ck),
+        str(tmp_path / "w"),
+        str(STEPS),
+        "--sleep",
+        "0.2",
+    )
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:  # wait until training runs
@@ -106,8 +134,9 @@ def test_sigterm_to_the_launcher_writes_a_final_checkpoint(tmp_path, uninterrupt
     assert (ck / "latest").read_text().strip() == f"final-{stopped_at:08d}"
     assert drain < 30, f"drain took {drain:.1f} s, more than the grace period"
     # Resume: continues from the final checkpoint to the end, equal to the uninterrupted run.
-    code, out, err = _finish(_launch("-n", "2", str(TRAIN), str(ck), str(tmp_path / "w"),
-                                     str(STEPS)))
+    code, out, err = _finish(
+        _launch("-n", "2", str(TRAIN), str(ck), str(tmp_path / "w"), str(STEPS))
+    )
     assert code == 0, err
     assert f"START attempt=0 step={stopped_at} " in out
     assert _weights_equal(tmp_path / "w", uninterrupted)

@@ -24,7 +24,8 @@ def test_the_uninterrupted_run_equals_plain_pytorch(uninterrupted):
     recipe = reference.Recipe(model="tiny", optimizer="adamw", scheduler=True)
     order = [[[ids] for ids in step] for step in uninterrupted["trained"]["ids"]]
     plain = reference.plain_train(
-        recipe, reference.indexed(reference.dataset(h.GLOBAL_BATCH * h.EPOCH)), order)
+        recipe, reference.indexed(reference.dataset(h.GLOBAL_BATCH * h.EPOCH)), order
+    )
     assert reference.max_rel_diff(uninterrupted["state"], plain.state) < 1e-5
     assert uninterrupted["lr"] == [plain.lrs[-1]]
 
@@ -44,8 +45,9 @@ def saved(ranks, tmp_path_factory):
     return get
 
 
-def _resume_everywhere(ranks, ckpt: str, worlds: list[int], uninterrupted: dict,
-                       layouts: list[str] = STRATEGIES) -> None:
+def _resume_everywhere(
+    ranks, ckpt: str, worlds: list[int], uninterrupted: dict, layouts: list[str] = STRATEGIES
+) -> None:
     failures = []
     for world in worlds:
         for layout in layouts:
@@ -58,8 +60,10 @@ def _resume_everywhere(ranks, ckpt: str, worlds: list[int], uninterrupted: dict,
                 assert reference.max_rel_diff(res["fresh"], at_save) > 1e-3, (layout, world)
                 diff = reference.max_rel_diff(res["state"], uninterrupted["state"])
                 if diff >= 1e-5 or res["lr"] != uninterrupted["lr"]:
-                    failures.append(f"{layout} x {world} rank {r}: max relative difference "
-                                    f"{diff:.3g}, lr {res['lr']}")
+                    failures.append(
+                        f"{layout} x {world} rank {r}: max relative difference "
+                        f"{diff:.3g}, lr {res['lr']}"
+                    )
     assert not failures, "\n".join(failures)
 
 

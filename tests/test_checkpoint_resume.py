@@ -14,8 +14,9 @@ STEPS = 8  # crosses an epoch boundary (5 steps per epoch) after the resume at s
 def _same(a, b) -> list[str]:
     bad = [k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])]
     if len(a["optim"]) != len(b["optim"]) or not all(
-            ka == kb and torch.equal(x, y)
-            for (ka, x), (kb, y) in zip(a["optim"], b["optim"], strict=True)):
+        ka == kb and torch.equal(x, y)
+        for (ka, x), (kb, y) in zip(a["optim"], b["optim"], strict=True)
+    ):
         bad.append("optimizer state")
     if a["lr"] != b["lr"]:
         bad.append(f"lr {a['lr']} vs {b['lr']}")
@@ -26,8 +27,9 @@ def _same(a, b) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize(("layout", "world"), [
-    ("single", 1), ("replicate", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2)])
+@pytest.mark.parametrize(
+    ("layout", "world"), [("single", 1), ("replicate", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2)]
+)
 def test_resume_is_bit_exact(ranks, tmp_path, layout, world):
     ckpt = str(tmp_path)
     whole = ranks(world, h.run, layout, world, STEPS, ckpt, (3,))

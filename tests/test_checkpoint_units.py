@@ -21,9 +21,14 @@ from longboat.strategies.pieces import MODEL, Piece
 
 
 def test_tensor_files_are_safetensors_with_per_tensor_checksums(tmp_path):
-    tensors = [("a", torch.randn(7)), ("b", torch.arange(5)), ("c", torch.randn(3).bfloat16()),
-               ("d", torch.tensor([True, False])), ("e", torch.empty(0)),
-               ("f", torch.randn(4, 3)[:, 1])]  # not contiguous: written from a copy
+    tensors = [
+        ("a", torch.randn(7)),
+        ("b", torch.arange(5)),
+        ("c", torch.randn(3).bfloat16()),
+        ("d", torch.tensor([True, False])),
+        ("e", torch.empty(0)),
+        ("f", torch.randn(4, 3)[:, 1]),
+    ]  # not contiguous: written from a copy
     rec = write_tensors(tmp_path / "x.safetensors", tensors)
     back = load_file(tmp_path / "x.safetensors")
     assert all(torch.equal(back[k], t) for k, t in tensors)
@@ -33,9 +38,20 @@ def test_tensor_files_are_safetensors_with_per_tensor_checksums(tmp_path):
 def _manifest(tmp_path, shards) -> Manifest:
     spec = ModelSpec.of(torch.nn.Linear(2, 3, bias=False))
     entry = TensorEntry((3, 2), "float32", tuple(shards))
-    return Manifest("t", 1, "zero-3", 2, spec, spec.fingerprint, {"weight": {MODEL: entry}},
-                    {"rank-00000.safetensors": {"sha256": "0", "bytes": 1},
-                     "rank-00001.safetensors": {"sha256": "0", "bytes": 1}}, 0.0)
+    return Manifest(
+        "t",
+        1,
+        "zero-3",
+        2,
+        spec,
+        spec.fingerprint,
+        {"weight": {MODEL: entry}},
+        {
+            "rank-00000.safetensors": {"sha256": "0", "bytes": 1},
+            "rank-00001.safetensors": {"sha256": "0", "bytes": 1},
+        },
+        0.0,
+    )
 
 
 def _write(tmp_path, m: Manifest, edit=None):
@@ -50,8 +66,10 @@ def _write(tmp_path, m: Manifest, edit=None):
 
 
 def test_manifest_round_trip_and_its_checks(tmp_path):
-    halves = [Shard("rank-00000.safetensors", "k", 0, 3, "s"),
-              Shard("rank-00001.safetensors", "k", 3, 6, "s")]
+    halves = [
+        Shard("rank-00000.safetensors", "k", 0, 3, "s"),
+        Shard("rank-00001.safetensors", "k", 3, 6, "s"),
+    ]
     m = _manifest(tmp_path, halves)
     assert read_manifest(_write(tmp_path, m)).tensors == m.tensors
     with pytest.raises(CheckpointError, match=r"elements \[3, 6\) of model of 'weight'"):
@@ -70,16 +88,22 @@ def test_manifest_round_trip_and_its_checks(tmp_path):
 
 
 def test_replicated_tensors_are_written_once_spread_over_ranks():
-    pieces = [Piece(f"p{i}", MODEL, (n,), 0, n, torch.zeros(n), replicas=(0, 1))
-              for i, n in enumerate([60, 100, 40])]
+    pieces = [
+        Piece(f"p{i}", MODEL, (n,), 0, n, torch.zeros(n), replicas=(0, 1))
+        for i, n in enumerate([60, 100, 40])
+    ]
     # Shards held alike by ranks 2 and 3 only (hybrid sharding's replicas): one of them.
-    pieces += [Piece("q", MODEL, (100,), 50 * i, 50 * (i + 1), torch.zeros(50), replicas=(2, 3))
-               for i in range(2)]
+    pieces += [
+        Piece("q", MODEL, (100,), 50 * i, 50 * (i + 1), torch.zeros(50), replicas=(2, 3))
+        for i in range(2)
+    ]
     pieces.append(Piece("mine", MODEL, (5,), 0, 5, torch.zeros(5)))  # this rank's alone
     owner = assign_replicated(pieces)
     assert len(owner) == 5 and ("mine", MODEL, 0) not in owner
-    load = [sum(p.tensor.numel() for p in pieces if owner.get((p.name, p.key, p.start)) == r)
-            for r in range(4)]
+    load = [
+        sum(p.tensor.numel() for p in pieces if owner.get((p.name, p.key, p.start)) == r)
+        for r in range(4)
+    ]
     assert load == [100, 100, 50, 50]  # largest first, each to the least loaded holder
 
 
@@ -100,9 +124,17 @@ def _epoch(world: int, state=None, skip_batches: int = 0) -> list[list[int]]:
     ds = TensorDataset(torch.arange(48))
     out = []
     for r in range(world):
-        lo = make_loader(ds, rank=r, world_size=world, micro_batch_size=12 // world,
-                         train_batch_size=12, shuffle=True, seed=5, remainder="drop",
-                         announce=False)
+        lo = make_loader(
+            ds,
+            rank=r,
+            world_size=world,
+            micro_batch_size=12 // world,
+            train_batch_size=12,
+            shuffle=True,
+            seed=5,
+            remainder="drop",
+            announce=False,
+        )
         lo.epoch = 1
         if state is not None:
             lo.load_state_dict(state)
@@ -114,8 +146,17 @@ def _epoch(world: int, state=None, skip_batches: int = 0) -> list[list[int]]:
 
 def test_loader_resumes_mid_epoch_at_another_world_size():
     ds = TensorDataset(torch.arange(48))
-    lo = make_loader(ds, rank=0, world_size=2, micro_batch_size=6, train_batch_size=12,
-                     shuffle=True, seed=5, remainder="drop", announce=False)
+    lo = make_loader(
+        ds,
+        rank=0,
+        world_size=2,
+        micro_batch_size=6,
+        train_batch_size=12,
+        shuffle=True,
+        seed=5,
+        remainder="drop",
+        announce=False,
+    )
     lo.epoch = 1
     it = iter(lo)
     next(it), next(it)  # two steps of epoch 1 done

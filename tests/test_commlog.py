@@ -24,8 +24,9 @@ def _traffic() -> tuple[list[dict[str, Any]], str]:
         for _ in range(3):
             comm.all_reduce(torch.ones(10))  # 40 B each
         comm.all_reduce(torch.ones(7, dtype=torch.float64), async_op=True).wait()  # 56 B
-        comm.all_gather(torch.empty(6 * n, dtype=torch.bfloat16),
-                        torch.ones(6, dtype=torch.bfloat16))  # output: 12n B
+        comm.all_gather(
+            torch.empty(6 * n, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16)
+        )  # output: 12n B
         comm.reduce_scatter(torch.empty(5), torch.ones(5 * n), async_op=True).wait()  # 20n B
         comm.broadcast(torch.ones(3, dtype=torch.int64), src=0)  # 24 B
         comm.barrier()
@@ -39,10 +40,18 @@ def test_byte_counts_equal_what_was_sent(ranks, n: int) -> None:
     for rows, table in ranks(n, _traffic):
         by_op = {r["op"]: r for r in rows}
         assert {op: (r["count"], r["bytes"]) for op, r in by_op.items()} == {
-            "all_reduce": (4, 3 * 40 + 56), "all_gather": (1, 12 * n),
-            "reduce_scatter": (1, 20 * n), "broadcast": (1, 24), "barrier": (1, 0)}
-        for op, factor in (("all_reduce", 2 * (n - 1) / n), ("all_gather", (n - 1) / n),
-                           ("reduce_scatter", (n - 1) / n), ("broadcast", 1.0)):
+            "all_reduce": (4, 3 * 40 + 56),
+            "all_gather": (1, 12 * n),
+            "reduce_scatter": (1, 20 * n),
+            "broadcast": (1, 24),
+            "barrier": (1, 0),
+        }
+        for op, factor in (
+            ("all_reduce", 2 * (n - 1) / n),
+            ("all_gather", (n - 1) / n),
+            ("reduce_scatter", (n - 1) / n),
+            ("broadcast", 1.0),
+        ):
             r = by_op[op]
             assert r["total_s"] > 0 and r["mean_s"] == pytest.approx(r["total_s"] / r["count"])
             assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["total_s"] / 1e9)
@@ -53,12 +62,18 @@ def test_byte_counts_equal_what_was_sent(ranks, n: int) -> None:
 def _engine_traffic(steps: int) -> tuple[list[dict[str, Any]], int, int]:
     torch.manual_seed(0)
     model = TinyNet()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "batch": {"micro_batch_size": 2}, "comm": {"log": True},
-        "replicate": {"overlap_optimizer": False},
-        # The console monitor broadcasts whether rank 0 has a terminal; off, so that only the
-        # strategy's traffic is counted.
-        "monitor": {"console": False}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {
+            "batch": {"micro_batch_size": 2},
+            "comm": {"log": True},
+            "replicate": {"overlap_optimizer": False},
+            # The console monitor broadcasts whether rank 0 has a terminal; off, so that only the
+            # strategy's traffic is counted.
+            "monitor": {"console": False},
+        },
+    )
     # Gradients: every trainable fp32 parameter once per step, with one 4-byte usage flag per
     # parameter in its bucket ([Note: usage flags]). Setup: rank 0's parameters (frozen ones
     # too) and buffers broadcast once.
@@ -80,8 +95,7 @@ def test_engine_log_counts_gradient_and_setup_bytes(ranks) -> None:
 
 
 def test_deepspeed_comms_logger_maps_to_comm_log() -> None:
-    cfg = load_config({"train_batch_size": 8, "comms_logger": {"enabled": True,
-                                                               "verbose": True}})
+    cfg = load_config({"train_batch_size": 8, "comms_logger": {"enabled": True, "verbose": True}})
     assert cfg.comm.log and cfg.comm.log_verbose and cfg.comm.desync_check
     with pytest.raises(ConfigError, match=r"comms_logger\.prof_ops"):
         load_config({"train_batch_size": 8, "comms_logger": {"enabled": True, "prof_ops": []}})
@@ -94,14 +108,24 @@ def test_unknown_comm_key_names_the_closest() -> None:
 
 def test_verbose_log_has_one_line_per_collective(caplog: pytest.LogCaptureFixture) -> None:
     log = CommLog(world_size=2, rank=1, verbose=True)
-    rec = CallRecord(seq=3, op="all_gather", dtype="bfloat16", shape=(6,), out_shape=(12,),
-                     reduce_op="", group="default", source="t.py:5 in main", caller="")
+    rec = CallRecord(
+        seq=3,
+        op="all_gather",
+        dtype="bfloat16",
+        shape=(6,),
+        out_shape=(12,),
+        reduce_op="",
+        group="default",
+        source="t.py:5 in main",
+        caller="",
+    )
     with caplog.at_level(logging.INFO, logger="longboat.comm"):
         log.add(rec, 24, 0.002)
         log.add(rec, 24, 0.004)
     assert [r.getMessage() for r in caplog.records] == [
         "rank 1: all_gather(bfloat16[6] -> [12]) #3 at t.py:5 in main 24 B 2.000 ms",
-        "rank 1: all_gather(bfloat16[6] -> [12]) #3 at t.py:5 in main 24 B 4.000 ms"]
+        "rank 1: all_gather(bfloat16[6] -> [12]) #3 at t.py:5 in main 24 B 4.000 ms",
+    ]
     (row,) = log.summary()
     assert (row["count"], row["bytes"]) == (2, 48)
     assert row["mean_s"] == pytest.approx(0.003)

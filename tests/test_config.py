@@ -14,28 +14,42 @@ from longboat.config import (
 )
 
 
-@pytest.mark.parametrize(("t", "m", "a", "n", "want"), [
-    (64, 8, None, 4, (64, 8, 2)),
-    (64, None, 2, 4, (64, 8, 2)),
-    (None, 8, 2, 4, (64, 8, 2)),
-    (None, 8, None, 2, (16, 8, 1)),
-    (32, None, None, 4, (32, 8, 1)),
-    (64, 8, 2, 4, (64, 8, 2)),
-])
+@pytest.mark.parametrize(
+    ("t", "m", "a", "n", "want"),
+    [
+        (64, 8, None, 4, (64, 8, 2)),
+        (64, None, 2, 4, (64, 8, 2)),
+        (None, 8, 2, 4, (64, 8, 2)),
+        (None, 8, None, 2, (16, 8, 1)),
+        (32, None, None, 4, (32, 8, 1)),
+        (64, 8, 2, 4, (64, 8, 2)),
+    ],
+)
 def test_batch_triple_any_two_give_the_third(t, m, a, n, want):
-    r = resolve_batch(BatchConfig(train_batch_size=t, micro_batch_size=m,
-                                  gradient_accumulation_steps=a), n)
+    r = resolve_batch(
+        BatchConfig(train_batch_size=t, micro_batch_size=m, gradient_accumulation_steps=a), n
+    )
     assert (r.train_batch_size, r.micro_batch_size, r.gradient_accumulation_steps) == want
     assert r.train_batch_size == r.micro_batch_size * r.gradient_accumulation_steps * n
 
 
-@pytest.mark.parametrize(("kw", "n", "words"), [
-    ({"train_batch_size": 64, "micro_batch_size": 8, "gradient_accumulation_steps": 3}, 4,
-     ["train_batch_size=64", "micro_batch_size=8", "gradient_accumulation_steps=3", "96"]),
-    ({"train_batch_size": 10, "micro_batch_size": 3}, 2, ["train_batch_size=10", "multiple of 6"]),
-    ({"train_batch_size": 10, "gradient_accumulation_steps": 4}, 1, ["train_batch_size=10"]),
-    ({}, 2, ["batch.micro_batch_size"]),
-])
+@pytest.mark.parametrize(
+    ("kw", "n", "words"),
+    [
+        (
+            {"train_batch_size": 64, "micro_batch_size": 8, "gradient_accumulation_steps": 3},
+            4,
+            ["train_batch_size=64", "micro_batch_size=8", "gradient_accumulation_steps=3", "96"],
+        ),
+        (
+            {"train_batch_size": 10, "micro_batch_size": 3},
+            2,
+            ["train_batch_size=10", "multiple of 6"],
+        ),
+        ({"train_batch_size": 10, "gradient_accumulation_steps": 4}, 1, ["train_batch_size=10"]),
+        ({}, 2, ["batch.micro_batch_size"]),
+    ],
+)
 def test_batch_triple_errors_name_values(kw, n, words):
     with pytest.raises(ConfigError) as e:
         resolve_batch(BatchConfig(**kw), n)
@@ -43,16 +57,19 @@ def test_batch_triple_errors_name_values(kw, n, words):
         assert w in str(e.value)
 
 
-@pytest.mark.parametrize(("data", "words"), [
-    ({"stratgy": "replicate"}, ["stratgy", "'replicate'", "did you mean 'strategy'"]),
-    ({"batch": {"micro_bach_size": 4}}, ["batch.micro_bach_size", "batch.micro_batch_size"]),
-    ({"batch": {"micro_batch_size": 0}}, ["batch.micro_batch_size", "0"]),
-    ({"batch": {"micro_batch_size": "many"}}, ["batch.micro_batch_size", "'many'"]),
-    ({"strategy": "ddp"}, ["strategy", "'ddp'", "replicate"]),
-    ({"gradient_clipping": -1}, ["gradient_clipping", "-1"]),
-    ({"data": {"remainder": "keep"}}, ["data.remainder", "'keep'", "drop"]),
-    ({"replicate": {"bucket_mb": 0}}, ["replicate.bucket_mb", "0"]),
-])
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ({"stratgy": "replicate"}, ["stratgy", "'replicate'", "did you mean 'strategy'"]),
+        ({"batch": {"micro_bach_size": 4}}, ["batch.micro_bach_size", "batch.micro_batch_size"]),
+        ({"batch": {"micro_batch_size": 0}}, ["batch.micro_batch_size", "0"]),
+        ({"batch": {"micro_batch_size": "many"}}, ["batch.micro_batch_size", "'many'"]),
+        ({"strategy": "ddp"}, ["strategy", "'ddp'", "replicate"]),
+        ({"gradient_clipping": -1}, ["gradient_clipping", "-1"]),
+        ({"data": {"remainder": "keep"}}, ["data.remainder", "'keep'", "drop"]),
+        ({"replicate": {"bucket_mb": 0}}, ["replicate.bucket_mb", "0"]),
+    ],
+)
 def test_errors_name_key_and_value(data, words):
     with pytest.raises(ConfigError) as e:
         load_config(data)
@@ -62,11 +79,16 @@ def test_errors_name_key_and_value(data, words):
 
 def test_files_toml_json_yaml(tmp_path):
     (tmp_path / "a.toml").write_text(
-        'strategy = "replicate"\ngradient_clipping = 1.0\n[batch]\nmicro_batch_size = 4\n')
-    (tmp_path / "a.json").write_text(json.dumps(
-        {"strategy": "replicate", "gradient_clipping": 1.0, "batch": {"micro_batch_size": 4}}))
+        'strategy = "replicate"\ngradient_clipping = 1.0\n[batch]\nmicro_batch_size = 4\n'
+    )
+    (tmp_path / "a.json").write_text(
+        json.dumps(
+            {"strategy": "replicate", "gradient_clipping": 1.0, "batch": {"micro_batch_size": 4}}
+        )
+    )
     (tmp_path / "a.yaml").write_text(
-        "strategy: replicate\ngradient_clipping: 1.0\nbatch:\n  micro_batch_size: 4\n")
+        "strategy: replicate\ngradient_clipping: 1.0\nbatch:\n  micro_batch_size: 4\n"
+    )
     cfgs = [load_config(tmp_path / f"a.{ext}") for ext in ("toml", "json", "yaml")]
     assert cfgs[0] == cfgs[1] == cfgs[2]
     assert cfgs[0].batch.micro_batch_size == 4 and cfgs[0].strategy == "replicate"
@@ -88,7 +110,8 @@ def test_file_errors(tmp_path):
 
 def test_deepspeed_dialect_translates():
     ds = {
-        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 8,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
@@ -102,8 +125,12 @@ def test_deepspeed_dialect_translates():
     assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupLR"
     assert cfg.strategy == "replicate"
     assert resolve_batch(cfg.batch, 4).gradient_accumulation_steps == 2
-    plain_adam = load_config({"train_batch_size": 8, "optimizer": {
-        "type": "Adam", "params": {"lr": 1.0, "adam_w_mode": False}}})
+    plain_adam = load_config(
+        {
+            "train_batch_size": 8,
+            "optimizer": {"type": "Adam", "params": {"lr": 1.0, "adam_w_mode": False}},
+        }
+    )
     assert plain_adam.optimizer is not None and plain_adam.optimizer.type == "Adam"
     bf16 = load_config({"train_batch_size": 8, "bf16": {"enabled": True}})
     assert bf16.precision.dtype == "bf16"
@@ -111,21 +138,35 @@ def test_deepspeed_dialect_translates():
     assert fp16_off.precision.dtype == "fp32"
 
 
-@pytest.mark.parametrize(("ds", "words"), [
-    ({"train_batch_size": 8, "wandb": {"enabled": True}}, ["wandb"]),
-    ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "4"]),
-    ({"train_batch_size": 8, "zero_optimization": {"stage": 0, "overlap_comm": True}},
-     ["zero_optimization.overlap_comm"]),
-    ({"train_batch_size": 8, "fp16": {"enabled": True, "consecutive_hysteresis": True}},
-     ["fp16.consecutive_hysteresis"]),
-    ({"train_batch_size": 8, "bf16": {"enabled": True, "loss_scale": 0}}, ["bf16.loss_scale"]),
-    ({"train_batch_size": 8, "fp16": {"enabled": "auto"}}, ["fp16.enabled", "auto"]),
-    ({"train_batch_size": 8, "communication_data_type": "int8"},
-     ["communication_data_type", "int8"]),
-    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
-     ["fp16.enabled", "bf16.enabled"]),
-    ({"train_batch_size": 8, "optimizer": {"params": {}}}, ["optimizer", "type"]),
-])
+@pytest.mark.parametrize(
+    ("ds", "words"),
+    [
+        ({"train_batch_size": 8, "wandb": {"enabled": True}}, ["wandb"]),
+        (
+            {"train_batch_size": 8, "zero_optimization": {"stage": 4}},
+            ["zero_optimization.stage", "4"],
+        ),
+        (
+            {"train_batch_size": 8, "zero_optimization": {"stage": 0, "overlap_comm": True}},
+            ["zero_optimization.overlap_comm"],
+        ),
+        (
+            {"train_batch_size": 8, "fp16": {"enabled": True, "consecutive_hysteresis": True}},
+            ["fp16.consecutive_hysteresis"],
+        ),
+        ({"train_batch_size": 8, "bf16": {"enabled": True, "loss_scale": 0}}, ["bf16.loss_scale"]),
+        ({"train_batch_size": 8, "fp16": {"enabled": "auto"}}, ["fp16.enabled", "auto"]),
+        (
+            {"train_batch_size": 8, "communication_data_type": "int8"},
+            ["communication_data_type", "int8"],
+        ),
+        (
+            {"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
+            ["fp16.enabled", "bf16.enabled"],
+        ),
+        ({"train_batch_size": 8, "optimizer": {"params": {}}}, ["optimizer", "type"]),
+    ],
+)
 def test_deepspeed_unsupported_keys_are_named(ds, words):
     with pytest.raises(ConfigError) as e:
         load_config(ds)
@@ -134,12 +175,31 @@ def test_deepspeed_unsupported_keys_are_named(ds, words):
 
 
 def test_deepspeed_precision_keys_translate():
-    cfg = load_config({"train_batch_size": 8, "communication_data_type": "bf16", "fp16": {
-        "enabled": True, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 12,
-        "loss_scale_window": 100, "hysteresis": 3, "min_loss_scale": 0.5}})
+    cfg = load_config(
+        {
+            "train_batch_size": 8,
+            "communication_data_type": "bf16",
+            "fp16": {
+                "enabled": True,
+                "auto_cast": False,
+                "loss_scale": 0,
+                "initial_scale_power": 12,
+                "loss_scale_window": 100,
+                "hysteresis": 3,
+                "min_loss_scale": 0.5,
+            },
+        }
+    )
     p = cfg.precision
-    assert (p.dtype, p.loss_scale, p.initial_scale_power, p.loss_scale_window, p.hysteresis,
-            p.min_loss_scale, p.communication_data_type) == ("fp16", 0, 12, 100, 3, 0.5, "bf16")
+    assert (
+        p.dtype,
+        p.loss_scale,
+        p.initial_scale_power,
+        p.loss_scale_window,
+        p.hysteresis,
+        p.min_loss_scale,
+        p.communication_data_type,
+    ) == ("fp16", 0, 12, 100, 3, 0.5, "bf16")
     static = load_config({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": 128}})
     assert static.precision.loss_scale == 128
     # A disabled block is ignored whole, as DeepSpeed does.
@@ -151,16 +211,21 @@ def test_deepspeed_precision_keys_translate():
 
 def test_deepspeed_zero_stages():
     for stage in (1, 2, 3):
-        cfg = load_config({"train_batch_size": 8, "zero_optimization": {
-            "stage": stage, "reduce_bucket_size": 2**20}})
+        cfg = load_config(
+            {
+                "train_batch_size": 8,
+                "zero_optimization": {"stage": stage, "reduce_bucket_size": 2**20},
+            }
+        )
         assert cfg.strategy == "zero" and cfg.zero.stage == stage
         assert cfg.zero.bucket_mb == 4.0  # 2**20 fp32 elements
 
 
 def test_deepspeed_json_file(tmp_path):
     p = tmp_path / "ds_config.json"
-    p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4,
-                             "gradient_accumulation_steps": 2}))
+    p.write_text(
+        json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+    )
     loaded = load(p)
     assert loaded.config.batch.micro_batch_size == 4
     assert "train_micro_batch_size_per_gpu" in loaded.sources["batch.micro_batch_size"]
@@ -168,11 +233,13 @@ def test_deepspeed_json_file(tmp_path):
 
 def test_explain_shows_values_and_sources(tmp_path):
     p = tmp_path / "t.toml"
-    p.write_text('[batch]\ntrain_batch_size = 64\nmicro_batch_size = 8\n')
+    p.write_text("[batch]\ntrain_batch_size = 64\nmicro_batch_size = 8\n")
     text = explain(p, world_size=4)
     lines = {ln.split()[0]: ln for ln in text.splitlines()[1:]}
-    assert "derived: train 64 / (micro 8 x data-parallel 4)" in lines[
-        "batch.gradient_accumulation_steps"]
+    assert (
+        "derived: train 64 / (micro 8 x data-parallel 4)"
+        in lines["batch.gradient_accumulation_steps"]
+    )
     assert " 2 " in lines["batch.gradient_accumulation_steps"]
     assert "t.toml" in lines["batch.train_batch_size"]
     assert "auto -> replicate" in lines["strategy"]

@@ -11,9 +11,17 @@ def _batches(n, world, micro, step, remainder="drop", epoch=0, seed=3):
     ds = TensorDataset(torch.arange(n))
     out = []
     for r in range(world):
-        loader = make_loader(ds, rank=r, world_size=world, micro_batch_size=micro,
-                             train_batch_size=step, shuffle=True, seed=seed,
-                             remainder=remainder, announce=False)
+        loader = make_loader(
+            ds,
+            rank=r,
+            world_size=world,
+            micro_batch_size=micro,
+            train_batch_size=step,
+            shuffle=True,
+            seed=seed,
+            remainder=remainder,
+            announce=False,
+        )
         loader.epoch = epoch
         out.append([b[0].tolist() for b in loader])
     return out
@@ -50,8 +58,17 @@ def test_epochs_reshuffle_and_are_reproducible():
 
 def test_loader_advances_epoch_by_itself():
     ds = TensorDataset(torch.arange(40))
-    loader = make_loader(ds, rank=0, world_size=1, micro_batch_size=8, train_batch_size=8,
-                         shuffle=True, seed=0, remainder="drop", announce=False)
+    loader = make_loader(
+        ds,
+        rank=0,
+        world_size=1,
+        micro_batch_size=8,
+        train_batch_size=8,
+        shuffle=True,
+        seed=0,
+        remainder="drop",
+        announce=False,
+    )
     first = [b[0].tolist() for b in loader]
     second = [b[0].tolist() for b in loader]
     assert first != second

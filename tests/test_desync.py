@@ -54,8 +54,12 @@ def _in_step() -> list[float]:
 
 
 CASES = {
-    "skip": (_skip_one, "broadcast(float32[4])", "all_reduce(float32[4])",
-             "a rank skipped or added a collective"),
+    "skip": (
+        _skip_one,
+        "broadcast(float32[4])",
+        "all_reduce(float32[4])",
+        "a rank skipped or added a collective",
+    ),
     "dtype": (_dtype, "all_reduce(float64[4])", "all_reduce(float32[4])", "different dtypes"),
     "shape": (_shape, "all_reduce(float32[5])", "all_reduce(float32[4])", "different shapes"),
 }

@@ -28,14 +28,23 @@ EXAMPLE_CONFIG = Path(__file__).parent.parent / "examples" / "digits.toml"
 # Two interfaces as on a typical node: loopback and the cluster network.
 FACTS = network.NetFacts(
     interfaces={"lo": ["127.0.0.1", "::1"], "eth0": ["10.1.2.3"]},
-    route_ip="10.1.2.3", hostname="node1", hostname_ips=["127.0.1.1"],
+    route_ip="10.1.2.3",
+    hostname="node1",
+    hostname_ips=["127.0.1.1"],
 )
 
 
 def _rank_facts(rank: int, torch_version: str, host: str) -> dict[str, object]:
-    return {"rank": rank, "local_rank": rank % 2, "node_rank": rank // 2, "host": host,
-            "versions": {"python": "3.11.7", "torch": torch_version, "longboat": "0.1.0"},
-            "interface": "eth0", "all_reduce_ok": True, "all_reduce_ms": 0.5}
+    return {
+        "rank": rank,
+        "local_rank": rank % 2,
+        "node_rank": rank // 2,
+        "host": host,
+        "versions": {"python": "3.11.7", "torch": torch_version, "longboat": "0.1.0"},
+        "interface": "eth0",
+        "all_reduce_ok": True,
+        "all_reduce_ms": 0.5,
+    }
 
 
 def _by_name(findings: Sequence[Finding]) -> dict[str, Finding]:
@@ -46,13 +55,18 @@ def _by_name(findings: Sequence[Finding]) -> dict[str, Finding]:
 
 
 def test_mismatched_versions_name_the_ranks_values_and_host() -> None:
-    facts = [_rank_facts(0, "2.13.0", "a"), _rank_facts(1, "2.13.0", "a"),
-             _rank_facts(2, "2.13.0", "b"), _rank_facts(3, "2.12.1", "b")]
+    facts = [
+        _rank_facts(0, "2.13.0", "a"),
+        _rank_facts(1, "2.13.0", "a"),
+        _rank_facts(2, "2.13.0", "b"),
+        _rank_facts(3, "2.12.1", "b"),
+    ]
     found = _by_name(compare_ranks(facts))
     torch_v = found["torch version"]
     assert torch_v.status == "fail"
-    assert torch_v.detail == ("torch differs between ranks: 2.13.0 on ranks 0, 1, 2; "
-                              "2.12.1 on rank 3")
+    assert torch_v.detail == (
+        "torch differs between ranks: 2.13.0 on ranks 0, 1, 2; 2.12.1 on rank 3"
+    )
     assert torch_v.fix == "install the same torch everywhere, e.g. torch 2.13.0 on b"
     assert "python version" not in found  # only what differs is named
     assert found["all_reduce"].status == "ok"
@@ -75,12 +89,15 @@ def test_interface_variable_naming_no_interface() -> None:
     assert f.fix.startswith("export GLOO_SOCKET_IFNAME=eth0")
 
 
-@pytest.mark.parametrize(("value", "status"), [
-    ("eth", "ok"),  # NCCL matches prefixes
-    ("=eth", "fail"),  # "=" asks for the exact name
-    ("^docker,lo", "ok"),  # an exclusion list names nothing that must exist
-    ("ib", "fail"),
-])
+@pytest.mark.parametrize(
+    ("value", "status"),
+    [
+        ("eth", "ok"),  # NCCL matches prefixes
+        ("=eth", "fail"),  # "=" asks for the exact name
+        ("^docker,lo", "ok"),  # an exclusion list names nothing that must exist
+        ("ib", "fail"),
+    ],
+)
 def test_nccl_interface_variable_syntax(value: str, status: str) -> None:
     f = network.check_interface("nccl", 1, {"NCCL_SOCKET_IFNAME": value}, FACTS)
     assert f.status == status, f
@@ -102,7 +119,10 @@ def test_gloo_on_loopback_for_several_nodes_gets_the_export_to_use() -> None:
 def test_nccl_default_interface_skips_loopback_and_docker() -> None:
     facts = network.NetFacts(
         interfaces={"lo": ["127.0.0.1"], "docker0": ["172.17.0.1"], "eth0": ["10.1.2.3"]},
-        route_ip="10.1.2.3", hostname="n", hostname_ips=[])
+        route_ip="10.1.2.3",
+        hostname="n",
+        hostname_ips=[],
+    )
     assert network.backend_interface("nccl", {}, facts)[0] == "eth0"
 
 
@@ -184,8 +204,14 @@ def _cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Complet
     """Run ``longboat ARGS`` with a hard timeout; a wide terminal keeps table rows whole."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     cmd = [sys.executable, "-m", "longboat.cli", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full_env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -210,8 +236,11 @@ def test_doctor_bad_batch_config_exits_1_naming_keys_and_fix(tmp_path: Path) -> 
     cfg.write_text("[batch]\ntrain_batch_size = 63\n")
     r = _cli("doctor", "-n", "2", "--config", str(cfg))
     assert r.returncode == 1, r.stdout + r.stderr
-    assert re.search(r"FAIL config: .*train_batch_size=63 is not divisible by "
-                     r"gradient_accumulation_steps=1 x data-parallel size 2", r.stdout)
+    assert re.search(
+        r"FAIL config: .*train_batch_size=63 is not divisible by "
+        r"gradient_accumulation_steps=1 x data-parallel size 2",
+        r.stdout,
+    )
     assert "fix: choose a train_batch_size that is a multiple of 2" in r.stdout
     assert "all checks passed" not in r.stdout
 
@@ -240,14 +269,17 @@ def test_doctor_missing_gloo_interface_lists_the_real_ones() -> None:
     assert "fix: export GLOO_SOCKET_IFNAME=" in r.stdout
 
 
-@pytest.mark.parametrize("args", [
-    ("doctor", "-n", "0"),
-    ("doctor", "--nnodes", "2"),  # multi-node needs --master-port
-    ("doctor", "--backend", "tcp"),
-    ("doctor", "--config", "no/such.toml"),
-    ("doctor", "--rdzv-timeout", "0"),
-    ("run", "--doctor", "-n", "0", "x.py"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("doctor", "-n", "0"),
+        ("doctor", "--nnodes", "2"),  # multi-node needs --master-port
+        ("doctor", "--backend", "tcp"),
+        ("doctor", "--config", "no/such.toml"),
+        ("doctor", "--rdzv-timeout", "0"),
+        ("run", "--doctor", "-n", "0", "x.py"),
+    ],
+)
 def test_usage_errors_exit_2(args: tuple[str, ...], tmp_path: Path) -> None:
     if args[0] == "run":
         script = tmp_path / "x.py"
@@ -262,30 +294,45 @@ def test_usage_errors_exit_2(args: tuple[str, ...], tmp_path: Path) -> None:
 def marker_script(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """A script that leaves a file per rank, proving it ran."""
     script = tmp_path / "mark.py"
-    script.write_text("import os, pathlib, sys\n"
-                      "pathlib.Path(sys.argv[1], 'ran' + os.environ['RANK']).write_text('x')\n")
+    script.write_text(
+        "import os, pathlib, sys\n"
+        "pathlib.Path(sys.argv[1], 'ran' + os.environ['RANK']).write_text('x')\n"
+    )
     yield script, tmp_path
 
 
 def test_run_doctor_with_a_failing_check_does_not_start_the_script(
-        marker_script: tuple[Path, Path]) -> None:
+    marker_script: tuple[Path, Path],
+) -> None:
     script, out = marker_script
     # One rank needs no interface, so without --doctor this run would start.
-    r = _cli("run", "--doctor", "-n", "1", str(script), str(out),
-             env={"GLOO_SOCKET_IFNAME": "nosuch0", "NCCL_SOCKET_IFNAME": "nosuch0"})
+    r = _cli(
+        "run",
+        "--doctor",
+        "-n",
+        "1",
+        str(script),
+        str(out),
+        env={"GLOO_SOCKET_IFNAME": "nosuch0", "NCCL_SOCKET_IFNAME": "nosuch0"},
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAIL interface" in r.stdout
     assert "not starting" in r.stderr
     assert not list(out.glob("ran*"))
     # The same run without --doctor starts the script: the preflight is what held it back.
-    r = _cli("run", "-n", "1", str(script), str(out),
-             env={"GLOO_SOCKET_IFNAME": "nosuch0", "NCCL_SOCKET_IFNAME": "nosuch0"})
+    r = _cli(
+        "run",
+        "-n",
+        "1",
+        str(script),
+        str(out),
+        env={"GLOO_SOCKET_IFNAME": "nosuch0", "NCCL_SOCKET_IFNAME": "nosuch0"},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert [p.name for p in out.glob("ran*")] == ["ran0"]
 
 
-def test_run_doctor_with_passing_checks_runs_the_script(
-        marker_script: tuple[Path, Path]) -> None:
+def test_run_doctor_with_passing_checks_runs_the_script(marker_script: tuple[Path, Path]) -> None:
     script, out = marker_script
     r = _cli("run", "--doctor", "-n", "2", str(script), str(out))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -310,13 +357,29 @@ def test_two_nodes_on_this_machine_meet_and_both_show_every_rank() -> None:
     if addr is None:
         pytest.skip("no non-loopback IPv4 address here to act as node 0's")
     port = str(_free_port())
-    common = ("doctor", "--nnodes", "2", "--master-addr", addr, "--master-port", port,
-              "--rdzv-timeout", "60")
+    common = (
+        "doctor",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        addr,
+        "--master-port",
+        port,
+        "--rdzv-timeout",
+        "60",
+    )
     env = {**os.environ, "COLUMNS": "200"}
-    procs = [subprocess.Popen([sys.executable, "-m", "longboat.cli", *common,
-                               "--node-rank", str(k)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env,
-                              start_new_session=True) for k in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "longboat.cli", *common, "--node-rank", str(k)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for k in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
     finally:

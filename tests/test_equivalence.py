@@ -23,22 +23,25 @@ TOL = 1e-5  # fp32, relative
 
 # Small buckets and per-module units: many buckets and units whose sizes divide no world size.
 STRATEGIES = {
-    "replicate": {"strategy": "replicate",
-                  "replicate": {"bucket_mb": 0.0005, "first_bucket_mb": 0.0002}},
+    "replicate": {
+        "strategy": "replicate",
+        "replicate": {"bucket_mb": 0.0005, "first_bucket_mb": 0.0002},
+    },
     "zero1": {"strategy": "zero", "zero": {"stage": 1, "bucket_mb": 0.0005}},
     "zero2": {"strategy": "zero", "zero": {"stage": 2, "bucket_mb": 0.0005}},
     # The experts run on some ranks only, so their unit is the module that holds them all and
     # runs everywhere (see docs: units must run on every rank); the tied pair and the rest sit
     # in the root unit.
-    "zero3": {"strategy": "zero", "zero": {"stage": 3,
-                                           "unit_classes": ["Experts", "LSTM", "BatchNorm1d"]}},
+    "zero3": {
+        "strategy": "zero",
+        "zero": {"stage": 3, "unit_classes": ["Experts", "LSTM", "BatchNorm1d"]},
+    },
 }
 
 RECIPES = {
     # AdamW with weight decay moves any parameter it steps, used or not; clipping and the
     # schedule must see the same gradients; accumulation over two micro-batches.
-    "adamw-clip-sched": reference.Recipe(model="zoo", optimizer="adamw", clip=1.0,
-                                         scheduler=True),
+    "adamw-clip-sched": reference.Recipe(model="zoo", optimizer="adamw", clip=1.0, scheduler=True),
     # SGD with momentum, no clipping: replicate steps the optimizer bucket by bucket.
     "sgd-momentum": reference.Recipe(model="zoo", optimizer="sgd"),
 }
@@ -57,8 +60,9 @@ def _cases():
 @pytest.mark.parametrize(("strategy", "world"), list(_cases()))
 def test_strategy_equals_plain_pytorch(ranks, strategy, world, recipe):
     cfg = {"strategy": "single"} if strategy == "single" else STRATEGIES[strategy]
-    results, plain = harness.run_and_compare(ranks, world, cfg, RECIPES[recipe], STEPS,
-                                             accum=2, global_batch=GLOBAL_BATCH, tol=TOL)
+    results, plain = harness.run_and_compare(
+        ranks, world, cfg, RECIPES[recipe], STEPS, accum=2, global_batch=GLOBAL_BATCH, tol=TOL
+    )
     for r, res in enumerate(results):  # every rank holds the same parameters and buffers
         for k, v in res["state"].items():
             assert torch.equal(v, results[0]["state"][k]), f"rank {r} differs at {k}"
@@ -79,8 +83,12 @@ def _assert_coverage(plain: reference.PlainRun, world: int) -> None:
     if world > 1:  # used by some ranks and not others within one micro-batch
         assert any(any(x) and not all(x) for m in used for x in m)
     # Never used, frozen: never a gradient.
-    assert all("never" not in u and "frozen.weight" not in u
-               for step in steps for micro in step for u in micro)
+    assert all(
+        "never" not in u and "frozen.weight" not in u
+        for step in steps
+        for micro in step
+        for u in micro
+    )
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -90,19 +98,30 @@ def test_tiny_and_tied_models_at_four_ranks(ranks, strategy):
     cfg = STRATEGIES[strategy]
     if strategy == "zero3":
         cfg = {"strategy": "zero", "zero": {"stage": 3, "unit_classes": ["Linear"]}}
-    for recipe in (reference.Recipe(model="tiny", optimizer="adam"),
-                   reference.Recipe(model="tied", optimizer="adamw", clip=0.5)):
-        harness.run_and_compare(ranks, 4, cfg, recipe, STEPS, accum=1,
-                                global_batch=GLOBAL_BATCH, tol=TOL)
+    for recipe in (
+        reference.Recipe(model="tiny", optimizer="adam"),
+        reference.Recipe(model="tied", optimizer="adamw", clip=0.5),
+    ):
+        harness.run_and_compare(
+            ranks, 4, cfg, recipe, STEPS, accum=1, global_batch=GLOBAL_BATCH, tol=TOL
+        )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hybrid_sharding_equals_plain_pytorch(ranks, stage):
     """ZeRO within pairs of ranks, replicated across the two pairs ([Note: hybrid sharding]):
     the same run as the plain loop at 4 ranks, every micro-batch's loss included."""
-    harness.run_and_compare(ranks, 4, STRATEGIES[f"zero{stage}"], RECIPES["adamw-clip-sched"],
-                            STEPS, accum=2, global_batch=GLOBAL_BATCH, tol=TOL,
-                            mesh={"dp_replicate": 2})
+    harness.run_and_compare(
+        ranks,
+        4,
+        STRATEGIES[f"zero{stage}"],
+        RECIPES["adamw-clip-sched"],
+        STEPS,
+        accum=2,
+        global_batch=GLOBAL_BATCH,
+        tol=TOL,
+        mesh={"dp_replicate": 2},
+    )
 
 
 def test_reference_is_plain():
@@ -114,8 +133,13 @@ def test_reference_is_plain():
         seen.add(mod)
         tree = ast.parse((here / f"{mod}.py").read_text())
         for node in ast.walk(tree):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 top = name.split(".")[0]
                 assert top != "longboat", f"{mod}.py imports {name}"
@@ -184,8 +208,12 @@ def test_rank_zero_evaluates_alone(ranks, strategy):
 
 def _experts_as_units() -> None:
     recipe = reference.Recipe(model="zoo")
-    cfg = harness.config({"strategy": "zero", "zero": {"stage": 3, "unit_classes": ["Linear"]}},
-                         recipe, GLOBAL_BATCH, GLOBAL_BATCH // 2)
+    cfg = harness.config(
+        {"strategy": "zero", "zero": {"stage": 3, "unit_classes": ["Linear"]}},
+        recipe,
+        GLOBAL_BATCH,
+        GLOBAL_BATCH // 2,
+    )
     harness.train(recipe, cfg, STEPS)
 
 
@@ -206,9 +234,16 @@ def _routed_to_different_experts() -> None:
 
     torch.manual_seed(0)
     model = reference.Experts(4, 2)
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "strategy": "zero", "zero": {"stage": 3, "unit_classes": ["Linear"]},
-        "batch": {"micro_batch_size": 2}, "log": {"progress": False, "level": "WARNING"}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {
+            "strategy": "zero",
+            "zero": {"stage": 3, "unit_classes": ["Linear"]},
+            "batch": {"micro_batch_size": 2},
+            "log": {"progress": False, "level": "WARNING"},
+        },
+    )
     rank = torch.distributed.get_rank()
     engine(torch.randn(2, 4), torch.full((2,), rank))  # rank r runs expert r only
 
@@ -257,9 +292,13 @@ def _by_steps(cfg: dict, recipe: reference.Recipe) -> dict:
     data = harness.data_for(recipe, engine.batch.train_batch_size * STEPS)
     losses = []
     for ids, *batch in engine.loader(data, per_step=True):
-        losses.append(engine.train_step(
-            tuple(batch), lambda out, mb: torch.nn.functional.cross_entropy(out.float(), mb[-1]),
-            inputs=lambda mb: tuple(mb[:-1])))
+        losses.append(
+            engine.train_step(
+                tuple(batch),
+                lambda out, mb: torch.nn.functional.cross_entropy(out.float(), mb[-1]),
+                inputs=lambda mb: tuple(mb[:-1]),
+            )
+        )
         assert len(ids) == engine.batch.micro_batch_size * engine.accumulation_steps
     state = {k: v.clone() for k, v in engine.state_dict().items()}
     engine.close()

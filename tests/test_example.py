@@ -19,14 +19,26 @@ def _accuracy(out: str) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.parametrize(("config", "strategy"), [
-    (None, "replicate"), ("digits_zero3.toml", "zero-3")])
+@pytest.mark.parametrize(
+    ("config", "strategy"), [(None, "replicate"), ("digits_zero3.toml", "zero-3")]
+)
 def test_digits_under_longboat_run_two_ranks(config, strategy):
     extra = ["--config", str(ROOT / "examples" / config)] if config else []
     proc = subprocess.run(
-        [sys.executable, "-m", "longboat.cli", "run", "-n", "2",
-         str(ROOT / "examples" / "digits.py"), *extra],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "longboat.cli",
+            "run",
+            "-n",
+            "2",
+            str(ROOT / "examples" / "digits.py"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
@@ -39,8 +51,14 @@ def test_digits_as_a_plain_script():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "digits.py")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "digits.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "strategy single on 1 rank(s)" in out

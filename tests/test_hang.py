@@ -19,8 +19,18 @@ TIMEOUT_S = 3.0
 @pytest.mark.parametrize("n", [2, 3])
 def test_stopped_rank_is_named_with_its_last_collective(tmp_path: Path, n: int) -> None:
     logs = tmp_path / "logs"
-    proc = _run(_cli("run", "-n", str(n), "--log-dir", str(logs),
-                     str(SCRIPTS / "hang_sigstop.py"), str(TIMEOUT_S), str(tmp_path)))
+    proc = _run(
+        _cli(
+            "run",
+            "-n",
+            str(n),
+            "--log-dir",
+            str(logs),
+            str(SCRIPTS / "hang_sigstop.py"),
+            str(TIMEOUT_S),
+            str(tmp_path),
+        )
+    )
     err = proc.stderr
     out = proc.stdout + err
     stopped, survivors = n - 1, list(range(n - 1))
@@ -46,8 +56,10 @@ def test_stopped_rank_is_named_with_its_last_collective(tmp_path: Path, n: int) 
     # The launcher's merged report and its usual culprit line.
     names = ", ".join(map(str, survivors))
     assert f"longboat: collective timeout reported by rank(s) {names}" in err, err
-    assert f"longboat:   rank {stopped} did not arrive (named by rank(s) {names}); last " \
-           "collective known: all_reduce(" in err, err
+    assert (
+        f"longboat:   rank {stopped} did not arrive (named by rank(s) {names}); last "
+        "collective known: all_reduce(" in err
+    ), err
     assert "failed with exit code 1" in err, err
     # Every process ended (the stopped rank too: SIGCONT follows the launcher's SIGTERM).
     time.sleep(0.2)
@@ -59,8 +71,9 @@ def test_stopped_rank_is_named_with_its_last_collective(tmp_path: Path, n: int) 
 def test_dead_rank_is_named_and_every_process_ends(tmp_path: Path) -> None:
     """A rank that dies is named by the launcher at once (the agent then stops the survivors,
     usually before they see the closed connection, so no hang report is required here)."""
-    proc = _run(_cli("run", "-n", "2", str(SCRIPTS / "hang_sigstop.py"), "30", str(tmp_path),
-                     "exit"))
+    proc = _run(
+        _cli("run", "-n", "2", str(SCRIPTS / "hang_sigstop.py"), "30", str(tmp_path), "exit")
+    )
     err = proc.stderr
     assert proc.returncode == 3, err  # the dead rank's status
     assert "longboat: rank 1 failed with exit code 3" in err, err
@@ -71,12 +84,29 @@ def test_dead_rank_is_named_and_every_process_ends(tmp_path: Path) -> None:
 
 def test_lost_peer_report_names_the_missing_rank() -> None:
     """The report a survivor builds from a closed connection (no store: a world of one here)."""
-    rec = CallRecord(seq=5, op="all_reduce", dtype="float32", shape=(1,), out_shape=None,
-                     reduce_op="sum", group="default", source="t.py:9 in main", caller="")
+    rec = CallRecord(
+        seq=5,
+        op="all_reduce",
+        dtype="float32",
+        shape=(1,),
+        out_shape=None,
+        reduce_op="sum",
+        group="default",
+        source="t.py:9 in main",
+        caller="",
+    )
     err = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
     assert is_hang_or_loss(err) and not is_hang_or_loss(RuntimeError("size mismatch"))
-    rep = build_report(rank=0, world_size=3, namespace="x", current=rec, last_done=None,
-                       peer_last=rec, error=err, timeout_s=5)
+    rep = build_report(
+        rank=0,
+        world_size=3,
+        namespace="x",
+        current=rec,
+        last_done=None,
+        peer_last=rec,
+        error=err,
+        timeout_s=5,
+    )
     assert rep["kind"] == "peer_lost" and rep["not_arrived"] == [1, 2], rep
     text = format_report(rep)
     assert text.startswith("longboat: a peer was lost during a collective on rank 0 of 3"), text

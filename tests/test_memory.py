@@ -30,9 +30,16 @@ def _report(strategy: str, stage: int):
     torch.manual_seed(0)
     model = GPT(vocab_size=512, d_model=64, n_layers=2, n_heads=4, seq_len=16, tie_weights=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = longboat.initialize(model, opt, {
-        "strategy": strategy, "zero": {"stage": stage, "unit_classes": ["_Block"]},
-        "batch": {"micro_batch_size": 2}, "log": {"progress": False, "level": "WARNING"}})
+    engine = longboat.initialize(
+        model,
+        opt,
+        {
+            "strategy": strategy,
+            "zero": {"stage": stage, "unit_classes": ["_Block"]},
+            "batch": {"micro_batch_size": 2},
+            "log": {"progress": False, "level": "WARNING"},
+        },
+    )
     x, y = synthetic_tokens(2, 16, 512, torch.Generator().manual_seed(1))
     engine.backward(gpt_loss(engine(x), y))
     engine.step()
@@ -46,8 +53,9 @@ def _report(strategy: str, stage: int):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize(("strategy", "stage"), [
-    ("replicate", 1), ("zero", 1), ("zero", 2), ("zero", 3)])
+@pytest.mark.parametrize(
+    ("strategy", "stage"), [("replicate", 1), ("zero", 1), ("zero", 2), ("zero", 3)]
+)
 def test_model_state_bytes_match_the_formula(ranks, world, strategy, stage):
     for report, found in ranks(world, _report, strategy, stage):
         a, n = report.trainable_params, world
@@ -57,11 +65,13 @@ def test_model_state_bytes_match_the_formula(ranks, world, strategy, stage):
         assert a == 166_656  # GPT(vocab 512, d 64, 2 layers, seq 16, untied)
         name = strategy if strategy == "replicate" else f"zero-{stage}"
         assert report.expected == expected_bytes(name, a, n, 8)
-        assert abs(report.total - report.expected_total) <= 0.05 * report.expected_total, (
-            str(report))
+        assert abs(report.total - report.expected_total) <= 0.05 * report.expected_total, str(
+            report
+        )
         for c in ("parameters", "gradients", "optimizer_state"):
             assert abs(report.measured[c] - report.expected[c]) <= 0.05 * max(
-                report.expected[c], 1), f"{c}: {report}"
+                report.expected[c], 1
+            ), f"{c}: {report}"
         assert report.measured["communication_buffers"] == 0  # nothing left in flight
 
 

@@ -16,28 +16,34 @@ def test_plain_data_parallelism_is_the_default():
     assert mesh.groups("dp_replicate") == [(0,), (1,), (2,), (3,)]
 
 
-@pytest.mark.parametrize(("world", "kwargs", "want"), [
-    (8, {"pp": 2}, (2, 1, 4, 1)),
-    (8, {"tp": 2}, (1, 1, 4, 2)),
-    (8, {"pp": 2, "tp": 2}, (2, 1, 2, 2)),
-    (4, {"dp_replicate": 2}, (1, 2, 2, 1)),
-    (4, {"dp_shard": 2}, (1, 2, 2, 1)),
-    (8, {"tp": 2, "dp_replicate": 2, "dp_shard": 2}, (1, 2, 2, 2)),
-    (6, {"dp": 3, "tp": 2}, (1, 1, 3, 2)),
-])
+@pytest.mark.parametrize(
+    ("world", "kwargs", "want"),
+    [
+        (8, {"pp": 2}, (2, 1, 4, 1)),
+        (8, {"tp": 2}, (1, 1, 4, 2)),
+        (8, {"pp": 2, "tp": 2}, (2, 1, 2, 2)),
+        (4, {"dp_replicate": 2}, (1, 2, 2, 1)),
+        (4, {"dp_shard": 2}, (1, 2, 2, 1)),
+        (8, {"tp": 2, "dp_replicate": 2, "dp_shard": 2}, (1, 2, 2, 2)),
+        (6, {"dp": 3, "tp": 2}, (1, 1, 3, 2)),
+    ],
+)
 def test_sizes_are_derived(world, kwargs, want):
     m = Mesh.resolve(world, **kwargs)
     assert (m.pp, m.dp_replicate, m.dp_shard, m.tp) == want
     assert m.world_size == world
 
 
-@pytest.mark.parametrize(("world", "kwargs", "words"), [
-    (4, {"pp": 3}, ["pp=3", "tp=1", "= 3", "world size 4"]),
-    (8, {"pp": 2, "dp": 3}, ["pp=2", "dp=3", "tp=1", "= 6", "world size 8"]),
-    (4, {"dp_replicate": 3}, ["dp_replicate=3", "dp=4"]),
-    (4, {"dp_replicate": 2, "dp_shard": 3}, ["dp_replicate=2", "dp_shard=3"]),
-    (4, {"tp": 0}, ["mesh.tp = 0"]),
-])
+@pytest.mark.parametrize(
+    ("world", "kwargs", "words"),
+    [
+        (4, {"pp": 3}, ["pp=3", "tp=1", "= 3", "world size 4"]),
+        (8, {"pp": 2, "dp": 3}, ["pp=2", "dp=3", "tp=1", "= 6", "world size 8"]),
+        (4, {"dp_replicate": 3}, ["dp_replicate=3", "dp=4"]),
+        (4, {"dp_replicate": 2, "dp_shard": 3}, ["dp_replicate=2", "dp_shard=3"]),
+        (4, {"tp": 0}, ["mesh.tp = 0"]),
+    ],
+)
 def test_sizes_that_do_not_fit_are_refused_by_name(world, kwargs, words):
     with pytest.raises(MeshError) as info:
         Mesh.resolve(world, **kwargs)
@@ -45,8 +51,12 @@ def test_sizes_that_do_not_fit_are_refused_by_name(world, kwargs, words):
         assert w in str(info.value), str(info.value)
 
 
-MESHES = [Mesh(pp=2, dp_replicate=2, dp_shard=3, tp=2), Mesh(dp_shard=4), Mesh(pp=3, tp=2),
-          Mesh(dp_replicate=2, dp_shard=2)]
+MESHES = [
+    Mesh(pp=2, dp_replicate=2, dp_shard=3, tp=2),
+    Mesh(dp_shard=4),
+    Mesh(pp=3, tp=2),
+    Mesh(dp_replicate=2, dp_shard=2),
+]
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=str)

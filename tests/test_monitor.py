@@ -21,18 +21,24 @@ from longboat.observe.tensorboard_sink import TensorBoardSink, tag
 STEPS = 6
 
 
-def _monitored(out: str, every: int = 1, tb: bool = True, steps: int = STEPS,
-               accumulation: int = 1) -> list[float]:
+def _monitored(
+    out: str, every: int = 1, tb: bool = True, steps: int = STEPS, accumulation: int = 1
+) -> list[float]:
     """Train the reference model with CSV (and TensorBoard) monitors under ``out``; return this
     rank's loss per optimizer step as the engine saw it."""
     torch.manual_seed(0)
     model = reference.TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     sink = {"enabled": True, "output_path": out, "job_name": "job"}
-    engine = longboat.initialize(model, opt, {
-        "log": {"progress": False, "level": "WARNING"},
-        "batch": {"train_batch_size": 8, "gradient_accumulation_steps": accumulation},
-        "monitor": {"every": every, "csv": sink, "tensorboard": {**sink, "enabled": tb}}})
+    engine = longboat.initialize(
+        model,
+        opt,
+        {
+            "log": {"progress": False, "level": "WARNING"},
+            "batch": {"train_batch_size": 8, "gradient_accumulation_steps": accumulation},
+            "monitor": {"every": every, "csv": sink, "tensorboard": {**sink, "enabled": tb}},
+        },
+    )
     loader = engine.loader(reference.dataset(8 * steps))
     loss_fn = nn.CrossEntropyLoss()
     losses = []
@@ -90,14 +96,18 @@ def test_tensorboard_events_read_back(tmp_path: Path) -> None:
     assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([0.2, 0.2])
     rows = _rows(tmp_path)  # both sinks saw the same events
     assert [e.value for e in acc.Scalars("time/step_ms")] == pytest.approx(
-        [float(r["step_ms"]) for r in rows], rel=1e-6)
+        [float(r["step_ms"]) for r in rows], rel=1e-6
+    )
 
 
 def test_monitors_off_write_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     model = reference.TinyNet()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 {"log": {"progress": False}, "batch": {"micro_batch_size": 4}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {"log": {"progress": False}, "batch": {"micro_batch_size": 4}},
+    )
     assert not engine.monitor.active and not engine.monitor.sinks
     for x, y in engine.loader(reference.dataset(16)):
         engine.backward(nn.functional.cross_entropy(engine(x), y))
@@ -121,9 +131,15 @@ def test_tokens_per_second(tmp_path: Path) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 50, (24, 7))
     model = _Tokens()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "log": {"progress": False}, "batch": {"micro_batch_size": 4},
-        "monitor": {"csv": {"enabled": True, "output_path": str(tmp_path)}}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {
+            "log": {"progress": False},
+            "batch": {"micro_batch_size": 4},
+            "monitor": {"csv": {"enabled": True, "output_path": str(tmp_path)}},
+        },
+    )
     for (x,) in engine.loader(TensorDataset(ids)):
         logits = engine(x)
         engine.backward(nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()))
@@ -150,10 +166,16 @@ def test_count_tokens_rule() -> None:
 
 def test_fp16_loss_scale_in_events(tmp_path: Path) -> None:
     model = reference.TinyNet()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "log": {"progress": False}, "batch": {"micro_batch_size": 4},
-        "precision": {"dtype": "fp16", "initial_scale_power": 8},
-        "monitor": {"csv": {"enabled": True, "output_path": str(tmp_path)}}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {
+            "log": {"progress": False},
+            "batch": {"micro_batch_size": 4},
+            "precision": {"dtype": "fp16", "initial_scale_power": 8},
+            "monitor": {"csv": {"enabled": True, "output_path": str(tmp_path)}},
+        },
+    )
     for x, y in engine.loader(reference.dataset(8)):
         engine.backward(nn.functional.cross_entropy(engine(x), y))
         engine.step()
@@ -169,35 +191,45 @@ def test_csv_refuses_a_file_with_other_columns(tmp_path: Path) -> None:
         _monitored(str(tmp_path), tb=False)
 
 
-def test_tensorboard_missing_names_the_package(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensorboard_missing_names_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ImportError, match=r"longboat\[tensorboard\]"):
         TensorBoardSink(tmp_path)
 
 
 def test_event_scalars_and_tags() -> None:
-    e = StepEvent(step=3, loss=1.5, lr=0.1, step_ms=10.0, samples_per_s=800.0,
-                  phases_ms={"forward": 4.0})
-    assert e.scalars() == {"loss": 1.5, "lr": 0.1, "samples_per_s": 800.0, "step_ms": 10.0,
-                           "forward_ms": 4.0}
+    e = StepEvent(
+        step=3, loss=1.5, lr=0.1, step_ms=10.0, samples_per_s=800.0, phases_ms={"forward": 4.0}
+    )
+    assert e.scalars() == {
+        "loss": 1.5,
+        "lr": 0.1,
+        "samples_per_s": 800.0,
+        "step_ms": 10.0,
+        "forward_ms": 4.0,
+    }
     assert tag("loss") == "train/loss" and tag("forward_ms") == "time/forward_ms"
 
 
 def test_deepspeed_blocks_map() -> None:
-    cfg = load_config({
-        "train_batch_size": 8,
-        "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "exp"},
-        "csv_monitor": {"enabled": True, "output_path": "", "job_name": "exp2"},
-        "wall_clock_breakdown": True, "flops_profiler": {"enabled": True}})
+    cfg = load_config(
+        {
+            "train_batch_size": 8,
+            "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "exp"},
+            "csv_monitor": {"enabled": True, "output_path": "", "job_name": "exp2"},
+            "wall_clock_breakdown": True,
+            "flops_profiler": {"enabled": True},
+        }
+    )
     assert cfg.monitor.tensorboard.enabled and cfg.monitor.tensorboard.output_path == "tb"
     assert cfg.monitor.tensorboard.job_name == "exp"
     assert cfg.monitor.csv.enabled and cfg.monitor.csv.output_path == "runs"
     assert cfg.monitor.csv.job_name == "exp2"
     assert cfg.profile.wall_clock_breakdown and cfg.profile.flops
     with pytest.raises(ConfigError, match=r"flops_profiler\.profile_step"):
-        load_config({"train_batch_size": 8,
-                     "flops_profiler": {"enabled": True, "profile_step": 3}})
+        load_config({"train_batch_size": 8, "flops_profiler": {"enabled": True, "profile_step": 3}})
     with pytest.raises(ConfigError, match=r"csv_monitor\.append"):
         load_config({"train_batch_size": 8, "csv_monitor": {"enabled": True, "append": 1}})
 
@@ -209,18 +241,27 @@ def test_monitor_config_refuses_unknown_keys() -> None:
         load_config({"profile": {"wall_clock_breakdwn": True}})
 
 
-def test_tensorboard_missing_is_refused_at_initialize(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensorboard_missing_is_refused_at_initialize(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
     model = reference.TinyNet()
     with pytest.raises(ImportError, match="pip install 'longboat"):
-        longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-            "batch": {"micro_batch_size": 4},
-            "monitor": {"tensorboard": {"enabled": True, "output_path": str(tmp_path)}}})
+        longboat.initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            {
+                "batch": {"micro_batch_size": 4},
+                "monitor": {"tensorboard": {"enabled": True, "output_path": str(tmp_path)}},
+            },
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -238,8 +279,15 @@ def test_piped_console_lines_with_eta() -> None:
     log.setLevel("INFO")
     try:
         sink = ConsoleSink(total=None, tty=False)
-        event = StepEvent(step=50, loss=0.5, lr=1e-3, step_ms=100.0, samples_per_s=640.0,
-                          tokens_per_s=1280.0, loss_scale=1024.0)
+        event = StepEvent(
+            step=50,
+            loss=0.5,
+            lr=1e-3,
+            step_ms=100.0,
+            samples_per_s=640.0,
+            tokens_per_s=1280.0,
+            loss_scale=1024.0,
+        )
         sink.write(event)
         sink.total = 110
         sink.write(event)
@@ -250,14 +298,21 @@ def test_piped_console_lines_with_eta() -> None:
     assert records == [
         "step 50  loss 0.5000  lr 0.001  scale 1024  640 samples/s  1,280 tokens/s  100.0 ms/step",
         "step 50/110  loss 0.5000  lr 0.001  scale 1024  640 samples/s  1,280 tokens/s  "
-        "100.0 ms/step  ETA 0:00:06"]
+        "100.0 ms/step  ETA 0:00:06",
+    ]
 
 
 def test_piped_console_gets_an_event_every_50_steps() -> None:
     model = reference.TinyNet()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "batch": {"micro_batch_size": 4}, "monitor": {"every": 7, "total_steps": 99},
-        "log": {"level": "WARNING"}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {
+            "batch": {"micro_batch_size": 4},
+            "monitor": {"every": 7, "total_steps": 99},
+            "log": {"level": "WARNING"},
+        },
+    )
     if engine.monitor.sinks[0][0].tty:  # type: ignore[attr-defined]
         pytest.skip("stderr is a terminal: the bar takes every event")
     assert engine.monitor.console_every == 56  # the first multiple of 7 from 50

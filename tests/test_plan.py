@@ -36,9 +36,14 @@ def _config(strategy: str, model: str, extra: dict[str, Any]) -> dict[str, Any]:
         zero["unit_classes"] = ["_Block"]
     else:
         zero["unit_min_params"] = 100
-    return {"strategy": name, "zero": zero, "replicate": {"bucket_mb": 0.01},
-            "batch": {"micro_batch_size": MICRO},
-            "log": {"progress": False, "level": "WARNING"}, **extra}
+    return {
+        "strategy": name,
+        "zero": zero,
+        "replicate": {"bucket_mb": 0.01},
+        "batch": {"micro_batch_size": MICRO},
+        "log": {"progress": False, "level": "WARNING"},
+        **extra,
+    }
 
 
 def _build(model: str) -> torch.nn.Module:
@@ -46,23 +51,25 @@ def _build(model: str) -> torch.nn.Module:
 
 
 def _tiny_target() -> Target:
-    return Target("tiny", TinyNet, lambda _m, b: (torch.zeros(b, 12),),
-                  lambda out, _a: out.float().mean())
+    return Target(
+        "tiny", TinyNet, lambda _m, b: (torch.zeros(b, 12),), lambda out, _a: out.float().mean()
+    )
 
 
-def _measured(strategy: str, model: str, optimizer: str, extra: dict[str, Any]
-              ) -> dict[str, int]:
+def _measured(strategy: str, model: str, optimizer: str, extra: dict[str, Any]) -> dict[str, int]:
     """One real step on this rank; memory_report's measured bytes."""
     import longboat
 
     torch.manual_seed(0)
     net = _build(model)
     params = [p for p in net.parameters() if p.requires_grad]
-    engine = longboat.initialize(net, OPTIMIZERS[optimizer](params),
-                                 _config(strategy, model, extra))
+    engine = longboat.initialize(
+        net, OPTIMIZERS[optimizer](params), _config(strategy, model, extra)
+    )
     if model == "gpt":
-        x, y = synthetic_tokens(MICRO, GPT_ARGS["seq_len"], GPT_ARGS["vocab_size"],
-                                torch.Generator().manual_seed(1))
+        x, y = synthetic_tokens(
+            MICRO, GPT_ARGS["seq_len"], GPT_ARGS["vocab_size"], torch.Generator().manual_seed(1)
+        )
         loss = gpt_loss(engine(x), y)
     else:
         loss = engine(torch.randn(MICRO, 12)).mean()
@@ -86,26 +93,30 @@ CASES = [
 
 
 @pytest.mark.parametrize(("strategy", "model", "optimizer", "extra"), CASES)
-def test_model_state_equals_memory_report_at_two_ranks(ranks, strategy, model, optimizer,
-                                                       extra):
+def test_model_state_equals_memory_report_at_two_ranks(ranks, strategy, model, optimizer, extra):
     target = resolve("gpt", GPT_ARGS) if model == "gpt" else _tiny_target()
     base = load_config(_config(strategy, model, extra))
     plan = make_plan(target, base, 2, MICRO, optimizer, [strategy])
     for rank, measured in enumerate(ranks(2, _measured, strategy, model, optimizer, extra)):
         # Each rank's own plan: ZeRO's ranks differ by padding and per-parameter scalars.
-        predicted = make_plan(target, base, 2, MICRO, optimizer, [strategy],
-                              rank=rank).strategies[0].model_state
+        predicted = (
+            make_plan(target, base, 2, MICRO, optimizer, [strategy], rank=rank)
+            .strategies[0]
+            .model_state
+        )
         assert predicted == measured, f"rank {rank}: plan {predicted} != measured {measured}"
     if model == "gpt" and strategy != "replicate":  # odd sizes: padding is counted too
         a = plan.trainable_params
         assert plan.strategies[0].model_state["gradients"] > (
-            4 * a // 2 if strategy != "zero-1" else 4 * a)
+            4 * a // 2 if strategy != "zero-1" else 4 * a
+        )
 
 
 def test_single_model_state_equals_memory_report(ranks):
     target = resolve("gpt", GPT_ARGS)
-    plan = make_plan(target, load_config(_config("single", "gpt", {})), 1, MICRO, "adamw",
-                     ["single"])
+    plan = make_plan(
+        target, load_config(_config("single", "gpt", {})), 1, MICRO, "adamw", ["single"]
+    )
     [measured] = ranks(1, _measured, "single", "gpt", "adamw", {})
     assert plan.strategies[0].model_state == measured
 
@@ -118,8 +129,9 @@ def _live_peak(strategy: str, extra: dict[str, Any]) -> int:
     with tracker:
         torch.manual_seed(0)
         net = GPT(**GPT_ARGS)
-        engine = longboat.initialize(net, OPTIMIZERS["adamw"](net.parameters()),
-                                     _config(strategy, "gpt", extra))
+        engine = longboat.initialize(
+            net, OPTIMIZERS["adamw"](net.parameters()), _config(strategy, "gpt", extra)
+        )
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             x, y = synthetic_tokens(MICRO, GPT_ARGS["seq_len"], GPT_ARGS["vocab_size"], gen)
@@ -129,12 +141,25 @@ def _live_peak(strategy: str, extra: dict[str, Any]) -> int:
     return tracker.max_peak
 
 
-@pytest.mark.parametrize(("strategy", "extra"), [
-    ("replicate", {}), ("zero-1", {}), ("zero-2", {}), ("zero-3", {}),
-    ("zero-3", {"precision": {"dtype": "bf16"}})])
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [
+        ("replicate", {}),
+        ("zero-1", {}),
+        ("zero-2", {}),
+        ("zero-3", {}),
+        ("zero-3", {"precision": {"dtype": "bf16"}}),
+    ],
+)
 def test_peak_equals_the_live_tensor_peak_of_a_real_run(ranks, strategy, extra):
-    plan = make_plan(resolve("gpt", GPT_ARGS), load_config(_config(strategy, "gpt", extra)), 2,
-                     MICRO, "adamw", [strategy])
+    plan = make_plan(
+        resolve("gpt", GPT_ARGS),
+        load_config(_config(strategy, "gpt", extra)),
+        2,
+        MICRO,
+        "adamw",
+        [strategy],
+    )
     predicted = plan.strategies[0].peak
     for rank, real in enumerate(ranks(2, _live_peak, strategy, extra)):
         # The real run's batches are drawn as one sequence of seq_len + 1 and sliced
@@ -168,9 +193,11 @@ def test_communication_bytes_follow_the_ring_formulas():
     assert rep.comm_bytes == {"all_reduce": 2 * (n - 1) * 4 * (a + tensors) // n}
     padded = z1.model_state["parameters"] // 4  # stage 1 keeps the padded flat parameters
     assert padded > a  # odd sizes: padding travels too
-    assert z1.comm_bytes == {"reduce_scatter": (n - 1) * 4 * padded // n,
-                             "all_gather": (n - 1) * 4 * padded // n,
-                             "all_reduce": 2 * (n - 1) * 4 * tensors // n}  # usage, one flag each
+    assert z1.comm_bytes == {
+        "reduce_scatter": (n - 1) * 4 * padded // n,
+        "all_gather": (n - 1) * 4 * padded // n,
+        "all_reduce": 2 * (n - 1) * 4 * tensors // n,
+    }  # usage, one flag each
 
 
 def test_live_bytes_counts_views_once_and_sees_frees():
@@ -199,13 +226,24 @@ def test_meta_collectives_allocate_nothing_and_count():
 
 # -- the command -----------------------------------------------------------------------------
 
+
 def _invoke(*args: str):
     return CliRunner().invoke(app, ["plan", *args])
 
 
 def test_json_output_parses_and_matches_the_table(tmp_path):
-    args = ["--model", "gpt", "--model-args", json.dumps(GPT_ARGS), "--micro-batch", "2",
-            "--world-size", "2", "--strategies", "replicate,zero3"]  # bench's spelling too
+    args = [
+        "--model",
+        "gpt",
+        "--model-args",
+        json.dumps(GPT_ARGS),
+        "--micro-batch",
+        "2",
+        "--world-size",
+        "2",
+        "--strategies",
+        "replicate,zero3",
+    ]  # bench's spelling too
     res = _invoke(*args, "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
@@ -217,8 +255,16 @@ def test_json_output_parses_and_matches_the_table(tmp_path):
 
 
 def test_a_small_budget_names_what_does_not_fit_and_exits_1():
-    args = ["--model", "gpt", "--model-args", json.dumps(GPT_ARGS), "--micro-batch", "2",
-            "--strategies", "replicate,zero-1,zero-2,zero-3"]
+    args = [
+        "--model",
+        "gpt",
+        "--model-args",
+        json.dumps(GPT_ARGS),
+        "--micro-batch",
+        "2",
+        "--strategies",
+        "replicate,zero-1,zero-2,zero-3",
+    ]
     plans = json.loads(_invoke(*args, "--json").output)["strategies"]
     peaks = sorted((s["peak"], s["strategy"]) for s in plans)
     (low, _), (high, largest) = peaks[0], peaks[-1]
@@ -235,19 +281,22 @@ def test_a_small_budget_names_what_does_not_fit_and_exits_1():
     assert "recommended: none" in res.output
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (["--model", "nope"], "neither a built-in"),
-    (["--model", "no_such_module_xyz:f"], "cannot import"),
-    (["--model", "gpt", "--model-args", "{bad"], "not JSON"),
-    (["--model", "gpt", "--model-args", '{"depth": 3}'], "depth"),
-    (["--budget", "lots"], "not a size"),
-    (["--precision", "fp8"], "--precision"),
-    (["--strategies", "zero-4"], "zero-4"),
-    (["--optimizer", "lion"], "lion"),
-    (["--world-size", "0"], "--world-size"),
-    (["--config", "/no/such/file.toml"], "does not exist"),
-    (["--seq-len", "999"], "exceeds"),
-])
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--model", "nope"], "neither a built-in"),
+        (["--model", "no_such_module_xyz:f"], "cannot import"),
+        (["--model", "gpt", "--model-args", "{bad"], "not JSON"),
+        (["--model", "gpt", "--model-args", '{"depth": 3}'], "depth"),
+        (["--budget", "lots"], "not a size"),
+        (["--precision", "fp8"], "--precision"),
+        (["--strategies", "zero-4"], "zero-4"),
+        (["--optimizer", "lion"], "lion"),
+        (["--world-size", "0"], "--world-size"),
+        (["--config", "/no/such/file.toml"], "does not exist"),
+        (["--seq-len", "999"], "exceeds"),
+    ],
+)
 def test_usage_errors_exit_2(args, words):
     res = _invoke(*args)
     assert res.exit_code == 2, res.output
@@ -255,7 +304,8 @@ def test_usage_errors_exit_2(args, words):
 
 
 def test_a_user_model_describes_its_input(tmp_path, monkeypatch):
-    (tmp_path / "my_model_mod.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_model_mod.py").write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
 
@@ -264,11 +314,19 @@ def test_a_user_model_describes_its_input(tmp_path, monkeypatch):
 
         def example_input(model, micro_batch):
             return torch.randn(micro_batch, 8)
-    """))
+    """)
+    )
     (tmp_path / "no_input_mod.py").write_text("from torch import nn\nbuild = nn.Linear\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    res = _invoke("--model", "my_model_mod:build", "--model-args", '{"width": 32}',
-                  "--strategies", "replicate", "--json")
+    res = _invoke(
+        "--model",
+        "my_model_mod:build",
+        "--model-args",
+        '{"width": 32}',
+        "--strategies",
+        "replicate",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert data["trainable_params"] == 8 * 32 + 32 + 32 * 3 + 3
@@ -279,8 +337,7 @@ def test_a_user_model_describes_its_input(tmp_path, monkeypatch):
 
 
 def test_planning_a_billion_parameters_allocates_nothing(tmp_path):
-    args = {"vocab_size": 50304, "d_model": 2048, "n_layers": 20, "n_heads": 16,
-            "seq_len": 256}
+    args = {"vocab_size": 50304, "d_model": 2048, "n_layers": 20, "n_heads": 16, "seq_len": 256}
     code = textwrap.dedent(f"""
         import json, resource
         from longboat.config import load_config
@@ -291,8 +348,9 @@ def test_planning_a_billion_parameters_allocates_nothing(tmp_path):
                           "peaks": [s.peak for s in plan.strategies],
                           "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
     data = json.loads(out.stdout.strip().splitlines()[-1])
     a = gpt_param_count(**{k: v for k, v in args.items() if k != "n_heads"})
     assert data["params"] == a > 1_000_000_000
@@ -302,8 +360,9 @@ def test_planning_a_billion_parameters_allocates_nothing(tmp_path):
 
 
 def test_strategy_config_keeps_the_users_settings():
-    base = load_config({"zero": {"bucket_mb": 3.0, "unit_classes": ["_Block"]},
-                        "precision": {"dtype": "bf16"}})
+    base = load_config(
+        {"zero": {"bucket_mb": 3.0, "unit_classes": ["_Block"]}, "precision": {"dtype": "bf16"}}
+    )
     cfg = strategy_config(base, "zero-3", 4)
     assert (cfg.strategy, cfg.zero.stage, cfg.zero.bucket_mb) == ("zero", 3, 3.0)
     assert cfg.zero.unit_classes == ["_Block"] and cfg.precision.dtype == "bf16"
@@ -313,8 +372,17 @@ def test_strategy_config_keeps_the_users_settings():
 def test_a_config_file_reaches_the_strategies(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('[zero]\nunit_classes = ["_Block"]\n')
-    args = ["--model", "gpt", "--model-args", json.dumps(GPT_ARGS), "--micro-batch", "2",
-            "--strategies", "zero-3", "--json"]
+    args = [
+        "--model",
+        "gpt",
+        "--model-args",
+        json.dumps(GPT_ARGS),
+        "--micro-batch",
+        "2",
+        "--strategies",
+        "zero-3",
+        "--json",
+    ]
     res = _invoke(*args, "--config", str(cfg))
     assert res.exit_code == 0, res.output
     expected = make_plan(resolve("gpt", GPT_ARGS), load_config(cfg), 2, 2, "adamw", ["zero-3"])

@@ -77,8 +77,9 @@ def test_scale_doubles_after_a_window_of_good_steps():
     assert s.scale == 32.0 and s.hysteresis_left == 2
 
 
-def _deepspeed_rules(overflows: list[bool], scale: float, window: int, hysteresis: int,
-                     min_scale: float) -> list[float | str]:
+def _deepspeed_rules(
+    overflows: list[bool], scale: float, window: int, hysteresis: int, min_scale: float
+) -> list[float | str]:
     """DeepSpeed's dynamic loss scale restated with its own bookkeeping (iteration counter and
     the iteration of the last overflow), as an independent check of LossScaler's counters."""
     out: list[float | str] = []
@@ -136,8 +137,9 @@ def test_static_scale_never_changes_and_never_raises():
 
 
 def test_scaler_state_is_plain_numbers_and_reloads():
-    cfg = PrecisionConfig(dtype="fp16", initial_scale_power=10, loss_scale_window=5,
-                          hysteresis=3, min_loss_scale=0.25)
+    cfg = PrecisionConfig(
+        dtype="fp16", initial_scale_power=10, loss_scale_window=5, hysteresis=3, min_loss_scale=0.25
+    )
     s = LossScaler.from_config(cfg)
     assert (s.scale, s.window, s.hysteresis, s.min_scale) == (1024.0, 5, 3, 0.25)
     for step, overflow in enumerate([True, True, True, False, False], 1):
@@ -145,8 +147,9 @@ def test_scaler_state_is_plain_numbers_and_reloads():
     state = json.loads(json.dumps(s.state_dict()))
     t = LossScaler.from_config(cfg)
     t.load_state_dict(state)
-    assert t.state_dict() == s.state_dict() == {"scale": 512.0, "hysteresis_left": 1,
-                                                "good_steps": 2}
+    assert (
+        t.state_dict() == s.state_dict() == {"scale": 512.0, "hysteresis_left": 1, "good_steps": 2}
+    )
 
 
 def test_unscale_and_check_in_a_world_of_one():
@@ -173,8 +176,15 @@ def test_fp16_keys_need_fp16():
 def _recipe(dtype: str, clip: float = 0.0) -> reference.Recipe:
     # SGD with momentum and a schedule; fp16 at a scale of 2**8, small enough that TinyNet never
     # overflows by itself, and a window of 4 so that 4 good steps after an overflow double it.
-    return reference.Recipe(model="tiny", optimizer="sgd", clip=clip, scheduler=True,
-                            precision=dtype, loss_scale=2.0**8, loss_scale_window=4)
+    return reference.Recipe(
+        model="tiny",
+        optimizer="sgd",
+        clip=clip,
+        scheduler=True,
+        precision=dtype,
+        loss_scale=2.0**8,
+        loss_scale_window=4,
+    )
 
 
 @pytest.mark.parametrize("how", ["loss", "grad"])
@@ -187,17 +197,27 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(ranks, strategy, how)
     plain loop does with torch's GradScaler, and the scale halves, then doubles after 4 good
     steps."""
     recipe = _recipe("fp16")
-    results, plain = harness.run_and_compare(ranks, 2, STRATEGIES[strategy], recipe, STEPS, 1,
-                                             GLOBAL_BATCH, TOL["fp16"], poison=(4, 1),
-                                             poison_how=how)
+    results, plain = harness.run_and_compare(
+        ranks,
+        2,
+        STRATEGIES[strategy],
+        recipe,
+        STEPS,
+        1,
+        GLOBAL_BATCH,
+        TOL["fp16"],
+        poison=(4, 1),
+        poison_how=how,
+    )
     assert plain.skipped == [4]
     for r, res in enumerate(results):
         assert res["scales"] == [256.0] * 3 + [128.0] * 4 + [256.0] * 3, f"rank {r}"
         for k, v in res["state"].items():
             assert torch.equal(v, results[0]["state"][k]), f"rank {r} diverged from rank 0 at {k}"
     # The comparison can tell: not skipping step 4 ends far away.
-    unskipped = reference.plain_train(recipe, harness.data_for(recipe, GLOBAL_BATCH * STEPS),
-                                      harness.order_of(results))
+    unskipped = reference.plain_train(
+        recipe, harness.data_for(recipe, GLOBAL_BATCH * STEPS), harness.order_of(results)
+    )
     assert unskipped.skipped == []
     assert reference.max_rel_diff(unskipped.state, plain.state) > 50 * TOL["fp16"]
 
@@ -209,11 +229,14 @@ def test_two_ranks_equal_plain_autocast(ranks, strategy, dtype):
     difference stays within 4 units of roundoff; against fp32 too (one more rounding path),
     which catches what both could get wrong together."""
     recipe = _recipe(dtype, clip=0.5)
-    results, _ = harness.run_and_compare(ranks, 2, STRATEGIES[strategy], recipe, STEPS, 1,
-                                         GLOBAL_BATCH, TOL[dtype])
-    fp32 = reference.plain_train(_recipe("fp32", clip=0.5),
-                                 harness.data_for(recipe, GLOBAL_BATCH * STEPS),
-                                 harness.order_of(results))
+    results, _ = harness.run_and_compare(
+        ranks, 2, STRATEGIES[strategy], recipe, STEPS, 1, GLOBAL_BATCH, TOL[dtype]
+    )
+    fp32 = reference.plain_train(
+        _recipe("fp32", clip=0.5),
+        harness.data_for(recipe, GLOBAL_BATCH * STEPS),
+        harness.order_of(results),
+    )
     diff = reference.max_rel_diff(results[0]["state"], fp32.state)
     assert diff < TOL[dtype], f"{diff:.3g} vs fp32"
     init = reference.Recipe().build()[0].state_dict()
@@ -228,14 +251,21 @@ def _dtypes(dtype: str) -> dict:
     cfg = harness.config({"strategy": "replicate"}, recipe, GLOBAL_BATCH, GLOBAL_BATCH // 2)
     engine = longboat.initialize(model, opt, cfg, scheduler=sched)
     grads: set[torch.dtype] = set()  # what the optimizer sees
-    opt.register_step_pre_hook(lambda o, _a, _k: grads.update(
-        p.grad.dtype for g in o.param_groups for p in g["params"] if p.grad is not None))
+    opt.register_step_pre_hook(
+        lambda o, _a, _k: grads.update(
+            p.grad.dtype for g in o.param_groups for p in g["params"] if p.grad is not None
+        )
+    )
     x, y = reference.dataset(8)[:]
     out = engine(x)
     engine.backward(F.cross_entropy(out, y))
     engine.step()
-    res = {"inner": seen, "out": out.dtype, "params": {p.dtype for p in model.parameters()},
-           "grads": grads}
+    res = {
+        "inner": seen,
+        "out": out.dtype,
+        "params": {p.dtype for p in model.parameters()},
+        "grads": grads,
+    }
     engine.close()
     return res
 
@@ -278,12 +308,23 @@ def _train_counting_bytes(cfg: dict) -> dict:
     try:
         recipe = reference.Recipe(model="tiny", optimizer="sgd")
         model, opt, _ = recipe.build()
-        engine = longboat.initialize(model, opt, harness.config(
-            {"strategy": "replicate", "replicate": {"bucket_mb": 0.001}}, recipe,
-            GLOBAL_BATCH, GLOBAL_BATCH // 2, **cfg))
+        engine = longboat.initialize(
+            model,
+            opt,
+            harness.config(
+                {"strategy": "replicate", "replicate": {"bucket_mb": 0.001}},
+                recipe,
+                GLOBAL_BATCH,
+                GLOBAL_BATCH // 2,
+                **cfg,
+            ),
+        )
         grads: set[torch.dtype] = set()  # what the optimizer sees
-        opt.register_step_pre_hook(lambda o, _a, _k: grads.update(
-            p.grad.dtype for g in o.param_groups for p in g["params"] if p.grad is not None))
+        opt.register_step_pre_hook(
+            lambda o, _a, _k: grads.update(
+                p.grad.dtype for g in o.param_groups for p in g["params"] if p.grad is not None
+            )
+        )
         ids = []
         for sample_ids, *batch in engine.loader(harness.data_for(recipe, GLOBAL_BATCH * STEPS)):
             engine.backward(reference.forward_loss(engine, batch))
@@ -304,8 +345,9 @@ def test_gradients_travel_in_the_communication_dtype(ranks, wire):
     low = ranks(2, _train_counting_bytes, {"precision": {"communication_data_type": wire}})
     full = ranks(2, _train_counting_bytes, {})
     recipe = reference.Recipe(model="tiny", optimizer="sgd")
-    ref = reference.plain_train(recipe, harness.data_for(recipe, GLOBAL_BATCH * STEPS),
-                                harness.order_of(low))
+    ref = reference.plain_train(
+        recipe, harness.data_for(recipe, GLOBAL_BATCH * STEPS), harness.order_of(low)
+    )
     assert full[0]["buckets"] == {torch.float32}
     for r, res in enumerate(low):
         assert res["buckets"] == {wire_dtype}, f"rank {r}: buckets {res['buckets']}"
@@ -329,9 +371,22 @@ def test_digits_converges_in_low_precision(tmp_path, dtype):
     cfg = tmp_path / f"digits_{dtype}.toml"
     cfg.write_text(toml + f'\n[precision]\ndtype = "{dtype}"\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "longboat.cli", "run", "-n", "2",
-         str(ROOT / "examples" / "digits.py"), "--config", str(cfg)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "longboat.cli",
+            "run",
+            "-n",
+            "2",
+            str(ROOT / "examples" / "digits.py"),
+            "--config",
+            str(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert f"precision {dtype}: forward under torch.autocast" in out

@@ -44,27 +44,47 @@ def test_breakdown_moves_blocked_time_to_comm() -> None:
     with b.phase("checkpoint"), b.phase("data"):  # nested: counted once, by the outer phase
         clock.now = 6.0
     got = b.end_step(6.5)
-    assert got == {"data": 0.5, "forward": 2.0, "backward": 0.0, "comm": 0.75,
-                   "optimizer": 1.25, "checkpoint": 1.0, "monitor": 0.0, "other": 1.0,
-                   "step": 6.5}
+    assert got == {
+        "data": 0.5,
+        "forward": 2.0,
+        "backward": 0.0,
+        "comm": 0.75,
+        "optimizer": 1.25,
+        "checkpoint": 1.0,
+        "monitor": 0.0,
+        "other": 1.0,
+        "step": 6.5,
+    }
     clock.now = 7.0
     with b.phase("backward"):
         clock.now = 8.0
     with b.phase("monitor", split_waits=False):  # its waits stay in it
         comm.blocked_seconds += 0.25
         clock.now = 8.5
-    assert b.end_step(9.0) == {**dict.fromkeys(COLUMNS, 0.0), "backward": 1.0, "monitor": 0.5,
-                               "other": 1.0, "step": 2.5}  # starts where the first ended
+    assert b.end_step(9.0) == {
+        **dict.fromkeys(COLUMNS, 0.0),
+        "backward": 1.0,
+        "monitor": 0.5,
+        "other": 1.0,
+        "step": 2.5,
+    }  # starts where the first ended
 
 
 def _profiled(out: str, steps: int = 6) -> dict[str, Any]:
     torch.manual_seed(0)
     model = reference.TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    engine = longboat.initialize(model, opt, {
-        "log": {"progress": False, "level": "WARNING"}, "batch": {"train_batch_size": 8},
-        "strategy": "auto", "profile": {"wall_clock_breakdown": True},
-        "monitor": {"csv": {"enabled": True, "output_path": out}}})
+    engine = longboat.initialize(
+        model,
+        opt,
+        {
+            "log": {"progress": False, "level": "WARNING"},
+            "batch": {"train_batch_size": 8},
+            "strategy": "auto",
+            "profile": {"wall_clock_breakdown": True},
+            "monitor": {"csv": {"enabled": True, "output_path": out}},
+        },
+    )
     loader = engine.loader(reference.dataset(8 * steps))
     for x, y in loader:
         engine.backward(nn.functional.cross_entropy(engine(x), y))
@@ -124,10 +144,16 @@ def _analytic_flops_per_micro_batch() -> int:
 def _count_flops(accumulation: int, strategy: dict[str, Any] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _Mlp()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "log": {"progress": False, "level": "WARNING"},
-        "batch": {"micro_batch_size": B, "gradient_accumulation_steps": accumulation},
-        "profile": {"flops": True}, **(strategy or {})})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {
+            "log": {"progress": False, "level": "WARNING"},
+            "batch": {"micro_batch_size": B, "gradient_accumulation_steps": accumulation},
+            "profile": {"flops": True},
+            **(strategy or {}),
+        },
+    )
     x = torch.randn(B * 40, D_IN)
     y = torch.randint(0, D_OUT, (B * 40,))
     for xb, yb in engine.loader(torch.utils.data.TensorDataset(x, y)):
@@ -162,10 +188,21 @@ def test_render_table() -> None:
     from rich.console import Console
 
     console = Console(record=True, width=120)
-    render({"steps": 4, "ranks": 2, "step_ms": 10.0, "step_ms_max": 11.0,
+    render(
+        {
+            "steps": 4,
+            "ranks": 2,
+            "step_ms": 10.0,
+            "step_ms_max": 11.0,
             "phases_ms": {**dict.fromkeys(COLUMNS, 1.0), "forward": 4.0},
             "phases_ms_max": dict.fromkeys(COLUMNS, 2.0),
-            "flops_per_rank": 2e9, "flops_per_step": 4e9, "achieved_flops_per_rank": 2e11,
-            "matmul_flops_per_rank": 4e11, "threads": 2}, console)
+            "flops_per_rank": 2e9,
+            "flops_per_step": 4e9,
+            "achieved_flops_per_rank": 2e11,
+            "matmul_flops_per_rank": 4e11,
+            "threads": 2,
+        },
+        console,
+    )
     text = console.export_text()
     assert "forward" in text and "40.0%" in text and "50.0% of it" in text

@@ -15,23 +15,32 @@ GLOBAL_BATCH = 16
 
 def _cfg(bucket_mb: float = 0.001, overlap: bool = True) -> dict:
     # A tiny bucket cap gives several buckets, so ordering and partial buckets are exercised.
-    return {"strategy": "replicate",
-            "replicate": {"bucket_mb": bucket_mb, "first_bucket_mb": bucket_mb / 4,
-                          "overlap_optimizer": overlap}}
+    return {
+        "strategy": "replicate",
+        "replicate": {
+            "bucket_mb": bucket_mb,
+            "first_bucket_mb": bucket_mb / 4,
+            "overlap_optimizer": overlap,
+        },
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize(("accum", "clip", "optimizer"), [
-    (1, 0.0, "sgd"),       # plain: a sum instead of a mean would be 2x/4x off with SGD
-    (2, 0.0, "sgd"),       # gradient accumulation, no sync between boundaries
-    (1, 0.5, "adamw"),     # clipping by the global norm, AdamW
-    (1, 0.0, "adamw"),     # optimizer overlapped with communication, bucket by bucket
-    (2, 0.5, "sgd"),
-])
+@pytest.mark.parametrize(
+    ("accum", "clip", "optimizer"),
+    [
+        (1, 0.0, "sgd"),  # plain: a sum instead of a mean would be 2x/4x off with SGD
+        (2, 0.0, "sgd"),  # gradient accumulation, no sync between boundaries
+        (1, 0.5, "adamw"),  # clipping by the global norm, AdamW
+        (1, 0.0, "adamw"),  # optimizer overlapped with communication, bucket by bucket
+        (2, 0.5, "sgd"),
+    ],
+)
 def test_replicate_equals_plain_pytorch(ranks, world, accum, clip, optimizer):
     recipe = reference.Recipe(model="tiny", optimizer=optimizer, clip=clip)
-    results, plain = harness.run_and_compare(ranks, world, _cfg(), recipe, STEPS, accum,
-                                             GLOBAL_BATCH, tol=1e-5)
+    results, plain = harness.run_and_compare(
+        ranks, world, _cfg(), recipe, STEPS, accum, GLOBAL_BATCH, tol=1e-5
+    )
     for r, res in enumerate(results):  # every replica holds bit-identical parameters
         for k, v in res["state"].items():
             assert torch.equal(v, results[0]["state"][k]), f"rank {r} diverged from rank 0 at {k}"
@@ -45,9 +54,15 @@ def _grads_after_one_backward(world: int):
 
     torch.manual_seed(0)
     model = reference.TinyNet()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "strategy": "replicate", "batch": {"micro_batch_size": 8},
-        "log": {"progress": False, "level": "WARNING"}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {
+            "strategy": "replicate",
+            "batch": {"micro_batch_size": 8},
+            "log": {"progress": False, "level": "WARNING"},
+        },
+    )
     rank = torch.distributed.get_rank()
     x, y = reference.dataset(8 * world)[rank::world]  # rank r takes rows r, r+world, ...
     engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
@@ -76,10 +91,15 @@ def _no_comm_between_boundaries():
 
     torch.manual_seed(0)
     model = reference.TinyNet()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "strategy": "replicate", "batch": {"micro_batch_size": 4,
-                                           "gradient_accumulation_steps": 3},
-        "log": {"progress": False, "level": "WARNING"}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {
+            "strategy": "replicate",
+            "batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 3},
+            "log": {"progress": False, "level": "WARNING"},
+        },
+    )
     calls = []
     real = engine.comm.all_reduce
     engine.comm.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
@@ -113,8 +133,11 @@ def _overlap(overlap: bool, hooks: bool) -> dict:
     for _, *batch in engine.loader(harness.data_for(recipe, GLOBAL_BATCH * 3)):
         engine.backward(reference.forward_loss(engine, batch))
         engine.step()
-    out = {"state": {k: v.clone() for k, v in engine.state_dict().items()}, "fired": fired,
-           "overlapped": engine.strategy.overlapped_steps}
+    out = {
+        "state": {k: v.clone() for k, v in engine.state_dict().items()},
+        "fired": fired,
+        "overlapped": engine.strategy.overlapped_steps,
+    }
     engine.close()
     return out
 

@@ -13,8 +13,9 @@ from longboat.topology import DoorwayOptions, Topology
 
 
 def _build(mesh: Mesh, check: bool = True) -> Topology:
-    return Topology.build(mesh, DoorwayOptions(desync_check=check, timeout_s=30),
-                          torch.device("cpu"))
+    return Topology.build(
+        mesh, DoorwayOptions(desync_check=check, timeout_s=30), torch.device("cpu")
+    )
 
 
 def _axes(mesh_kwargs: dict) -> dict:
@@ -32,16 +33,21 @@ def _axes(mesh_kwargs: dict) -> dict:
         d.all_gather(members, torch.tensor([float(rank)]))
         ct = torch.tensor([1.0])
         c.all_reduce(ct)
-        out[axis] = {"size": d.world_size, "rank": d.rank, "sum": t.item(),
-                     "members": [int(x) for x in members.tolist()],
-                     "control": ct.item(), "globals": [d.global_rank(i)
-                                                       for i in range(d.world_size)]}
+        out[axis] = {
+            "size": d.world_size,
+            "rank": d.rank,
+            "sum": t.item(),
+            "members": [int(x) for x in members.tolist()],
+            "control": ct.item(),
+            "globals": [d.global_rank(i) for i in range(d.world_size)],
+        }
     topo.close()
     return out
 
 
-@pytest.mark.parametrize("mesh_kwargs", [{"dp_replicate": 2, "dp_shard": 2},
-                                         {"dp_shard": 4}, {"pp": 2, "dp_shard": 2}])
+@pytest.mark.parametrize(
+    "mesh_kwargs", [{"dp_replicate": 2, "dp_shard": 2}, {"dp_shard": 4}, {"pp": 2, "dp_shard": 2}]
+)
 def test_every_axis_talks_within_its_group(ranks, mesh_kwargs):
     mesh = Mesh(**mesh_kwargs)
     for rank, axes in enumerate(ranks(4, _axes, mesh_kwargs)):
@@ -103,8 +109,11 @@ def _rules_on() -> dict:
     import longboat
 
     model = TinyNet()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "batch": {"micro_batch_size": 2}, "log": {"progress": False, "level": "WARNING"}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {"batch": {"micro_batch_size": 2}, "log": {"progress": False, "level": "WARNING"}},
+    )
     out = {"data": engine.comm.rules, "control": engine.control.rules}
     try:
         engine.control.all_reduce(torch.zeros(2**23))  # 32 MiB: not for the control plane

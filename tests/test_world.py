@@ -12,38 +12,63 @@ def test_single_process():
 
 
 def test_torchrun():
-    w = World.from_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                        "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1",
-                        "MASTER_PORT": "1234"})
-    assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank) == (
-        5, 8, 1, 4, 1)
+    w = World.from_env(
+        {
+            "RANK": "5",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "GROUP_RANK": "1",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "1234",
+        }
+    )
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank) == (5, 8, 1, 4, 1)
     assert (w.master_addr, w.master_port) == ("10.0.0.1", 1234)
 
 
 def test_slurm():
-    env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
-           "SLURM_NNODES": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4242",
-           "SLURM_NODELIST": "gpu[017-018]", "SLURM_NTASKS_PER_NODE": "4(x2)"}
+    env = {
+        "SLURM_PROCID": "6",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_NNODES": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NODELIST": "gpu[017-018]",
+        "SLURM_NTASKS_PER_NODE": "4(x2)",
+    }
     w = World.from_env(env)
-    assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank) == (
-        6, 8, 2, 4, 1)
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank) == (6, 8, 2, 4, 1)
     assert w.master_addr == "gpu017"
     assert w.master_port == 15000 + 4242
     assert World.from_env({**env, "MASTER_PORT": "999"}).master_port == 999
 
 
-@pytest.mark.parametrize(("nodelist", "first"), [
-    ("node1", "node1"), ("gpu[003-005,9],cpu1", "gpu003"), ("a[7,9]", "a7"),
-    ("host-01,host-02", "host-01"),
-])
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [
+        ("node1", "node1"),
+        ("gpu[003-005,9],cpu1", "gpu003"),
+        ("a[7,9]", "a7"),
+        ("host-01,host-02", "host-01"),
+    ],
+)
 def test_first_host(nodelist, first):
     assert first_host(nodelist) == first
 
 
 def test_openmpi():
-    w = World.from_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
-                        "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-                        "MASTER_ADDR": "h0"})
+    w = World.from_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_ADDR": "h0",
+        }
+    )
     assert (w.rank, w.world_size, w.local_rank, w.node_rank, w.master_addr) == (3, 4, 1, 1, "h0")
 
 

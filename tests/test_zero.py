@@ -15,8 +15,11 @@ STEPS = 10
 GLOBAL_BATCH = 16
 
 # Small buckets and per-module units give many units whose sizes do not divide the world size.
-UNITS = {1: {"bucket_mb": 0.001}, 2: {"bucket_mb": 0.001},
-         3: {"unit_classes": ["Linear", "LayerNorm"]}}
+UNITS = {
+    1: {"bucket_mb": 0.001},
+    2: {"bucket_mb": 0.001},
+    3: {"unit_classes": ["Linear", "LayerNorm"]},
+}
 
 
 def _zero(stage: int, **units) -> dict:
@@ -25,14 +28,18 @@ def _zero(stage: int, **units) -> dict:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize(("accum", "clip", "optimizer"), [
-    (1, 0.0, "sgd"),     # a sum instead of a mean would show with SGD
-    (2, 0.5, "adamw"),   # accumulation, clipping by the norm summed over shards, AdamW
-])
+@pytest.mark.parametrize(
+    ("accum", "clip", "optimizer"),
+    [
+        (1, 0.0, "sgd"),  # a sum instead of a mean would show with SGD
+        (2, 0.5, "adamw"),  # accumulation, clipping by the norm summed over shards, AdamW
+    ],
+)
 def test_zero_equals_plain_pytorch(ranks, stage, world, accum, clip, optimizer):
     recipe = reference.Recipe(model="tiny", optimizer=optimizer, clip=clip)
-    harness.run_and_compare(ranks, world, _zero(stage), recipe, STEPS, accum, GLOBAL_BATCH,
-                            tol=1e-5)
+    harness.run_and_compare(
+        ranks, world, _zero(stage), recipe, STEPS, accum, GLOBAL_BATCH, tol=1e-5
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -40,23 +47,32 @@ def test_zero_tied_parameters_and_odd_sizes(ranks, stage):
     # stage 3: proj and head are different units sharing a weight
     units = {"unit_classes": ["Linear"]} if stage == 3 else {}
     recipe = reference.Recipe(model="tied", optimizer="adamw", clip=0.5)
-    harness.run_and_compare(ranks, 4, _zero(stage, **units), recipe, STEPS, 1, GLOBAL_BATCH,
-                            tol=1e-5)
+    harness.run_and_compare(
+        ranks, 4, _zero(stage, **units), recipe, STEPS, 1, GLOBAL_BATCH, tol=1e-5
+    )
 
 
 def test_zero3_default_units_by_size(ranks):
     recipe = reference.Recipe(model="tiny", optimizer="adamw")
-    harness.run_and_compare(ranks, 2, _zero(3, unit_min_params=300), recipe, STEPS, 1,
-                            GLOBAL_BATCH, tol=1e-5)
+    harness.run_and_compare(
+        ranks, 2, _zero(3, unit_min_params=300), recipe, STEPS, 1, GLOBAL_BATCH, tol=1e-5
+    )
 
 
 def _shard_sizes(stage):
     torch.manual_seed(0)
     model = reference.TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = longboat.initialize(model, opt, {
-        "strategy": "zero", "zero": {"stage": stage}, "batch": {"micro_batch_size": 4},
-        "log": {"progress": False, "level": "WARNING"}})
+    engine = longboat.initialize(
+        model,
+        opt,
+        {
+            "strategy": "zero",
+            "zero": {"stage": stage},
+            "batch": {"micro_batch_size": 4},
+            "log": {"progress": False, "level": "WARNING"},
+        },
+    )
     x, y = reference.dataset(4)[:]
     engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
     engine.step()
@@ -82,15 +98,21 @@ def test_optimizer_state_is_sharded_and_names_stay(ranks, stage):
 def _wire_dtypes(stage):
     torch.manual_seed(0)
     model = reference.TinyNet()
-    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-        "strategy": "zero", "zero": {"stage": stage},
-        "precision": {"communication_data_type": "bf16"}, "batch": {"micro_batch_size": 8},
-        "log": {"progress": False, "level": "WARNING"}})
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {
+            "strategy": "zero",
+            "zero": {"stage": stage},
+            "precision": {"communication_data_type": "bf16"},
+            "batch": {"micro_batch_size": 8},
+            "log": {"progress": False, "level": "WARNING"},
+        },
+    )
     seen = []
     real = engine.comm.reduce_scatter
-    engine.comm.reduce_scatter = lambda out, inp, **k: seen.append(inp.dtype) or real(
-        out, inp, **k)
-    x, y = reference.dataset(8 * 2)[torch.distributed.get_rank()::2]
+    engine.comm.reduce_scatter = lambda out, inp, **k: seen.append(inp.dtype) or real(out, inp, **k)
+    x, y = reference.dataset(8 * 2)[torch.distributed.get_rank() :: 2]
     engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
     engine.step()
     state = {k: v.clone() for k, v in engine.state_dict().items()}
@@ -132,12 +154,16 @@ class _DeclaredSGD(torch.optim.SGD):
 def _initialize(opt_cls, **kwargs):
     model = reference.TinyNet()
     opt = opt_cls(model.parameters(), **kwargs)
-    return longboat.initialize(model, opt, {"strategy": "zero", "batch": {"micro_batch_size": 2},
-                                            "log": {"progress": False}})
+    return longboat.initialize(
+        model,
+        opt,
+        {"strategy": "zero", "batch": {"micro_batch_size": 2}, "log": {"progress": False}},
+    )
 
 
-@pytest.mark.parametrize("opt_cls", [torch.optim.LBFGS, torch.optim.Adafactor,
-                                     _AdamWWithGlobalStep])
+@pytest.mark.parametrize(
+    "opt_cls", [torch.optim.LBFGS, torch.optim.Adafactor, _AdamWWithGlobalStep]
+)
 def test_optimizers_that_may_couple_elements_are_refused(opt_cls):
     with pytest.raises(longboat.ConfigError, match=opt_cls.__name__):
         _initialize(opt_cls)

@@ -9,11 +9,15 @@ __version__ = "0.1.0"
 
 # Imported on first use, so that `longboat --help` and usage errors do not pay for importing torch.
 _LAZY = {
-    "Config": "longboat.config", "ConfigError": "longboat.config",
-    "load_config": "longboat.config", "Engine": "longboat.engine",
-    "initialize": "longboat.engine", "seed_everything": "longboat.engine",
+    "Config": "longboat.config",
+    "ConfigError": "longboat.config",
+    "load_config": "longboat.config",
+    "Engine": "longboat.engine",
+    "initialize": "longboat.engine",
+    "seed_everything": "longboat.engine",
     "World": "longboat.world",
-    "CheckpointError": "longboat.checkpoint", "CheckpointNotFoundError": "longboat.checkpoint",
+    "CheckpointError": "longboat.checkpoint",
+    "CheckpointNotFoundError": "longboat.checkpoint",
 }
 
 if TYPE_CHECKING:
@@ -29,5 +33,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'longboat' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "Config", "ConfigError", "Engine",
-           "World", "initialize", "load_config", "seed_everything"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "World",
+    "initialize",
+    "load_config",
+    "seed_everything",
+]

@@ -27,8 +27,15 @@ class ShardedSampler(Sampler[int]):
     """This rank's indices of a seeded per-epoch permutation, trimmed or padded to whole steps."""
 
     def __init__(
-        self, length: int, rank: int, world_size: int, step_samples: int, *,
-        shuffle: bool = True, seed: int = 0, remainder: Literal["drop", "pad"] = "drop",
+        self,
+        length: int,
+        rank: int,
+        world_size: int,
+        step_samples: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        remainder: Literal["drop", "pad"] = "drop",
     ) -> None:
         if step_samples % world_size:
             raise ValueError(
@@ -61,7 +68,7 @@ class ShardedSampler(Sampler[int]):
         if self.total > self.length:  # pad by repeating from the start of the permutation
             order += (order * (self.total // self.length + 1))[: self.total - self.length]
         order = order[: self.total]
-        return iter(order[self.rank:: self.world_size][self.start:])
+        return iter(order[self.rank :: self.world_size][self.start :])
 
     def __len__(self) -> int:
         return self.total // self.world_size - self.start
@@ -88,14 +95,27 @@ class ShardedLoader:
     epoch where the saved one stood, at this or another world size.
     """
 
-    def __init__(self, dataset: Dataset, sampler: ShardedSampler, batch_size: int,
-                 seed: int, rank: int, device: torch.device | None = None,
-                 **loader_kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: ShardedSampler,
+        batch_size: int,
+        seed: int,
+        rank: int,
+        device: torch.device | None = None,
+        **loader_kwargs: Any,
+    ) -> None:
         self.device = device
         self.sampler = sampler
         generator = torch.Generator().manual_seed(seed * 1000003 + rank)  # per-rank worker RNG
-        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                                 drop_last=False, generator=generator, **loader_kwargs)
+        self.loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=False,
+            generator=generator,
+            **loader_kwargs,
+        )
         self.batch_size = batch_size
         self.epoch = 0
         self.position = 0  # micro-batches handed out so far in this epoch
@@ -137,9 +157,11 @@ class ShardedLoader:
         """Where this loader stands, as JSON-ready values."""
         mid_epoch = self.position > 0
         rng = self._epoch_rng if mid_epoch else self._generator.get_state()
-        return {"epoch": self.epoch,
-                "samples": self.position * self.batch_size * self.sampler.world_size,
-                "generator": rng.tolist()}
+        return {
+            "epoch": self.epoch,
+            "samples": self.position * self.batch_size * self.sampler.world_size,
+            "generator": rng.tolist(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (see :meth:`state_dict`) at the next iteration."""
@@ -149,7 +171,8 @@ class ShardedLoader:
             raise ValueError(
                 f"the saved loader stood {samples} samples into epoch {state['epoch']}, which "
                 f"is not a whole number of micro-batches of {self.batch_size} x "
-                f"{self.sampler.world_size} ranks here; resume with a batch size that divides it")
+                f"{self.sampler.world_size} ranks here; resume with a batch size that divides it"
+            )
         self.epoch = int(state["epoch"])
         self._skip = samples // per_batch
         self.position = self._skip
@@ -158,26 +181,52 @@ class ShardedLoader:
 
 
 def make_loader(
-    dataset: Dataset, *, rank: int, world_size: int, micro_batch_size: int,
-    train_batch_size: int, shuffle: bool, seed: int, remainder: Literal["drop", "pad"],
-    num_workers: int = 0, collate_fn: Callable[..., Any] | None = None, announce: bool = True,
+    dataset: Dataset,
+    *,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    train_batch_size: int,
+    shuffle: bool,
+    seed: int,
+    remainder: Literal["drop", "pad"],
+    num_workers: int = 0,
+    collate_fn: Callable[..., Any] | None = None,
+    announce: bool = True,
     device: torch.device | None = None,
 ) -> ShardedLoader:
     """Build the sharded loader and say, once, what it does with the remainder."""
     if not isinstance(dataset, Sized):
         raise TypeError("engine.loader needs a map-style dataset with __len__")
-    sampler = ShardedSampler(len(dataset), rank, world_size, train_batch_size, shuffle=shuffle,
-                             seed=seed, remainder=remainder)
+    sampler = ShardedSampler(
+        len(dataset),
+        rank,
+        world_size,
+        train_batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        remainder=remainder,
+    )
     if announce:
         steps = sampler.total // train_batch_size
-        what = ("none" if sampler.leftover == 0 else
-                f"the last {sampler.leftover} samples of each epoch's permutation are dropped"
-                if remainder == "drop" else
-                f"the last step is padded with {train_batch_size - sampler.leftover} repeated "
-                "samples")
-        log.info("loader: %d samples, %d per step (%d per rank per micro-batch) -> %d steps per "
-                 "epoch; remainder: %s (data.remainder=%r)", len(dataset), train_batch_size,
-                 micro_batch_size, steps, what, remainder)
+        what = (
+            "none"
+            if sampler.leftover == 0
+            else f"the last {sampler.leftover} samples of each epoch's permutation are dropped"
+            if remainder == "drop"
+            else f"the last step is padded with {train_batch_size - sampler.leftover} repeated "
+            "samples"
+        )
+        log.info(
+            "loader: %d samples, %d per step (%d per rank per micro-batch) -> %d steps per "
+            "epoch; remainder: %s (data.remainder=%r)",
+            len(dataset),
+            train_batch_size,
+            micro_batch_size,
+            steps,
+            what,
+            remainder,
+        )
     kwargs: dict[str, Any] = {"num_workers": num_workers}
     if collate_fn is not None:
         kwargs["collate_fn"] = collate_fn

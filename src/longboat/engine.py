@@ -44,9 +44,16 @@ from longboat.world import World, destroy_process_group, device_for, init_proces
 class Engine:
     """A model trained by a strategy. Create it with :func:`longboat.initialize`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
-                 world: World, topology: Topology, scheduler: LRScheduler | None = None,
-                 owns_group: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: Config,
+        world: World,
+        topology: Topology,
+        scheduler: LRScheduler | None = None,
+        owns_group: bool = False,
+    ) -> None:
         self.config = config
         self.world = world
         self.topology = topology
@@ -62,12 +69,12 @@ class Engine:
         self.batch: ResolvedBatch = resolve_batch(config.batch, mesh.dp)
         check_parameters(model, optimizer)
         # Counted before the strategy may shard the parameters away.
-        self.trainable_params = sum(p.numel() for p in dict.fromkeys(model.parameters())
-                                    if p.requires_grad)
+        self.trainable_params = sum(
+            p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad
+        )
         # Names, full shapes and dtypes (the model fingerprint), also before any sharding.
         self.checkpointing = checkpoint.Checkpointing(model)
-        self.strategy = build_strategy(config.resolved_strategy(mesh.dp), world, topology,
-                                       config)
+        self.strategy = build_strategy(config.resolved_strategy(mesh.dp), world, topology, config)
         self.schedule: Schedule = Sequential()
         self.module = self.strategy.setup(model, optimizer)
         self.precision = Precision(config.precision, device_for(world))
@@ -80,16 +87,30 @@ class Engine:
         self._owns_group = owns_group
         self._closed = False
         self.log = logging.getLogger("longboat")
-        self.monitor = Monitor(config, self.control, topology, is_main=world.is_main,
-                               train_batch_size=self.batch.train_batch_size,
-                               optimizer=optimizer, device=device_for(world),
-                               loss_scale=lambda: self.precision.loss_scale
-                               if self.precision.checks_overflow else None)
+        self.monitor = Monitor(
+            config,
+            self.control,
+            topology,
+            is_main=world.is_main,
+            train_batch_size=self.batch.train_batch_size,
+            optimizer=optimizer,
+            device=device_for(world),
+            loss_scale=lambda: (
+                self.precision.loss_scale if self.precision.checks_overflow else None
+            ),
+        )
         layout = "" if mesh.dp == mesh.world_size else f" (mesh {mesh.describe()})"
-        self.log.info("strategy %s on %d rank(s)%s; batch: %d per step = micro %d x accumulation "
-                      "%d x data-parallel %d", self.strategy.name, mesh.world_size, layout,
-                      self.batch.train_batch_size, self.batch.micro_batch_size,
-                      self.batch.gradient_accumulation_steps, mesh.dp)
+        self.log.info(
+            "strategy %s on %d rank(s)%s; batch: %d per step = micro %d x accumulation "
+            "%d x data-parallel %d",
+            self.strategy.name,
+            mesh.world_size,
+            layout,
+            self.batch.train_batch_size,
+            self.batch.micro_batch_size,
+            self.batch.gradient_accumulation_steps,
+            mesh.dp,
+        )
         if self.precision.describe():
             self.log.info("precision %s", self.precision.describe())
         # Leave the process group at exit even if the script never calls close(); a weak
@@ -163,8 +184,8 @@ class Engine:
             self.precision.update(skip, self.global_step + 1)
             if self.config.gradient_clipping > 0 and not skip:
                 self.last_grad_norm = clip_by_global_norm_(
-                    grads, self.config.gradient_clipping, self.strategy.norm_groups(),
-                    self.device)
+                    grads, self.config.gradient_clipping, self.strategy.norm_groups(), self.device
+                )
         # A skipped step still runs the strategy's step bookkeeping ([Note: skipped step]).
         self.strategy.optimizer_step(SkippedStep(self.optimizer) if skip else self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -172,8 +193,9 @@ class Engine:
         if self.scheduler is not None and not skip:
             self.scheduler.step()
 
-    def train_step(self, batch: Any, loss_fn: LossFn, *,
-                   inputs: Callable[[Any], tuple[Any, ...]] | None = None) -> float:
+    def train_step(
+        self, batch: Any, loss_fn: LossFn, *, inputs: Callable[[Any], tuple[Any, ...]] | None = None
+    ) -> float:
         """One optimizer step on ``batch``, this rank's samples of the step (accumulation x
         micro-batch of them, in dim 0 of a tensor or of each tensor in a tuple, list or dict;
         ``engine.loader(dataset, per_step=True)`` yields such batches).
@@ -184,8 +206,10 @@ class Engine:
         the micro-batches on this rank.
         """
         if self.micro_step % self.accumulation_steps:
-            raise RuntimeError("train_step() in the middle of an accumulation begun with "
-                               "backward(): finish it with step() first")
+            raise RuntimeError(
+                "train_step() in the middle of an accumulation begun with "
+                "backward(): finish it with step() first"
+            )
         micro_batches = split(batch, self.batch.micro_batch_size, self.accumulation_steps)
         losses = self.schedule.run(self, micro_batches, loss_fn, inputs or default_inputs)
         self.step()
@@ -197,22 +221,35 @@ class Engine:
 
     # -- data ----------------------------------------------------------------------------------
 
-    def loader(self, dataset: Dataset, *, shuffle: bool | None = None,
-               collate_fn: Callable[..., Any] | None = None,
-               per_step: bool = False) -> ShardedLoader:
+    def loader(
+        self,
+        dataset: Dataset,
+        *,
+        shuffle: bool | None = None,
+        collate_fn: Callable[..., Any] | None = None,
+        per_step: bool = False,
+    ) -> ShardedLoader:
         """This rank's shard of ``dataset`` in micro-batches (``per_step``: in batches of a
         whole optimizer step, for :meth:`train_step`); see :mod:`longboat.data`."""
         d = self.config.data
         per_batch = self.batch.micro_batch_size * (self.accumulation_steps if per_step else 1)
         # Tracked: checkpoints record its position, and a loaded one resumes it.
-        loader = self.checkpointing.track(make_loader(
-            dataset, rank=self.topology.coords["dp"], world_size=self.topology.mesh.dp,
-            micro_batch_size=per_batch,
-            train_batch_size=self.batch.train_batch_size,
-            shuffle=d.shuffle if shuffle is None else shuffle, seed=self.config.seed,
-            remainder=d.remainder, num_workers=d.num_workers, collate_fn=collate_fn,
-            announce=self.world.is_main, device=self.device,
-        ))
+        loader = self.checkpointing.track(
+            make_loader(
+                dataset,
+                rank=self.topology.coords["dp"],
+                world_size=self.topology.mesh.dp,
+                micro_batch_size=per_batch,
+                train_batch_size=self.batch.train_batch_size,
+                shuffle=d.shuffle if shuffle is None else shuffle,
+                seed=self.config.seed,
+                remainder=d.remainder,
+                num_workers=d.num_workers,
+                collate_fn=collate_fn,
+                announce=self.world.is_main,
+                device=self.device,
+            )
+        )
         if self.monitor.breakdown is not None:
             loader.on_fetch = lambda: self.monitor.phase("data")
         return loader
@@ -241,8 +278,9 @@ class Engine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state)
 
-    def save_checkpoint(self, directory: str | Path, tag: str | None = None,
-                        client_state: Any = None) -> Path:
+    def save_checkpoint(
+        self, directory: str | Path, tag: str | None = None, client_state: Any = None
+    ) -> Path:
         """Save model, optimizer, scheduler, loader positions, RNG states and ``client_state``
         (JSON-able) under ``directory/tag`` (default tag: ``step-<global step>``), atomically.
 
@@ -252,8 +290,9 @@ class Engine:
         with self.monitor.phase("checkpoint"):
             return checkpoint.save(self, directory, tag, client_state)
 
-    def load_checkpoint(self, directory: str | Path, tag: str | None = None, *,
-                        allow_missing: bool = False) -> checkpoint.LoadedCheckpoint | None:
+    def load_checkpoint(
+        self, directory: str | Path, tag: str | None = None, *, allow_missing: bool = False
+    ) -> checkpoint.LoadedCheckpoint | None:
         """Load a checkpoint written by any strategy at any world size, after verifying its
         checksums and model fingerprint; every rank calls it.
 
@@ -279,10 +318,13 @@ class Engine:
         a = self.trainable_params
         k = optimizer_state_bytes_per_param(self.optimizer)
         return MemoryReport(
-            rank=self.world.rank, strategy=self.strategy.name, trainable_params=a,
+            rank=self.world.rank,
+            strategy=self.strategy.name,
+            trainable_params=a,
             world_size=self.topology.mesh.dp_shard,
             measured=measure(self.strategy.memory_tensors(self.optimizer)),
-            expected=expected_bytes(self.strategy.name, a, self.topology.mesh.dp_shard, k))
+            expected=expected_bytes(self.strategy.name, a, self.topology.mesh.dp_shard, k),
+        )
 
     @property
     def device(self) -> torch.device:
@@ -353,16 +395,21 @@ def initialize(
     owns = init_process_group(world, timeout_s=cfg.comm.timeout_s)
     mesh = resolve_mesh(cfg, world.world_size)
     c = cfg.comm
-    topology = Topology.build(mesh, DoorwayOptions(desync_check=c.desync_check, log=c.log,
-                                                   log_verbose=c.log_verbose,
-                                                   timeout_s=c.timeout_s),
-                              device_for(world))
+    topology = Topology.build(
+        mesh,
+        DoorwayOptions(
+            desync_check=c.desync_check, log=c.log, log_verbose=c.log_verbose, timeout_s=c.timeout_s
+        ),
+        device_for(world),
+    )
     if torch.cuda.is_available():
         model.to(device_for(world))
     if optimizer is None:
         if cfg.optimizer is None:
-            raise ConfigError("no optimizer: pass one to longboat.initialize, or set the "
-                              "config's 'optimizer' section, e.g. {type='AdamW', params={lr=1e-3}}")
+            raise ConfigError(
+                "no optimizer: pass one to longboat.initialize, or set the "
+                "config's 'optimizer' section, e.g. {type='AdamW', params={lr=1e-3}}"
+            )
         optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     if scheduler is None and cfg.scheduler is not None:
         scheduler = build_scheduler(optimizer, cfg.scheduler)
@@ -374,13 +421,16 @@ def resolve_mesh(cfg: Config, world_size: int) -> Mesh:
     by name."""
     m = cfg.mesh
     try:
-        mesh = Mesh.resolve(world_size, pp=m.pp, tp=m.tp, dp=m.dp,
-                            dp_replicate=m.dp_replicate, dp_shard=m.dp_shard)
+        mesh = Mesh.resolve(
+            world_size, pp=m.pp, tp=m.tp, dp=m.dp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard
+        )
     except MeshError as e:
         raise ConfigError(str(e)) from None
     for axis in ("pp", "tp"):
         if getattr(mesh, axis) > 1:
-            raise ConfigError(f"key 'mesh.{axis}' = {getattr(mesh, axis)}: "
-                              f"{'pipeline' if axis == 'pp' else 'tensor'} parallelism is not "
-                              "available yet; leave it at 1")
+            raise ConfigError(
+                f"key 'mesh.{axis}' = {getattr(mesh, axis)}: "
+                f"{'pipeline' if axis == 'pp' else 'tensor'} parallelism is not "
+                "available yet; leave it at 1"
+            )
     return mesh

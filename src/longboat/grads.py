@@ -13,8 +13,9 @@ import torch
 from longboat.comm.protocol import Comm
 
 
-def global_norm(grads: list[torch.Tensor], groups: list[Comm],
-                device: torch.device | str = "cpu") -> torch.Tensor:
+def global_norm(
+    grads: list[torch.Tensor], groups: list[Comm], device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The 2-norm of all gradients of the model, the same value on every rank (fp32). A rank
     without gradients contributes zero, on ``device`` (the data plane's)."""
     if grads:
@@ -27,8 +28,12 @@ def global_norm(grads: list[torch.Tensor], groups: list[Comm],
     return total.sqrt()
 
 
-def clip_by_global_norm_(grads: list[torch.Tensor], max_norm: float, groups: list[Comm],
-                         device: torch.device | str = "cpu") -> torch.Tensor:
+def clip_by_global_norm_(
+    grads: list[torch.Tensor],
+    max_norm: float,
+    groups: list[Comm],
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Scale ``grads`` in place so their global norm is at most ``max_norm``; return the norm
     before clipping. Same rule as ``torch.nn.utils.clip_grad_norm_``."""
     norm = global_norm(grads, groups, device)

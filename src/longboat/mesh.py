@@ -50,31 +50,51 @@ class Mesh:
     # -- sizes ---------------------------------------------------------------------------------
 
     @classmethod
-    def resolve(cls, world_size: int, *, pp: int = 1, tp: int = 1, dp: int | None = None,
-                dp_replicate: int | None = None, dp_shard: int | None = None) -> Mesh:
+    def resolve(
+        cls,
+        world_size: int,
+        *,
+        pp: int = 1,
+        tp: int = 1,
+        dp: int | None = None,
+        dp_replicate: int | None = None,
+        dp_shard: int | None = None,
+    ) -> Mesh:
         """The mesh for ``world_size`` ranks: ``dp`` defaults to what ``pp`` and ``tp`` leave,
         ``dp_shard`` to ``dp / dp_replicate`` (so without ``dp_replicate`` the data-parallel
         ranks shard one replica). Raises :class:`MeshError` naming the sizes that disagree."""
-        for name, v in (("pp", pp), ("tp", tp), ("dp", dp), ("dp_replicate", dp_replicate),
-                        ("dp_shard", dp_shard)):
+        for name, v in (
+            ("pp", pp),
+            ("tp", tp),
+            ("dp", dp),
+            ("dp_replicate", dp_replicate),
+            ("dp_shard", dp_shard),
+        ):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise MeshError(f"mesh.{name} = {v!r}: every axis needs a size of 1 or more")
         if world_size % (pp * tp):
             raise MeshError(
                 f"mesh: pp={pp} x tp={tp} = {pp * tp} does not divide the world size "
-                f"{world_size}; choose sizes whose product divides it")
+                f"{world_size}; choose sizes whose product divides it"
+            )
         derived = world_size // (pp * tp)
-        if (dp is None and dp_replicate is not None and dp_shard is not None
-                and dp_replicate * dp_shard != derived):
+        if (
+            dp is None
+            and dp_replicate is not None
+            and dp_shard is not None
+            and dp_replicate * dp_shard != derived
+        ):
             raise MeshError(
-                    f"mesh: dp_replicate={dp_replicate} x dp_shard={dp_shard} = "
-                    f"{dp_replicate * dp_shard}, but pp={pp} x tp={tp} leaves dp={derived} of "
-                    f"the world size {world_size}")
+                f"mesh: dp_replicate={dp_replicate} x dp_shard={dp_shard} = "
+                f"{dp_replicate * dp_shard}, but pp={pp} x tp={tp} leaves dp={derived} of "
+                f"the world size {world_size}"
+            )
         dp = derived if dp is None else dp
         if pp * dp * tp != world_size:
             raise MeshError(
                 f"mesh: pp={pp} x dp={dp} x tp={tp} = {pp * dp * tp} does not equal the world "
-                f"size {world_size}; leave mesh.dp out to derive it ({derived})")
+                f"size {world_size}; leave mesh.dp out to derive it ({derived})"
+            )
         if dp_replicate is None and dp_shard is None:
             dp_replicate, dp_shard = 1, dp
         elif dp_replicate is None:
@@ -89,7 +109,8 @@ class Mesh:
         if dp_replicate * dp_shard != dp:
             raise MeshError(
                 f"mesh: dp_replicate={dp_replicate} x dp_shard={dp_shard} = "
-                f"{dp_replicate * dp_shard} does not equal dp={dp}")
+                f"{dp_replicate * dp_shard} does not equal dp={dp}"
+            )
         return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
 
     @property
@@ -172,5 +193,6 @@ class Mesh:
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
-            raise MeshError(f"rank {rank} is outside the mesh's {self.world_size} ranks "
-                            f"({self.describe()})")
+            raise MeshError(
+                f"rank {rank} is outside the mesh's {self.world_size} ranks ({self.describe()})"
+            )

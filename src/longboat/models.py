@@ -149,7 +149,10 @@ class GPT(nn.Module):
 
 
 def gpt_param_count(
-    vocab_size: int = 8192, d_model: int = 512, n_layers: int = 4, seq_len: int = 128,
+    vocab_size: int = 8192,
+    d_model: int = 512,
+    n_layers: int = 4,
+    seq_len: int = 128,
     tie_weights: bool = True,
 ) -> int:
     """Exact number of parameters of :class:`GPT` with these dimensions.

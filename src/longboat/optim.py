@@ -20,8 +20,14 @@ from longboat.config import ConfigError, OptimizerConfig, SchedulerConfig
 # (replicate's bucket-by-bucket overlap) and give exactly the unsharded update. Matched by exact
 # class (see :func:`is_elementwise`): a subclass may add logic across elements or tensors.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
     torch.optim.Adadelta,
 )
 
@@ -44,8 +50,7 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
 def describe_elementwise() -> str:
     """The accepted optimizers, for error messages."""
     names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-    return (f"{names} (exact classes), or a class that declares "
-            f"`{ELEMENTWISE_DECLARATION} = True`")
+    return f"{names} (exact classes), or a class that declares `{ELEMENTWISE_DECLARATION} = True`"
 
 
 def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -56,10 +61,12 @@ def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     """
     from torch.optim import optimizer as torch_optimizer
 
-    registries = [getattr(optimizer, "_optimizer_step_pre_hooks", None),
-                  getattr(optimizer, "_optimizer_step_post_hooks", None),
-                  getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
-                  getattr(torch_optimizer, "_global_optimizer_post_hooks", None)]
+    registries = [
+        getattr(optimizer, "_optimizer_step_pre_hooks", None),
+        getattr(optimizer, "_optimizer_step_post_hooks", None),
+        getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+        getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
+    ]
     # Where a torch version keeps them elsewhere, assume there are some: stepping once is
     # always exact.
     return any(r is None or bool(r) for r in registries)
@@ -81,32 +88,42 @@ def check_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
         raise ConfigError(
             f"{len(missing)} trainable parameter(s) of the model are not in the optimizer: "
             f"{shown}. Freeze them with p.requires_grad_(False), or build the optimizer from "
-            "model.parameters() (or param groups that cover them)")
-    strangers = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]
-                 if id(p) not in names]
+            "model.parameters() (or param groups that cover them)"
+        )
+    strangers = [
+        tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in names
+    ]
     if strangers:
         shown = ", ".join(str(s) for s in strangers[:8]) + (", ..." if len(strangers) > 8 else "")
         raise ConfigError(
             f"the optimizer holds {len(strangers)} tensor(s) that are not parameters of the "
             f"model (shapes {shown}); every rank places gradients and optimizer state by the "
-            "model's parameters, so build the optimizer from model.parameters()")
+            "model's parameters, so build the optimizer from model.parameters()"
+        )
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
-                    ) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
+) -> torch.optim.Optimizer:
     """``torch.optim.<cfg.type>(params, **cfg.params)`` with errors that name the key."""
     cls = getattr(torch.optim, cfg.type, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        names = sorted(n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
-                       and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
-                       and n != "Optimizer")
-        raise ConfigError(f"key 'optimizer.type' has unknown value {cfg.type!r}; choose one of "
-                          f"{', '.join(names)}")
+        names = sorted(
+            n
+            for n in dir(torch.optim)
+            if isinstance(getattr(torch.optim, n), type)
+            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+            and n != "Optimizer"
+        )
+        raise ConfigError(
+            f"key 'optimizer.type' has unknown value {cfg.type!r}; choose one of {', '.join(names)}"
+        )
     try:
         return cls(params, **cfg.params)
     except TypeError as exc:
-        raise ConfigError(f"key 'optimizer.params' = {cfg.params!r} does not fit "
-                          f"torch.optim.{cfg.type}: {exc}") from None
+        raise ConfigError(
+            f"key 'optimizer.params' = {cfg.params!r} does not fit torch.optim.{cfg.type}: {exc}"
+        ) from None
 
 
 def _warmup(step: int, warmup_steps: int, kind: str) -> float:
@@ -117,8 +134,9 @@ def _warmup(step: int, warmup_steps: int, kind: str) -> float:
     return step / warmup_steps
 
 
-def _deepspeed_warmup(optimizer: torch.optim.Optimizer, p: dict[str, Any], decay: bool
-                      ) -> LRScheduler:
+def _deepspeed_warmup(
+    optimizer: torch.optim.Optimizer, p: dict[str, Any], decay: bool
+) -> LRScheduler:
     lo = float(p.pop("warmup_min_lr", 0.0))
     hi = float(p.pop("warmup_max_lr", 0.001))
     n = max(int(p.pop("warmup_num_steps", 1000)), 2)
@@ -126,11 +144,14 @@ def _deepspeed_warmup(optimizer: torch.optim.Optimizer, p: dict[str, Any], decay
     total = int(p.pop("total_num_steps", 0)) if decay else 0
     p.pop("last_batch_iteration", None)
     if p:
-        raise ConfigError(f"scheduler params {sorted(p)} are not known to "
-                          f"{'WarmupDecayLR' if decay else 'WarmupLR'}; remove them")
+        raise ConfigError(
+            f"scheduler params {sorted(p)} are not known to "
+            f"{'WarmupDecayLR' if decay else 'WarmupLR'}; remove them"
+        )
     if decay and total <= n:
-        raise ConfigError(f"key 'scheduler.params.total_num_steps' = {total} must exceed "
-                          f"warmup_num_steps = {n}")
+        raise ConfigError(
+            f"key 'scheduler.params.total_num_steps' = {total} must exceed warmup_num_steps = {n}"
+        )
     for group in optimizer.param_groups:
         group["lr"] = hi  # LambdaLR scales the group's base lr
 
@@ -150,10 +171,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig) -> L
         return _deepspeed_warmup(optimizer, params, decay=cfg.type == "WarmupDecayLR")
     cls = getattr(torch.optim.lr_scheduler, cfg.type, None)
     if not (isinstance(cls, type) and issubclass(cls, LRScheduler)):
-        raise ConfigError(f"key 'scheduler.type' has unknown value {cfg.type!r}; use a "
-                          "torch.optim.lr_scheduler class name, WarmupLR or WarmupDecayLR")
+        raise ConfigError(
+            f"key 'scheduler.type' has unknown value {cfg.type!r}; use a "
+            "torch.optim.lr_scheduler class name, WarmupLR or WarmupDecayLR"
+        )
     try:
         return cls(optimizer, **params)
     except TypeError as exc:
-        raise ConfigError(f"key 'scheduler.params' = {cfg.params!r} does not fit "
-                          f"torch.optim.lr_scheduler.{cfg.type}: {exc}") from None
+        raise ConfigError(
+            f"key 'scheduler.params' = {cfg.params!r} does not fit "
+            f"torch.optim.lr_scheduler.{cfg.type}: {exc}"
+        ) from None

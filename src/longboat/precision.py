@@ -55,11 +55,19 @@ class LossScaleError(RuntimeError):
 class LossScaler:
     """The fp16 loss scale and DeepSpeed's rules for changing it (see [Note: loss scaling])."""
 
-    def __init__(self, scale: float, dynamic: bool = True, window: int = 1000,
-                 hysteresis: int = 2, min_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        scale: float,
+        dynamic: bool = True,
+        window: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+    ) -> None:
         if scale <= 0 or window < 1 or hysteresis < 1 or min_scale <= 0:
-            raise ValueError(f"invalid loss scaler: scale={scale}, window={window}, "
-                             f"hysteresis={hysteresis}, min_scale={min_scale}")
+            raise ValueError(
+                f"invalid loss scaler: scale={scale}, window={window}, "
+                f"hysteresis={hysteresis}, min_scale={min_scale}"
+            )
         self.scale = float(scale)
         self.dynamic = dynamic
         self.window = window
@@ -72,16 +80,25 @@ class LossScaler:
     def from_config(cls, cfg: PrecisionConfig) -> LossScaler:
         if cfg.loss_scale > 0:
             return cls(cfg.loss_scale, dynamic=False)
-        return cls(2.0 ** cfg.initial_scale_power, dynamic=True, window=cfg.loss_scale_window,
-                   hysteresis=cfg.hysteresis, min_scale=cfg.min_loss_scale)
+        return cls(
+            2.0**cfg.initial_scale_power,
+            dynamic=True,
+            window=cfg.loss_scale_window,
+            hysteresis=cfg.hysteresis,
+            min_scale=cfg.min_loss_scale,
+        )
 
     def update(self, found_inf: bool, step: int) -> None:
         """Apply one optimizer step's outcome; ``step`` (1-based) only names it in messages."""
         old = self.scale
         if not self.dynamic:
             if found_inf:
-                log.info("step %d: fp16 gradient overflow (inf/NaN), optimizer step skipped; "
-                         "static loss scale %g kept", step, old)
+                log.info(
+                    "step %d: fp16 gradient overflow (inf/NaN), optimizer step skipped; "
+                    "static loss scale %g kept",
+                    step,
+                    old,
+                )
             return
         if not found_inf:
             self.good_steps += 1
@@ -93,10 +110,15 @@ class LossScaler:
         if self.hysteresis_left > 1:
             self.hysteresis_left -= 1
             left = self.hysteresis_left
-            when = ("the next overflow halves it" if left == 1
-                    else f"{left} more overflows halve it")
-            log.info("step %d: fp16 gradient overflow (inf/NaN), optimizer step skipped; loss "
-                     "scale %g -> %g (kept by hysteresis; %s)", step, old, old, when)
+            when = "the next overflow halves it" if left == 1 else f"{left} more overflows halve it"
+            log.info(
+                "step %d: fp16 gradient overflow (inf/NaN), optimizer step skipped; loss "
+                "scale %g -> %g (kept by hysteresis; %s)",
+                step,
+                old,
+                old,
+                when,
+            )
             return
         if self.scale <= self.min_scale:
             raise LossScaleError(
@@ -104,14 +126,23 @@ class LossScaler:
                 f"at its minimum {self.scale:g} (precision.min_loss_scale): the gradients are not "
                 "finite even unscaled. Look for a diverging loss or bad input (lower the "
                 "learning rate, set gradient_clipping), train in bf16 (precision.dtype = "
-                "'bf16'), or lower precision.min_loss_scale.")
+                "'bf16'), or lower precision.min_loss_scale."
+            )
         self.scale = max(self.scale / 2.0, self.min_scale)
-        log.info("step %d: fp16 gradient overflow (inf/NaN), optimizer step skipped; loss scale "
-                 "%g -> %g", step, old, self.scale)
+        log.info(
+            "step %d: fp16 gradient overflow (inf/NaN), optimizer step skipped; loss scale "
+            "%g -> %g",
+            step,
+            old,
+            self.scale,
+        )
 
     def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left,
-                "good_steps": self.good_steps}
+        return {
+            "scale": self.scale,
+            "hysteresis_left": self.hysteresis_left,
+            "good_steps": self.good_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
@@ -155,22 +186,25 @@ class Precision:
         """Low-precision floating tensors in the forward's output, cast back to fp32."""
         if self.dtype == torch.float32:
             return out
-        return tree_map_only(
-            torch.Tensor, lambda t: t.float() if t.dtype == self.dtype else t, out)
+        return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype == self.dtype else t, out)
 
     def describe(self) -> str:
         """One line for the start-up log ('' for fp32)."""
         if self.dtype == torch.float32:
             return ""
-        text = (f"{self.name}: forward under torch.autocast({self.device_type!r}, "
-                f"{self.dtype}), fp32 master weights")
+        text = (
+            f"{self.name}: forward under torch.autocast({self.device_type!r}, "
+            f"{self.dtype}), fp32 master weights"
+        )
         s = self.scaler
         if s is None:
             return text + ", no loss scaling"
         if not s.dynamic:
             return text + f", static loss scale {s.scale:g}"
-        return text + (f", dynamic loss scale {s.scale:g} (window {s.window}, hysteresis "
-                       f"{s.hysteresis}, min {s.min_scale:g})")
+        return text + (
+            f", dynamic loss scale {s.scale:g} (window {s.window}, hysteresis "
+            f"{s.hysteresis}, min {s.min_scale:g})"
+        )
 
     @property
     def checks_overflow(self) -> bool:
@@ -208,8 +242,10 @@ class Precision:
             self.scaler.update(found_inf, step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dtype": self.name,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {
+            "dtype": self.name,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("scaler") is not None and self.scaler is not None:

@@ -31,15 +31,25 @@ class Steps(Protocol):
 class Schedule(Protocol):
     """Runs one optimizer step's micro-batches; returns their losses."""
 
-    def run(self, steps: Steps, micro_batches: Sequence[Any], loss_fn: LossFn,
-            inputs: Callable[[Any], tuple[Any, ...]]) -> list[float]: ...
+    def run(
+        self,
+        steps: Steps,
+        micro_batches: Sequence[Any],
+        loss_fn: LossFn,
+        inputs: Callable[[Any], tuple[Any, ...]],
+    ) -> list[float]: ...
 
 
 class Sequential:
     """Forward and backward of each micro-batch in turn."""
 
-    def run(self, steps: Steps, micro_batches: Sequence[Any], loss_fn: LossFn,
-            inputs: Callable[[Any], tuple[Any, ...]]) -> list[float]:
+    def run(
+        self,
+        steps: Steps,
+        micro_batches: Sequence[Any],
+        loss_fn: LossFn,
+        inputs: Callable[[Any], tuple[Any, ...]],
+    ) -> list[float]:
         losses = []
         for mb in micro_batches:
             loss = loss_fn(steps.forward(*inputs(mb)), mb)
@@ -55,8 +65,10 @@ def default_inputs(micro_batch: Any) -> tuple[Any, ...]:
         return (micro_batch,)
     if isinstance(micro_batch, (tuple, list)) and micro_batch:
         return (micro_batch[0],)
-    raise TypeError(f"train_step cannot tell the model's inputs in a {type(micro_batch).__name__}"
-                    "; pass inputs=lambda mb: (...) to say which they are")
+    raise TypeError(
+        f"train_step cannot tell the model's inputs in a {type(micro_batch).__name__}"
+        "; pass inputs=lambda mb: (...) to say which they are"
+    )
 
 
 def split(batch: Any, size: int, count: int) -> list[Any]:
@@ -64,8 +76,10 @@ def split(batch: Any, size: int, count: int) -> list[Any]:
     ``count`` micro-batches of ``size`` samples, in order."""
     if isinstance(batch, torch.Tensor):
         if batch.shape[0] != size * count:
-            raise ValueError(f"train_step got a batch of {batch.shape[0]} samples; a step on "
-                             f"this rank takes {count} micro-batches of {size} = {size * count}")
+            raise ValueError(
+                f"train_step got a batch of {batch.shape[0]} samples; a step on "
+                f"this rank takes {count} micro-batches of {size} = {size * count}"
+            )
         return list(batch.split(size))
     if isinstance(batch, dict):
         parts = {k: split(v, size, count) for k, v in batch.items()}

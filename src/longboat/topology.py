@@ -46,8 +46,14 @@ class DoorwayOptions:
 class Topology:
     """This rank's place on the mesh and a data and a control doorway per axis."""
 
-    def __init__(self, mesh: Mesh, rank: int, data: dict[str, Comm], control: dict[str, Comm],
-                 owned: list[dist.ProcessGroup] | None = None) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        rank: int,
+        data: dict[str, Comm],
+        control: dict[str, Comm],
+        owned: list[dist.ProcessGroup] | None = None,
+    ) -> None:
         self.mesh = mesh
         self.rank = rank
         self.coords = mesh.coords(rank)
@@ -59,8 +65,9 @@ class Topology:
     # -- building ------------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, mesh: Mesh, options: DoorwayOptions, device: torch.device,
-              rules: bool | None = None) -> Topology:
+    def build(
+        cls, mesh: Mesh, options: DoorwayOptions, device: torch.device, rules: bool | None = None
+    ) -> Topology:
         """Create every group of ``mesh`` ([Note: group creation]) and the doorways of this
         rank. Collective: every rank calls it with the same mesh. Without a process group
         (a world of one), every doorway is a group of one."""
@@ -70,8 +77,10 @@ class Topology:
         world = dist.get_world_size() if active else 1
         rank = dist.get_rank() if active else 0
         if mesh.world_size != world:
-            raise ValueError(f"the mesh ({mesh.describe()}) has {mesh.world_size} ranks but the "
-                             f"process group has {world}")
+            raise ValueError(
+                f"the mesh ({mesh.describe()}) has {mesh.world_size} ranks but the "
+                f"process group has {world}"
+            )
         data: dict[str, Comm] = {}
         control: dict[str, Comm] = {}
         owned: list[dist.ProcessGroup] = []
@@ -86,8 +95,9 @@ class Topology:
             for ranks in mesh.groups(axis):  # every rank creates every group, in order
                 if ranks in created:
                     continue
-                g_data = (None if len(ranks) == world
-                          else dist.new_group(list(ranks), timeout=timeout))
+                g_data = (
+                    None if len(ranks) == world else dist.new_group(list(ranks), timeout=timeout)
+                )
                 g_ctrl = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
                 owned += [g for g in (g_data, g_ctrl) if g is not None]
                 created[ranks] = (g_data, g_ctrl)
@@ -96,13 +106,25 @@ class Topology:
                 g_data, g_ctrl = created[mine]
                 name = "world" if len(mine) == world else f"{axis} {list(mine)}"
                 doorways[mine] = (
-                    Collectives(g_data, desync_check=options.desync_check, check_group=g_ctrl,
-                                log=options.log, log_verbose=options.log_verbose,
-                                timeout_s=options.timeout_s, name=name,
-                                rules=Rules(device=device) if rules else None),
-                    Collectives(g_ctrl, desync_check=options.desync_check, check_group=g_ctrl,
-                                timeout_s=options.timeout_s, name=f"{name}, control",
-                                rules=Rules() if rules else None))
+                    Collectives(
+                        g_data,
+                        desync_check=options.desync_check,
+                        check_group=g_ctrl,
+                        log=options.log,
+                        log_verbose=options.log_verbose,
+                        timeout_s=options.timeout_s,
+                        name=name,
+                        rules=Rules(device=device) if rules else None,
+                    ),
+                    Collectives(
+                        g_ctrl,
+                        desync_check=options.desync_check,
+                        check_group=g_ctrl,
+                        timeout_s=options.timeout_s,
+                        name=f"{name}, control",
+                        rules=Rules() if rules else None,
+                    ),
+                )
             data[axis], control[axis] = doorways[mine]
         return cls(mesh, rank, data, control, owned)
 

@@ -56,9 +56,12 @@ class World:
     def env_vars(self) -> dict[str, str]:
         """The torchrun-style variables that ``init_method='env://'`` reads."""
         return {
-            "RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank),
-            "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.local_world_size),
-            "GROUP_RANK": str(self.node_rank), "MASTER_ADDR": self.master_addr,
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
         }
 
@@ -89,12 +92,18 @@ def _from_torchrun(env: Mapping[str, str]) -> World:
     local_world = int(env.get("LOCAL_WORLD_SIZE", world_size))
     rank = _int(env, "RANK")
     node = int(env.get("GROUP_RANK", rank // max(local_world, 1)))
-    return _check(World(
-        rank=rank, local_rank=int(env.get("LOCAL_RANK", 0)), world_size=world_size,
-        local_world_size=local_world, node_rank=node,
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), source="torchrun environment",
-    ))
+    return _check(
+        World(
+            rank=rank,
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=world_size,
+            local_world_size=local_world,
+            node_rank=node,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+            source="torchrun environment",
+        )
+    )
 
 
 def first_host(nodelist: str) -> str:
@@ -114,28 +123,41 @@ def _from_slurm(env: Mapping[str, str]) -> World:
     nnodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", 1)))
     local_world = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or ntasks // nnodes)
     addr = env.get("MASTER_ADDR") or first_host(
-        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get(
-            "SLURM_JOB_NODELIST", "127.0.0.1"))
+        env.get("SLURM_STEP_NODELIST")
+        or env.get("SLURM_NODELIST")
+        or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+    )
     # A port derived from the job id keeps two jobs sharing a node from colliding.
     port = int(env.get("MASTER_PORT") or 15000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
-    return _check(World(
-        rank=_int(env, "SLURM_PROCID"), local_rank=int(env.get("SLURM_LOCALID", 0)),
-        world_size=ntasks, local_world_size=local_world,
-        node_rank=int(env.get("SLURM_NODEID", 0)), master_addr=addr, master_port=port,
-        source="Slurm environment",
-    ))
+    return _check(
+        World(
+            rank=_int(env, "SLURM_PROCID"),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=ntasks,
+            local_world_size=local_world,
+            node_rank=int(env.get("SLURM_NODEID", 0)),
+            master_addr=addr,
+            master_port=port,
+            source="Slurm environment",
+        )
+    )
 
 
 def _from_openmpi(env: Mapping[str, str]) -> World:
     local_world = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
     rank = _int(env, "OMPI_COMM_WORLD_RANK")
-    return _check(World(
-        rank=rank, local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
-        world_size=_int(env, "OMPI_COMM_WORLD_SIZE"), local_world_size=local_world,
-        node_rank=int(env.get("OMPI_COMM_WORLD_NODE_RANK", rank // max(local_world, 1))),
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), source="Open MPI environment",
-    ))
+    return _check(
+        World(
+            rank=rank,
+            local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+            world_size=_int(env, "OMPI_COMM_WORLD_SIZE"),
+            local_world_size=local_world,
+            node_rank=int(env.get("OMPI_COMM_WORLD_NODE_RANK", rank // max(local_world, 1))),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+            source="Open MPI environment",
+        )
+    )
 
 
 def default_backend() -> str:
@@ -150,9 +172,7 @@ def device_for(world: World) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(
-    world: World, backend: str | None = None, timeout_s: float = 1800.0
-) -> bool:
+def init_process_group(world: World, backend: str | None = None, timeout_s: float = 1800.0) -> bool:
     """Join the default process group unless one exists. Returns True when this call created it.
 
     A script that called ``torch.distributed.init_process_group`` itself (torchrun style) keeps
@@ -169,7 +189,10 @@ def init_process_group(
     for key, value in world.env_vars().items():
         os.environ.setdefault(key, value)
     dist.init_process_group(
-        backend=backend, init_method="env://", rank=world.rank, world_size=world.world_size,
+        backend=backend,
+        init_method="env://",
+        rank=world.rank,
+        world_size=world.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return True

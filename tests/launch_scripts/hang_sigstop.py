@@ -16,8 +16,11 @@ import longboat
 
 timeout_s, out = float(sys.argv[1]), Path(sys.argv[2])
 model = torch.nn.Linear(4, 4)
-engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
-    "batch": {"micro_batch_size": 2}, "comm": {"timeout_s": timeout_s}})
+engine = longboat.initialize(
+    model,
+    torch.optim.SGD(model.parameters(), lr=0.1),
+    {"batch": {"micro_batch_size": 2}, "comm": {"timeout_s": timeout_s}},
+)
 out.joinpath(f"pid{engine.comm.rank}").write_text(str(os.getpid()))
 for _ in range(2):
     engine.backward(engine(torch.ones(2, 4)).sum())

@@ -21,22 +21,37 @@ class BenchUsageError(ValueError):
 
 def _names(flag: str, value: str, valid: tuple[str, ...], allow_empty: bool) -> tuple[str, ...]:
     # "zero-2" as `longboat plan` spells it is accepted too.
-    items = tuple(f"zero{stage}" if (stage := zero_stage(x)) else x.strip()
-                  for x in value.split(",") if x.strip())
+    items = tuple(
+        f"zero{stage}" if (stage := zero_stage(x)) else x.strip()
+        for x in value.split(",")
+        if x.strip()
+    )
     if not items and not allow_empty:
         raise BenchUsageError(f"{flag} is empty: give one or more of {','.join(valid)}")
     for x in items:
         if x not in valid:
             close = difflib.get_close_matches(x, valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise BenchUsageError(f"{flag} has unknown value {x!r}{hint}: choose from "
-                                  f"{','.join(valid)}")
+            raise BenchUsageError(
+                f"{flag} has unknown value {x!r}{hint}: choose from {','.join(valid)}"
+            )
     return tuple(dict.fromkeys(items))
 
 
-def settings_from_flags(*, model: str, strategies: str, peers: str, world_sizes: str,
-                        micro_batch: int, seq_len: int, warmup: int, steps: int, scaling: str,
-                        threads: int, memory: bool) -> BenchSettings:
+def settings_from_flags(
+    *,
+    model: str,
+    strategies: str,
+    peers: str,
+    world_sizes: str,
+    micro_batch: int,
+    seq_len: int,
+    warmup: int,
+    steps: int,
+    scaling: str,
+    threads: int,
+    memory: bool,
+) -> BenchSettings:
     """Validate the flags into :class:`BenchSettings`; :class:`BenchUsageError` names the flag."""
     try:
         resolve_model(model, seq_len)  # here, so a bad --model fails before any rank starts
@@ -45,31 +60,46 @@ def settings_from_flags(*, model: str, strategies: str, peers: str, world_sizes:
     try:
         sizes = tuple(int(x) for x in world_sizes.split(",") if x.strip())
     except ValueError:
-        raise BenchUsageError(f"--world-sizes {world_sizes!r} is not a list of integers: "
-                              "e.g. 1,2") from None
+        raise BenchUsageError(
+            f"--world-sizes {world_sizes!r} is not a list of integers: e.g. 1,2"
+        ) from None
     if not sizes or min(sizes) < 1:
-        raise BenchUsageError(f"--world-sizes {world_sizes!r} is invalid: give integers >= 1, "
-                              "e.g. 1,2")
-    for flag, v, lo in (("--micro-batch", micro_batch, 1), ("--seq-len", seq_len, 1),
-                        ("--warmup", warmup, 1), ("--steps", steps, 1),
-                        ("--threads", threads, 1)):
+        raise BenchUsageError(
+            f"--world-sizes {world_sizes!r} is invalid: give integers >= 1, e.g. 1,2"
+        )
+    for flag, v, lo in (
+        ("--micro-batch", micro_batch, 1),
+        ("--seq-len", seq_len, 1),
+        ("--warmup", warmup, 1),
+        ("--steps", steps, 1),
+        ("--threads", threads, 1),
+    ):
         if v < lo:
             raise BenchUsageError(f"{flag} {v} is invalid: use {lo} or more")
     if scaling not in ("weak", "strong"):
         raise BenchUsageError(f"--scaling {scaling!r} is unknown: choose weak or strong")
     s = BenchSettings(
-        model=model, strategies=_names("--strategies", strategies, LONGBOAT_SIDES, False),
-        peers=_names("--peers", peers, PEERS, True), world_sizes=tuple(sorted(set(sizes))),
-        micro_batch=micro_batch, seq_len=seq_len, warmup=warmup, steps=steps,
+        model=model,
+        strategies=_names("--strategies", strategies, LONGBOAT_SIDES, False),
+        peers=_names("--peers", peers, PEERS, True),
+        world_sizes=tuple(sorted(set(sizes))),
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        warmup=warmup,
+        steps=steps,
         scaling=scaling,  # type: ignore[arg-type]
-        threads=threads, memory=memory)
+        threads=threads,
+        memory=memory,
+    )
     if scaling == "strong":
         gb = s.global_batch(1)
         bad = [n for n in s.world_sizes if gb % n]
         if bad:
-            raise BenchUsageError(f"--scaling strong splits a global batch of {gb} (--micro-batch "
-                                  f"x the largest world size) over the ranks; it does not divide "
-                                  f"by world size {bad[0]}: change --world-sizes")
+            raise BenchUsageError(
+                f"--scaling strong splits a global batch of {gb} (--micro-batch "
+                f"x the largest world size) over the ranks; it does not divide "
+                f"by world size {bad[0]}: change --world-sizes"
+            )
     return s
 
 
@@ -79,18 +109,26 @@ def bench(s: BenchSettings, out: Path, console: Console | None = None) -> dict[s
 
     console = console or Console(stderr=True)
     if importlib.util.find_spec("matplotlib") is None:
-        raise BenchUsageError("longboat bench draws its chart with matplotlib, which is not "
-                              "installed: pip install 'longboat[bench]'")
-    with Progress(TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
+        raise BenchUsageError(
+            "longboat bench draws its chart with matplotlib, which is not "
+            "installed: pip install 'longboat[bench]'"
+        )
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
         task = progress.add_task("starting ranks", total=None)
 
         last: list[tuple[int, str]] = []
 
         def on_progress(n: int, phase: str, side: str, done: int, total: int) -> None:
-            progress.update(task, description=f"world size {n} | {phase} | {side}",
-                            completed=done, total=total)
+            progress.update(
+                task, description=f"world size {n} | {phase} | {side}", completed=done, total=total
+            )
             if not console.is_terminal and last[-1:] != [(n, phase)]:
                 # No live bar in a pipe or a log: one line per launch instead.
                 last.append((n, phase))

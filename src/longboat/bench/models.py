@@ -49,16 +49,26 @@ class ModelSpec:
 def _gpt_spec(name: str, make: Callable[[], GPT], seq_len: int) -> ModelSpec:
     probe = make()
     if seq_len > probe.seq_len:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's {probe.seq_len}: "
-                         f"use {probe.seq_len} or less")
+        raise ValueError(
+            f"--seq-len {seq_len} exceeds the model's {probe.seq_len}: use {probe.seq_len} or less"
+        )
     vocab = probe.vocab_size
-    info = {"vocab_size": vocab, "d_model": probe.d_model, "n_layers": probe.n_layers,
-            "n_heads": probe.n_heads, "seq_len": seq_len,
-            "parameters": sum(p.numel() for p in probe.parameters())}
+    info = {
+        "vocab_size": vocab,
+        "d_model": probe.d_model,
+        "n_layers": probe.n_layers,
+        "n_heads": probe.n_heads,
+        "seq_len": seq_len,
+        "parameters": sum(p.numel() for p in probe.parameters()),
+    }
     return ModelSpec(
-        name=name, build=make,
+        name=name,
+        build=make,
         batch=lambda n, g: synthetic_tokens(n, seq_len, vocab, g),
-        loss=gpt_loss, unit_classes=("_Block",), info=info)
+        loss=gpt_loss,
+        unit_classes=("_Block",),
+        info=info,
+    )
 
 
 def reference_gpt_spec(seq_len: int = 128) -> ModelSpec:
@@ -68,9 +78,13 @@ def reference_gpt_spec(seq_len: int = 128) -> ModelSpec:
 
 def tiny_gpt_spec(seq_len: int = 16) -> ModelSpec:
     """A 2-layer, d_model 32 GPT: the same code path as the reference, for tests."""
-    return _gpt_spec("tiny-gpt", lambda: GPT(vocab_size=128, d_model=32, n_layers=2,
-                                             n_heads=2, seq_len=32, tie_weights=False),
-                     seq_len)
+    return _gpt_spec(
+        "tiny-gpt",
+        lambda: GPT(
+            vocab_size=128, d_model=32, n_layers=2, n_heads=2, seq_len=32, tie_weights=False
+        ),
+        seq_len,
+    )
 
 
 def _digits_batch(n: int, g: torch.Generator) -> Batch:
@@ -80,8 +94,13 @@ def _digits_batch(n: int, g: torch.Generator) -> Batch:
 
 def digits_cnn_spec() -> ModelSpec:
     """:class:`~longboat.models.DigitsCNN` (38,282 parameters) on random 8x8 images."""
-    return ModelSpec(name="digits-cnn", build=DigitsCNN, batch=_digits_batch,
-                     loss=F.cross_entropy, info={"parameters": 38_282, "input": "1x8x8"})
+    return ModelSpec(
+        name="digits-cnn",
+        build=DigitsCNN,
+        batch=_digits_batch,
+        loss=F.cross_entropy,
+        info={"parameters": 38_282, "input": "1x8x8"},
+    )
 
 
 BUILTIN = ("reference-gpt", "digits-cnn", "tiny-gpt")
@@ -101,17 +120,23 @@ def resolve_model(name: str, seq_len: int = 128) -> ModelSpec:
     if name == "digits-cnn":
         return digits_cnn_spec()
     if ":" not in name:
-        raise ValueError(f"--model {name!r} is unknown: give one of {list(BUILTIN)} or "
-                         "'pkg.module:factory' returning a longboat.bench.ModelSpec")
+        raise ValueError(
+            f"--model {name!r} is unknown: give one of {list(BUILTIN)} or "
+            "'pkg.module:factory' returning a longboat.bench.ModelSpec"
+        )
     mod_name, _, attr = name.partition(":")
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"--model {name!r} cannot be loaded ({type(e).__name__}: {e}): "
-                         "check that the module is importable (PYTHONPATH) and defines the "
-                         "factory") from e
+        raise ValueError(
+            f"--model {name!r} cannot be loaded ({type(e).__name__}: {e}): "
+            "check that the module is importable (PYTHONPATH) and defines the "
+            "factory"
+        ) from e
     spec = factory()
     if not isinstance(spec, ModelSpec):
-        raise ValueError(f"--model {name!r} returned {type(spec).__name__}, not a "
-                         "longboat.bench.ModelSpec: see the contract in longboat.bench.models")
+        raise ValueError(
+            f"--model {name!r} returned {type(spec).__name__}, not a "
+            "longboat.bench.ModelSpec: see the contract in longboat.bench.models"
+        )
     return spec

@@ -19,20 +19,33 @@ from rich.table import Table
 AT_ONE_RANK = {
     "single": "plain training, the baseline (exists at world size 1 only)",
     "replicate": "longboat replicate on a group of one: its hooks and bucket copies run, the "
-                 "all-reduce has no peer",
+    "all-reduce has no peer",
     "zero": "longboat ZeRO on a group of one: the shard is the whole model; the collectives "
-            "have no peer",
+    "have no peer",
     "ddp": "torch DDP on a group of one: reducer hooks and bucket copies, no peer",
     "fsdp2": "FSDP2 over a mesh of one: DTensor parameters, all-gather/reduce-scatter of one",
     "deepspeed": "DeepSpeed's engine at that ZeRO stage on one rank",
 }
 
 MIN_STEPS = 10  # fewer measured steps than this is a check that it runs, not a measurement
-SMOKE = ("Smoke run: {steps} measured step(s) per side, fewer than the 10 a comparison needs; "
-         "these timings show that every side runs, not how fast.")
+SMOKE = (
+    "Smoke run: {steps} measured step(s) per side, fewer than the 10 a comparison needs; "
+    "these timings show that every side runs, not how fast."
+)
 
-COLUMNS = ("side", "ranks", "batch", "median s", "IQR s", "min-max s", "samples/s",
-           "speed-up", "efficiency", "peak RSS MiB", "state MiB")
+COLUMNS = (
+    "side",
+    "ranks",
+    "batch",
+    "median s",
+    "IQR s",
+    "min-max s",
+    "samples/s",
+    "speed-up",
+    "efficiency",
+    "peak RSS MiB",
+    "state MiB",
+)
 
 
 def _version(dist: str) -> str | None:
@@ -52,16 +65,21 @@ def versions() -> dict[str, str | None]:
 
 def machine() -> dict[str, object]:
     """The machine measured on (no hostname)."""
-    return {"cpu_count": os.cpu_count(), "processor": platform.processor(),
-            "machine": platform.machine()}
+    return {
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor(),
+        "machine": platform.machine(),
+    }
 
 
 def finish(raw: dict[str, Any]) -> dict[str, Any]:
     """The JSON document: the runner's results plus date, versions, machine and notes."""
     s = raw["settings"]
-    scaling = ("weak: the micro-batch per rank stays the same, the global batch grows with the "
-               "ranks" if s["scaling"] == "weak" else
-               "strong: the global batch stays the same, split over the ranks")
+    scaling = (
+        "weak: the micro-batch per rank stays the same, the global batch grows with the ranks"
+        if s["scaling"] == "weak"
+        else "strong: the global batch stays the same, split over the ranks"
+    )
     return {
         "benchmark": "longboat bench",
         "max_abs_loss_diff": loss_agreement(raw["rows"]),
@@ -70,15 +88,15 @@ def finish(raw: dict[str, Any]) -> dict[str, Any]:
         "notes": {
             "scaling": scaling,
             "step_time": "forward, loss, backward, optimizer step, zero_grad; perf_counter per "
-                         "rank, MAX over ranks; median over the measured steps",
+            "rank, MAX over ranks; median over the measured steps",
             "samples_per_s": "global batch / median step time",
             "speedup": "samples/s at n ranks / samples/s of the same side at 1 rank",
             "efficiency": "speed-up / n",
             "peak_rss": "ru_maxrss of each rank of a fresh launch running that side alone "
-                        "(the table shows the largest rank); it includes torch itself",
+            "(the table shows the largest rank); it includes torch itself",
             "state_bytes": "parameters + gradients + optimizer state on each rank, counted from "
-                           "tensor storages (None / '-': not exposed by the library); the table "
-                           "shows the largest rank",
+            "tensor storages (None / '-': not exposed by the library); the table "
+            "shows the largest rank",
             "at_one_rank": AT_ONE_RANK,
         },
         "versions": versions(),
@@ -92,8 +110,9 @@ def loss_agreement(rows: list[dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for n in sorted({r["world_size"] for r in rows}):
         here = [r["losses"] for r in rows if r["world_size"] == n]
-        out[str(n)] = max(abs(a - b) for losses in here
-                          for a, b in zip(losses, here[0], strict=True))
+        out[str(n)] = max(
+            abs(a - b) for losses in here for a, b in zip(losses, here[0], strict=True)
+        )
     return out
 
 
@@ -113,12 +132,22 @@ def _opt(x: float | None, fmt: str) -> str:
 
 def rows_as_text(result: dict[str, Any]) -> list[list[str]]:
     """The table's cells, one list per side and world size."""
-    return [[r["side"], str(r["world_size"]), str(r["global_batch"]),
-             f"{r['step_time_median_s']:.4f}", f"{r['step_time_iqr_s']:.4f}",
-             f"{r['step_time_min_s']:.4f}-{r['step_time_max_s']:.4f}",
-             _rate(r["samples_per_s"]), _opt(r["speedup"], ".2f"),
-             _opt(r["efficiency"], ".2f"), _mib(r["peak_rss_bytes_per_rank"]),
-             _mib(r["state_bytes_per_rank"])] for r in result["rows"]]
+    return [
+        [
+            r["side"],
+            str(r["world_size"]),
+            str(r["global_batch"]),
+            f"{r['step_time_median_s']:.4f}",
+            f"{r['step_time_iqr_s']:.4f}",
+            f"{r['step_time_min_s']:.4f}-{r['step_time_max_s']:.4f}",
+            _rate(r["samples_per_s"]),
+            _opt(r["speedup"], ".2f"),
+            _opt(r["efficiency"], ".2f"),
+            _mib(r["peak_rss_bytes_per_rank"]),
+            _mib(r["state_bytes_per_rank"]),
+        ]
+        for r in result["rows"]
+    ]
 
 
 def print_table(result: dict[str, Any], console: Console | None = None) -> None:
@@ -126,8 +155,10 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
     # The table is wide: keep it whole in a pipe or a narrow terminal rather than truncated.
     console = console or Console(width=max(Console().width, 140))
     s = result["settings"]
-    table = Table(title=f"longboat bench: {s['model']}, {s['scaling']} scaling, "
-                        f"{s['steps']} measured steps after {s['warmup']} warm-up")
+    table = Table(
+        title=f"longboat bench: {s['model']}, {s['scaling']} scaling, "
+        f"{s['steps']} measured steps after {s['warmup']} warm-up"
+    )
     for c in COLUMNS:
         table.add_column(c, justify="left" if c == "side" else "right", no_wrap=True)
     for cells in rows_as_text(result):
@@ -144,14 +175,21 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
 def markdown(result: dict[str, Any], chart: str | None) -> str:
     """The Markdown report: table, chart, notes, the full settings, versions and machine."""
     s = result["settings"]
-    lines = [f"# longboat bench: {s['model']}", "",
-             f"{result['date']}, world sizes {', '.join(map(str, s['world_sizes']))}, "
-             f"{s['threads']} thread(s) per rank, {s['scaling']} scaling, {s['steps']} measured "
-             f"step(s) per side after {s['warmup']} warm-up. Wall time "
-             f"{result['wall_time_s']:.0f} s.", "",
-             "Model: " + ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
-                                   for k, v in result.get("model", {}).items()), "",
-             ]
+    lines = [
+        f"# longboat bench: {s['model']}",
+        "",
+        f"{result['date']}, world sizes {', '.join(map(str, s['world_sizes']))}, "
+        f"{s['threads']} thread(s) per rank, {s['scaling']} scaling, {s['steps']} measured "
+        f"step(s) per side after {s['warmup']} warm-up. Wall time "
+        f"{result['wall_time_s']:.0f} s.",
+        "",
+        "Model: "
+        + ", ".join(
+            f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
+            for k, v in result.get("model", {}).items()
+        ),
+        "",
+    ]
     if s["steps"] < MIN_STEPS:
         lines += [f"**{SMOKE.format(steps=s['steps'])}**", ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
@@ -162,8 +200,11 @@ def markdown(result: dict[str, Any], chart: str | None) -> str:
         lines += [f"- `{side}`: {why}" for side, why in result["unavailable"].items()]
         lines.append("")
     diffs = ", ".join(f"{v:.2g} at {n} rank(s)" for n, v in result["max_abs_loss_diff"].items())
-    lines += [f"Largest per-step loss difference between sides: {diffs} (same samples, same "
-              "initial weights: every side computes the same training run).", ""]
+    lines += [
+        f"Largest per-step loss difference between sides: {diffs} (same samples, same "
+        "initial weights: every side computes the same training run).",
+        "",
+    ]
     if chart:
         lines += [f"![samples/s against world size]({chart})", ""]
     notes = result["notes"]
@@ -171,10 +212,21 @@ def markdown(result: dict[str, Any], chart: str | None) -> str:
     lines += [f"- {key}: {text}" for key, text in notes.items() if key != "at_one_rank"]
     lines += ["", "At world size 1:", ""]
     lines += [f"- `{k}`: {v}" for k, v in notes["at_one_rank"].items()]
-    lines += ["", "## Settings", "", "```json", json.dumps(s, indent=2), "```", "",
-              "## Versions and machine", "", "```json",
-              json.dumps({"versions": result["versions"], "machine": result["machine"]},
-                         indent=2), "```", ""]
+    lines += [
+        "",
+        "## Settings",
+        "",
+        "```json",
+        json.dumps(s, indent=2),
+        "```",
+        "",
+        "## Versions and machine",
+        "",
+        "```json",
+        json.dumps({"versions": result["versions"], "machine": result["machine"]}, indent=2),
+        "```",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -194,13 +246,22 @@ def chart(result: dict[str, Any], path: Path) -> None:
     for i, side in enumerate(sides):
         rows = [r for r in result["rows"] if r["side"] == side]
         pts = sorted((r["world_size"], r["samples_per_s"]) for r in rows)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=side,
-                color=colours[i % len(colours)], linestyle=styles.get(rows[0]["library"], "-"))
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="o",
+            label=side,
+            color=colours[i % len(colours)],
+            linestyle=styles.get(rows[0]["library"], "-"),
+        )
     ax.set_xticks(list(s["world_sizes"]))
     ax.set_xlabel("world size (ranks, one thread each)")
     ax.set_ylabel("samples/s (global batch / median step)")
-    smoke = f" (smoke run: {s['steps']} step(s), not a measurement)" if s["steps"] < MIN_STEPS \
+    smoke = (
+        f" (smoke run: {s['steps']} step(s), not a measurement)"
+        if s["steps"] < MIN_STEPS
         else f", median of {s['steps']} steps"
+    )
     ax.set_title(f"{s['model']}: {s['scaling']} scaling, micro-batch {s['micro_batch']}{smoke}")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

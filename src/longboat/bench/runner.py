@@ -44,8 +44,13 @@ from longboat.bench.sides import LONGBOAT_SIDES, build_side, import_deepspeed, l
 
 MEMORY_STEPS = 2
 # What every rank imports anyway (torch.optim's first use imports torch._dynamo: ~1.5 s).
-PRELOAD = [__name__, "longboat.engine", "torch._dynamo", "torch.distributed.fsdp",
-           "torch.nn.parallel"]
+PRELOAD = [
+    __name__,
+    "longboat.engine",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.nn.parallel",
+]
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,12 @@ def _peak_rss_bytes() -> int:
 
 def _slice(batch: Batch, rank: int, n: int) -> Batch:
     m = batch[0].shape[0] // n
-    return tuple(t[rank * m:(rank + 1) * m] for t in batch)
+    return tuple(t[rank * m : (rank + 1) * m] for t in batch)
 
 
-def _timed_step(step: Callable[[Batch], torch.Tensor], batch: Batch, n: int
-                ) -> tuple[float, float, float]:
+def _timed_step(
+    step: Callable[[Batch], torch.Tensor], batch: Batch, n: int
+) -> tuple[float, float, float]:
     """One step: the MAX over ranks of its wall and CPU time, and its loss averaged over ranks."""
     c0 = time.process_time()
     t0 = time.perf_counter()
@@ -122,8 +128,15 @@ def _timed_step(step: Callable[[Batch], torch.Tensor], batch: Batch, n: int
     return t[0].item(), t[1].item(), mean.item() / n
 
 
-def _measure(rank: int, s: BenchSettings, n: int, phase: str, names: list[str],
-             result: dict[str, Any], report: Callable[[str, int, int], None]) -> None:
+def _measure(
+    rank: int,
+    s: BenchSettings,
+    n: int,
+    phase: str,
+    names: list[str],
+    result: dict[str, Any],
+    report: Callable[[str, int, int], None],
+) -> None:
     spec = resolve_model(s.model, s.seq_len)
     unavailable: dict[str, str] = {}
     if any(library(x) == "deepspeed" for x in names):
@@ -169,33 +182,52 @@ def _measure(rank: int, s: BenchSettings, n: int, phase: str, names: list[str],
     order = []
     for r in range(measured):
         # Rotate, and reverse every other round, so no side always follows the same one.
-        rot = built[r % max(len(built), 1):] + built[: r % max(len(built), 1)]
+        rot = built[r % max(len(built), 1) :] + built[: r % max(len(built), 1)]
         order.append(list(rot if r % 2 == 0 else tuple(reversed(rot))))
         for name in order[-1]:
             run(name, 1, keep=True)
     result.update(
-        step_times_s=times, cpu_times_s=cpu, losses=losses, unavailable=unavailable,
-        round_order=order, peak_rss_bytes=_peak_rss_bytes(),
-        state_bytes={x: sides[x].state_bytes() for x in built})
+        step_times_s=times,
+        cpu_times_s=cpu,
+        losses=losses,
+        unavailable=unavailable,
+        round_order=order,
+        peak_rss_bytes=_peak_rss_bytes(),
+        state_bytes={x: sides[x].state_bytes() for x in built},
+    )
     for side in sides.values():
         side.close()
 
 
-def _worker(rank: int, s: BenchSettings, n: int, port: int, phase: str, names: list[str],
-            out_dir: str, progress: Any) -> None:
+def _worker(
+    rank: int,
+    s: BenchSettings,
+    n: int,
+    port: int,
+    phase: str,
+    names: list[str],
+    out_dir: str,
+    progress: Any,
+) -> None:
     # longboat.initialize finds the job through these variables and reuses the group we open.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                      LOCAL_SIZE=str(n))  # DeepSpeed's CPU accelerator counts "devices" by it
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(n),
+        LOCAL_WORLD_SIZE=str(n),
+        LOCAL_SIZE=str(n),
+    )  # DeepSpeed's CPU accelerator counts "devices" by it
     if sys.platform.startswith("linux"):
         # Pin gloo to loopback: the hostname may name an interface the other ranks cannot reach.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # DeepSpeed still calls the collectives by their pre-2.13 names: one warning per call site.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
     torch.set_num_threads(s.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=n,
-                            timeout=timedelta(seconds=s.timeout_s))
+    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=s.timeout_s))
     result: dict[str, Any] = {"rank": rank}
 
     def report(name: str, done: int, total: int) -> None:
@@ -231,8 +263,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(s: BenchSettings, n: int, phase: str, names: list[str],
-           on_progress: ProgressFn) -> Launch:
+def launch(
+    s: BenchSettings, n: int, phase: str, names: list[str], on_progress: ProgressFn
+) -> Launch:
     """One launch of ``n`` fresh ranks running ``names``; forwards rank 0's progress."""
     # Ranks fork from a server that imported torch and this module once: a launch then costs a
     # fork, not an interpreter start and a torch import per rank (seconds each), and the server
@@ -243,8 +276,13 @@ def launch(s: BenchSettings, n: int, phase: str, names: list[str],
     with tempfile.TemporaryDirectory(prefix="longboat-bench-") as tmp:
         crash = None
         try:
-            pc = mp.start_processes(_worker, args=(s, n, _free_port(), phase, names, tmp, q),
-                                    nprocs=n, join=False, start_method="forkserver")
+            pc = mp.start_processes(
+                _worker,
+                args=(s, n, _free_port(), phase, names, tmp, q),
+                nprocs=n,
+                join=False,
+                start_method="forkserver",
+            )
             while not pc.join(timeout=0.2):
                 _drain(q, on_progress)
         except Exception as e:  # judged below by what the ranks reported
@@ -252,13 +290,17 @@ def launch(s: BenchSettings, n: int, phase: str, names: list[str],
         _drain(q, on_progress)
         files = [Path(tmp, f"rank{r}.json") for r in range(n)]
         if not all(f.exists() for f in files):
-            raise BenchError(f"world size {n}, {phase} launch of {names}: a rank died before "
-                             f"it reported: {crash}")
+            raise BenchError(
+                f"world size {n}, {phase} launch of {names}: a rank died before "
+                f"it reported: {crash}"
+            )
         ranks = [json.loads(f.read_text()) for f in files]
     err = next((x for x in ranks if x.get("error")), None)
     if err is not None:
-        raise BenchError(f"world size {n}, {phase} launch of {names} failed on rank "
-                         f"{err['rank']}:\n{err['traceback']}")
+        raise BenchError(
+            f"world size {n}, {phase} launch of {names} failed on rank "
+            f"{err['rank']}:\n{err['traceback']}"
+        )
     return Launch(world_size=n, phase=phase, sides=names, ranks=ranks)
 
 
@@ -271,8 +313,9 @@ def _drain(q: Any, on_progress: ProgressFn) -> None:
         on_progress(name, done, total)
 
 
-def _row(s: BenchSettings, n: int, side: str, timing: Launch, memory: Launch | None
-         ) -> dict[str, Any]:
+def _row(
+    s: BenchSettings, n: int, side: str, timing: Launch, memory: Launch | None
+) -> dict[str, Any]:
     r0 = timing.ranks[0]
     t = r0["step_times_s"][side]
     # Spread: the interquartile range (0 for a single measured step).
@@ -281,14 +324,24 @@ def _row(s: BenchSettings, n: int, side: str, timing: Launch, memory: Launch | N
     gb = s.global_batch(n)
     mem_ranks = memory.ranks if memory is not None else None
     return {
-        "side": side, "library": library(side), "world_size": n, "global_batch": gb,
-        "micro_batch": gb // n, "measured_steps": len(t),
-        "step_time_median_s": med, "step_time_min_s": min(t), "step_time_max_s": max(t),
-        "step_time_iqr_s": q3 - q1, "cpu_time_median_s": statistics.median(r0["cpu_times_s"][side]),
-        "samples_per_s": gb / med, "speedup": None, "efficiency": None,
+        "side": side,
+        "library": library(side),
+        "world_size": n,
+        "global_batch": gb,
+        "micro_batch": gb // n,
+        "measured_steps": len(t),
+        "step_time_median_s": med,
+        "step_time_min_s": min(t),
+        "step_time_max_s": max(t),
+        "step_time_iqr_s": q3 - q1,
+        "cpu_time_median_s": statistics.median(r0["cpu_times_s"][side]),
+        "samples_per_s": gb / med,
+        "speedup": None,
+        "efficiency": None,
         "peak_rss_bytes_per_rank": [x["peak_rss_bytes"] for x in mem_ranks] if mem_ranks else None,
         "state_bytes_per_rank": [x["state_bytes"][side] for x in timing.ranks],
-        "losses": r0["losses"][side], "step_times_s": t,
+        "losses": r0["losses"][side],
+        "step_times_s": t,
     }
 
 
@@ -308,8 +361,9 @@ def run_bench(s: BenchSettings, on_progress: BenchProgressFn | None = None) -> d
         if importlib.util.find_spec("deepspeed") is None:
             unavailable["deepspeed"] = "not installed (pip install deepspeed to compare)"
             peers.remove("deepspeed")
-    names = [x for x in LONGBOAT_SIDES if x in s.strategies] + peer_sides(tuple(peers),
-                                                                           s.strategies)
+    names = [x for x in LONGBOAT_SIDES if x in s.strategies] + peer_sides(
+        tuple(peers), s.strategies
+    )
     rows: list[dict[str, Any]] = []
     orders: dict[str, Any] = {}
     t_start = time.perf_counter()
@@ -333,7 +387,11 @@ def run_bench(s: BenchSettings, on_progress: BenchProgressFn | None = None) -> d
         if r["side"] in base:
             r["speedup"] = r["samples_per_s"] / base[r["side"]]
             r["efficiency"] = r["speedup"] / r["world_size"]
-    return {"settings": {**asdict(s), "memory_steps_after_warmup": MEMORY_STEPS},
-            "model": resolve_model(s.model, s.seq_len).info,
-            "rows": rows, "unavailable": unavailable, "round_order": orders,
-            "wall_time_s": time.perf_counter() - t_start}
+    return {
+        "settings": {**asdict(s), "memory_steps_after_warmup": MEMORY_STEPS},
+        "model": resolve_model(s.model, s.seq_len).info,
+        "rows": rows,
+        "unavailable": unavailable,
+        "round_order": orders,
+        "wall_time_s": time.perf_counter() - t_start,
+    }

@@ -108,20 +108,25 @@ class _EngineSide:
 class LongboatSide(_EngineSide):
     """A longboat strategy through ``longboat.initialize``."""
 
-    def __init__(self, name: str, spec: ModelSpec, model: nn.Module, lr: float,
-                 micro_batch: int) -> None:
+    def __init__(
+        self, name: str, spec: ModelSpec, model: nn.Module, lr: float, micro_batch: int
+    ) -> None:
         import longboat
 
         self.name, self.spec = name, spec
-        config: dict[str, Any] = {"strategy": name, "batch": {"micro_batch_size": micro_batch},
-                                  "log": {"progress": False, "level": "WARNING"}}
+        config: dict[str, Any] = {
+            "strategy": name,
+            "batch": {"micro_batch_size": micro_batch},
+            "log": {"progress": False, "level": "WARNING"},
+        }
         if name.startswith("zero"):
             zero: dict[str, Any] = {"stage": int(name[-1])}
             if name == "zero3" and spec.unit_classes:
                 zero["unit_classes"] = list(spec.unit_classes)
             config.update(strategy="zero", zero=zero)
-        self.engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr),
-                                          config=config)
+        self.engine = longboat.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=lr), config=config
+        )
 
     def state_bytes(self) -> int | None:
         return self.engine.memory_report().total
@@ -133,8 +138,9 @@ class LongboatSide(_EngineSide):
 class _PlainSide:
     """A wrapped model trained with a plain torch optimizer (DDP, FSDP2)."""
 
-    def __init__(self, name: str, spec: ModelSpec, model: nn.Module, wrapped: nn.Module,
-                 lr: float) -> None:
+    def __init__(
+        self, name: str, spec: ModelSpec, model: nn.Module, wrapped: nn.Module, lr: float
+    ) -> None:
         self.name, self.spec, self.model, self.wrapped = name, spec, model, wrapped
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
@@ -204,16 +210,25 @@ def import_deepspeed() -> str | None:
 class DeepSpeedSide(_EngineSide):
     """``deepspeed.initialize`` at one ZeRO stage."""
 
-    def __init__(self, name: str, spec: ModelSpec, model: nn.Module, lr: float,
-                 micro_batch: int, world_size: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: ModelSpec,
+        model: nn.Module,
+        lr: float,
+        micro_batch: int,
+        world_size: int,
+    ) -> None:
         import deepspeed
 
         self.name, self.spec = name, spec
         threads = torch.get_num_threads()
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=opt,
-            config=deepspeed_config(int(name[-1]), micro_batch, world_size))
+            model=model,
+            optimizer=opt,
+            config=deepspeed_config(int(name[-1]), micro_batch, world_size),
+        )
         torch.set_num_threads(threads)  # DeepSpeed may change it
 
     def state_bytes(self) -> int | None:
@@ -223,8 +238,9 @@ class DeepSpeedSide(_EngineSide):
         pass
 
 
-def build_side(name: str, spec: ModelSpec, seed: int, lr: float, micro_batch: int,
-               world_size: int) -> Side:
+def build_side(
+    name: str, spec: ModelSpec, seed: int, lr: float, micro_batch: int, world_size: int
+) -> Side:
     """Build ``name`` on a model made right after ``torch.manual_seed(seed)``, so every side
     starts from the same weights."""
     torch.manual_seed(seed)

@@ -11,5 +11,12 @@ from longboat.checkpoint.load import LoadedCheckpoint, load
 from longboat.checkpoint.save import PHASES, save
 from longboat.checkpoint.tracker import Checkpointing
 
-__all__ = ["PHASES", "CheckpointError", "CheckpointNotFoundError", "Checkpointing",
-           "LoadedCheckpoint", "load", "save"]
+__all__ = [
+    "PHASES",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "Checkpointing",
+    "LoadedCheckpoint",
+    "load",
+    "save",
+]

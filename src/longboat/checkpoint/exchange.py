@@ -24,13 +24,14 @@ def gather_json(comm: Comm, obj: Any) -> list[Any]:
     comm.all_reduce(size, op="max")
     n = int(size.item())
     mine = torch.zeros(n + 8, dtype=torch.uint8)  # 8 bytes of length, then the text
-    mine[: 8 + len(data)] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little") + data),
-                                             dtype=torch.uint8)
+    mine[: 8 + len(data)] = torch.frombuffer(
+        bytearray(len(data).to_bytes(8, "little") + data), dtype=torch.uint8
+    )
     every = torch.empty((n + 8) * comm.world_size, dtype=torch.uint8)
     comm.all_gather(every, mine)
     out = []
     for chunk in every.view(comm.world_size, n + 8):
         raw = chunk.numpy().tobytes()
         length = int.from_bytes(raw[:8], "little")
-        out.append(json.loads(raw[8: 8 + length]))
+        out.append(json.loads(raw[8 : 8 + length]))
     return out

@@ -47,8 +47,11 @@ class ModelSpec:
             if not isinstance(t, torch.Tensor):
                 continue
             tied = first.setdefault(id(t), name)
-            out.append(TensorSpec(name, tuple(t.shape), dtype_name(t.dtype),
-                                  tied if tied != name else None))
+            out.append(
+                TensorSpec(
+                    name, tuple(t.shape), dtype_name(t.dtype), tied if tied != name else None
+                )
+            )
         return cls(tuple(out))
 
     @classmethod
@@ -57,8 +60,9 @@ class ModelSpec:
         specs = []
         for name, shape, dtype, tied in rows:
             dims = tuple(int(d) for d in shape)  # type: ignore[attr-defined]
-            specs.append(TensorSpec(str(name), dims, str(dtype),
-                                    None if tied is None else str(tied)))
+            specs.append(
+                TensorSpec(str(name), dims, str(dtype), None if tied is None else str(tied))
+            )
         return cls(tuple(specs))
 
     def rows(self) -> list[list[object]]:
@@ -74,20 +78,24 @@ class ModelSpec:
         naming each parameter; at most ``limit`` lines plus a count of the rest."""
         ours = {t.name: t for t in self.tensors}
         theirs = {t.name: t for t in model.tensors}
-        lines = [f"{n!r} is in the checkpoint but not in the model" for n in ours
-                 if n not in theirs]
-        lines += [f"{n!r} is in the model but not in the checkpoint" for n in theirs
-                  if n not in ours]
+        lines = [
+            f"{n!r} is in the checkpoint but not in the model" for n in ours if n not in theirs
+        ]
+        lines += [
+            f"{n!r} is in the model but not in the checkpoint" for n in theirs if n not in ours
+        ]
         for n, a in ours.items():
             b = theirs.get(n)
             if b is None:
                 continue
             if (a.shape, a.dtype) != (b.shape, b.dtype):
-                lines.append(f"{n!r}: checkpoint {a.dtype}{list(a.shape)}, model "
-                             f"{b.dtype}{list(b.shape)}")
+                lines.append(
+                    f"{n!r}: checkpoint {a.dtype}{list(a.shape)}, model {b.dtype}{list(b.shape)}"
+                )
             elif a.tied_to != b.tied_to:
-                lines.append(f"{n!r}: tied to {a.tied_to!r} in the checkpoint, to "
-                             f"{b.tied_to!r} in the model")
+                lines.append(
+                    f"{n!r}: tied to {a.tied_to!r} in the checkpoint, to {b.tied_to!r} in the model"
+                )
         if len(lines) > limit:
             lines = [*lines[:limit], f"... and {len(lines) - limit} more"]
         return lines

@@ -53,8 +53,9 @@ def _check_json(obj: Any, where: str) -> None:
     if isinstance(obj, dict):
         for k, v in obj.items():
             if not isinstance(k, (str, int)):
-                raise CheckpointError(f"{where} has a key {k!r} of type {type(k).__name__}; "
-                                      "JSON keys must be strings")
+                raise CheckpointError(
+                    f"{where} has a key {k!r} of type {type(k).__name__}; JSON keys must be strings"
+                )
             _check_json(v, f"{where}[{k!r}]")
         return
     if isinstance(obj, (list, tuple)):
@@ -64,7 +65,8 @@ def _check_json(obj: Any, where: str) -> None:
     raise CheckpointError(
         f"{where} is a {type(obj).__name__}, which a checkpoint cannot hold: it stores JSON "
         "(numbers, strings, lists, dicts) and tensors only, never pickles. Convert it (e.g. "
-        "tensor.tolist()) or save tensors through the model")
+        "tensor.tolist()) or save tensors through the model"
+    )
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -74,5 +76,7 @@ def read_json(path: Path, what: str) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"{what} '{path}' is missing") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{what} '{path}' is not valid JSON ({e}); the file is damaged "
-                              "or was not written by longboat") from None
+        raise CheckpointError(
+            f"{what} '{path}' is not valid JSON ({e}); the file is damaged "
+            "or was not written by longboat"
+        ) from None

@@ -25,8 +25,9 @@ def locate(path: str | os.PathLike[str]) -> Path:
         return p
     tag = layout.resolve(p, None) if p.is_dir() else None
     if tag is None:
-        raise CheckpointNotFoundError(f"'{p}' is neither a checkpoint (no {layout.MANIFEST}) "
-                                      "nor a directory of checkpoints")
+        raise CheckpointNotFoundError(
+            f"'{p}' is neither a checkpoint (no {layout.MANIFEST}) nor a directory of checkpoints"
+        )
     return p / tag
 
 
@@ -57,11 +58,15 @@ def describe(path: str | os.PathLike[str]) -> Description:
         *(f"    {p}" for p in problems),
     ]
     rows = [("tensor", "state", "shape", "dtype", "shards")]
-    rows += [(name, key, str(list(e.shape)), e.dtype, str(len(e.shards)))
-             for name, keys in sorted(m.tensors.items()) for key, e in sorted(keys.items())]
+    rows += [
+        (name, key, str(list(e.shape)), e.dtype, str(len(e.shards)))
+        for name, keys in sorted(m.tensors.items())
+        for key, e in sorted(keys.items())
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-              for r in rows]
+    lines += [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
     return Description("\n".join(lines), not problems)
 
 
@@ -89,14 +94,21 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
             e = m.tensors[source][MODEL]
             flat = torch.empty(e.numel, dtype=getattr(torch, e.dtype))
             for s in e.shards:
-                flat[s.start: s.end].copy_(files.slice(s.file, s.key, 0, s.end - s.start))
+                flat[s.start : s.end].copy_(files.slice(s.file, s.key, 0, s.end - s.start))
             full[t.name] = flat.view(e.shape)
     finally:
         files.close()
     target = Path(out)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    write_tensors(tmp, list(full.items()), {
-        "format": "pt", "longboat_tag": m.tag, "longboat_step": str(m.step),
-        "longboat_fingerprint": m.fingerprint})
+    write_tensors(
+        tmp,
+        list(full.items()),
+        {
+            "format": "pt",
+            "longboat_tag": m.tag,
+            "longboat_step": str(m.step),
+            "longboat_fingerprint": m.fingerprint,
+        },
+    )
     os.replace(tmp, target)
     return target

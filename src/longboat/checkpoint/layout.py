@@ -58,7 +58,8 @@ def check_tag(tag: str) -> None:
     if not is_valid_tag(tag):
         raise CheckpointError(
             f"checkpoint tag {tag!r} is invalid: use letters, digits and '._+-' (up to 128, not "
-            f"starting with '.' or '-', not {LATEST!r}), e.g. 'step-100'")
+            f"starting with '.' or '-', not {LATEST!r}), e.g. 'step-100'"
+        )
 
 
 def read_latest(root: Path) -> str | None:
@@ -119,8 +120,13 @@ def resolve(root: Path, tag: str | None) -> str | None:
         return None
     newest = found[-1][2]
     if pointed is not None:
-        log.warning("checkpoint pointer '%s' names %r, which is not a complete checkpoint; "
-                    "using the newest complete one, %r", root / LATEST, pointed, newest)
+        log.warning(
+            "checkpoint pointer '%s' names %r, which is not a complete checkpoint; "
+            "using the newest complete one, %r",
+            root / LATEST,
+            pointed,
+            newest,
+        )
     return newest
 
 

@@ -49,8 +49,13 @@ class LoadedCheckpoint:
         return self.resharded_from is not None
 
 
-def load(engine: Trained, directory: str | os.PathLike[str], tag: str | None = None, *,
-         allow_missing: bool = False) -> LoadedCheckpoint | None:
+def load(
+    engine: Trained,
+    directory: str | os.PathLike[str],
+    tag: str | None = None,
+    *,
+    allow_missing: bool = False,
+) -> LoadedCheckpoint | None:
     """Load a checkpoint into ``engine`` (see [Note: verified load]); every rank must call it.
 
     ``tag=None`` loads the one ``latest`` names (or, if that is damaged or missing, the newest
@@ -63,7 +68,8 @@ def load(engine: Trained, directory: str | os.PathLike[str], tag: str | None = N
         raise CheckpointError(
             f"load_checkpoint at micro-step {engine.micro_step}, between accumulation boundaries:"
             " the accumulated gradients would not match the loaded weights; load before training"
-            " or right after engine.step() returns True")
+            " or right after engine.step() returns True"
+        )
     try:
         found: tuple[str | None, str | None] = (layout.resolve(root, tag), None)
     except CheckpointError as e:
@@ -80,7 +86,8 @@ def load(engine: Trained, directory: str | os.PathLike[str], tag: str | None = N
         raise CheckpointNotFoundError(
             f"'{root}' holds no {what} (none named by '{layout.LATEST}', no directory with a "
             f"{layout.MANIFEST}); check the path, or pass allow_missing=True to start fresh when "
-            "there is none")
+            "there is none"
+        )
     path = root / chosen
 
     manifest, saved, error = None, None, None
@@ -116,11 +123,23 @@ def load(engine: Trained, directory: str | os.PathLike[str], tag: str | None = N
     rng.restore(own_rng)
     here = f"{engine.strategy.name} x {comm.world_size}"
     there = f"{manifest.strategy} x {manifest.world_size}"
-    log.info("checkpoint %r loaded from %s (step %d; written by %s%s)", manifest.tag, path,
-             manifest.step, there, "" if there == here else f", resharded to {here}")
-    return LoadedCheckpoint(path, manifest.tag, manifest.step, manifest.strategy,
-                            manifest.world_size, saved.get("client_state"),
-                            None if there == here else there)
+    log.info(
+        "checkpoint %r loaded from %s (step %d; written by %s%s)",
+        manifest.tag,
+        path,
+        manifest.step,
+        there,
+        "" if there == here else f", resharded to {here}",
+    )
+    return LoadedCheckpoint(
+        path,
+        manifest.tag,
+        manifest.step,
+        manifest.strategy,
+        manifest.world_size,
+        saved.get("client_state"),
+        None if there == here else there,
+    )
 
 
 def _check_model(engine: Trained, manifest: Manifest, path: Path) -> None:
@@ -130,9 +149,11 @@ def _check_model(engine: Trained, manifest: Manifest, path: Path) -> None:
     lines = manifest.model.differences(ours)
     raise CheckpointError(
         f"checkpoint '{path}' is for another model (fingerprint {manifest.fingerprint[:12]}, "
-        f"this model's {ours.fingerprint[:12]}):\n  " + "\n  ".join(lines) +
-        "\nload it into the model it was saved from (same parameter names, shapes, dtypes and "
-        "tied weights)")
+        f"this model's {ours.fingerprint[:12]}):\n  "
+        + "\n  ".join(lines)
+        + "\nload it into the model it was saved from (same parameter names, shapes, dtypes and "
+        "tied weights)"
+    )
 
 
 def _combine(verdicts: list[str | None]) -> str:
@@ -145,5 +166,4 @@ def _combine(verdicts: list[str | None]) -> str:
             by_msg.setdefault(v, []).append(r)
     if len(by_msg) == 1 and len(next(iter(by_msg.values()))) > 1:
         return next(iter(by_msg))
-    return "\n".join(f"{m} (found by rank {', '.join(map(str, rs))})"
-                     for m, rs in by_msg.items())
+    return "\n".join(f"{m} (found by rank {', '.join(map(str, rs))})" for m, rs in by_msg.items())

@@ -74,21 +74,34 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         body = {
-            "format": FORMAT, "version": VERSION, "tag": self.tag, "step": self.step,
-            "strategy": self.strategy, "world_size": self.world_size, "created": self.created,
+            "format": FORMAT,
+            "version": VERSION,
+            "tag": self.tag,
+            "step": self.step,
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "created": self.created,
             "model": {"fingerprint": self.fingerprint, "tensors": self.model.rows()},
-            "tensors": {n: {k: {"shape": list(e.shape), "dtype": e.dtype,
-                                "shards": [vars(s) for s in e.shards]}
-                            for k, e in keys.items()}
-                        for n, keys in self.tensors.items()},
+            "tensors": {
+                n: {
+                    k: {
+                        "shape": list(e.shape),
+                        "dtype": e.dtype,
+                        "shards": [vars(s) for s in e.shards],
+                    }
+                    for k, e in keys.items()
+                }
+                for n, keys in self.tensors.items()
+            },
             "files": self.files,
         }
         return {**body, "checksum": _digest(body)}
 
 
 def _digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                                     allow_nan=True).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    ).hexdigest()
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -98,12 +111,16 @@ def read_manifest(path: Path) -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is not a longboat checkpoint manifest")
     if raw.get("version") != VERSION:
-        raise CheckpointError(f"'{path}' has format version {raw.get('version')!r}; this "
-                              f"longboat reads version {VERSION}: use a matching longboat")
+        raise CheckpointError(
+            f"'{path}' has format version {raw.get('version')!r}; this "
+            f"longboat reads version {VERSION}: use a matching longboat"
+        )
     body = {k: v for k, v in raw.items() if k != "checksum"}
     if raw.get("checksum") != _digest(body):
-        raise CheckpointError(f"'{path}' does not match its own checksum: the manifest was "
-                              "damaged or edited; the checkpoint cannot be trusted")
+        raise CheckpointError(
+            f"'{path}' does not match its own checksum: the manifest was "
+            "damaged or edited; the checkpoint cannot be trusted"
+        )
     try:
         return _parse(body, path)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -113,41 +130,60 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def _parse(body: dict[str, Any], path: Path) -> Manifest:
-    files = {str(f): {"sha256": str(v["sha256"]), "bytes": int(v["bytes"])}
-             for f, v in body["files"].items()}
+    files = {
+        str(f): {"sha256": str(v["sha256"]), "bytes": int(v["bytes"])}
+        for f, v in body["files"].items()
+    }
     for f in files:
         if not _FILE.fullmatch(f):
             raise CheckpointError(f"'{path}' lists a file {f!r} that is not a plain file name")
     model = ModelSpec.from_rows(body["model"]["tensors"])
     if model.fingerprint != body["model"]["fingerprint"]:
-        raise CheckpointError(f"'{path}': the recorded fingerprint does not match the recorded "
-                              "model table; the manifest is inconsistent")
+        raise CheckpointError(
+            f"'{path}': the recorded fingerprint does not match the recorded "
+            "model table; the manifest is inconsistent"
+        )
     tensors: dict[str, dict[str, TensorEntry]] = {}
     for name, keys in body["tensors"].items():
         for key, e in keys.items():
-            shards = tuple(Shard(str(s["file"]), str(s["key"]), int(s["start"]), int(s["end"]),
-                                 str(s["sha256"])) for s in e["shards"])
+            shards = tuple(
+                Shard(
+                    str(s["file"]), str(s["key"]), int(s["start"]), int(s["end"]), str(s["sha256"])
+                )
+                for s in e["shards"]
+            )
             entry = TensorEntry(tuple(int(d) for d in e["shape"]), str(e["dtype"]), shards)
             _check_cover(path, name, key, entry, files)
             tensors.setdefault(str(name), {})[str(key)] = entry
     for t in model.tensors:
         if t.tied_to is None and "model" not in tensors.get(t.name, {}):
             raise CheckpointError(f"'{path}' has no data for model tensor {t.name!r}")
-    return Manifest(str(body["tag"]), int(body["step"]), str(body["strategy"]),
-                    int(body["world_size"]), model, model.fingerprint, tensors, files,
-                    float(body.get("created", 0.0)))
+    return Manifest(
+        str(body["tag"]),
+        int(body["step"]),
+        str(body["strategy"]),
+        int(body["world_size"]),
+        model,
+        model.fingerprint,
+        tensors,
+        files,
+        float(body.get("created", 0.0)),
+    )
 
 
-def _check_cover(path: Path, name: str, key: str, e: TensorEntry,
-                 files: dict[str, Any]) -> None:
+def _check_cover(path: Path, name: str, key: str, e: TensorEntry, files: dict[str, Any]) -> None:
     pos = 0
     for s in sorted(e.shards, key=lambda s: s.start):
         if s.file not in files:
-            raise CheckpointError(f"'{path}': {key} of {name!r} points at {s.file!r}, which the "
-                                  "manifest does not list")
+            raise CheckpointError(
+                f"'{path}': {key} of {name!r} points at {s.file!r}, which the "
+                "manifest does not list"
+            )
         if s.start > pos:
             break
         pos = max(pos, s.end)
     if pos < e.numel:
-        raise CheckpointError(f"'{path}': elements [{pos}, {e.numel}) of {key} of {name!r} are "
-                              "in no shard; the checkpoint is incomplete")
+        raise CheckpointError(
+            f"'{path}': elements [{pos}, {e.numel}) of {key} of {name!r} are "
+            "in no shard; the checkpoint is incomplete"
+        )

@@ -15,8 +15,11 @@ def capture() -> dict[str, Any]:
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss],
         "torch": torch.get_rng_state().tolist(),
-        "cuda": ([s.tolist() for s in torch.cuda.get_rng_state_all()]
-                 if torch.cuda.is_available() and torch.cuda.is_initialized() else None),
+        "cuda": (
+            [s.tolist() for s in torch.cuda.get_rng_state_all()]
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        ),
         "numpy": None,
     }
     try:

@@ -58,8 +58,10 @@ def assign_replicated(pieces: list[Piece]) -> dict[tuple[str, str, int], int]:
             by_holders.setdefault(p.replicas, []).append(p)
     owner = {}
     for holders, group in by_holders.items():
-        order = sorted(group, key=lambda p: (-p.tensor.numel() * p.tensor.element_size(),
-                                             p.name, p.key, p.start))
+        order = sorted(
+            group,
+            key=lambda p: (-p.tensor.numel() * p.tensor.element_size(), p.name, p.key, p.start),
+        )
         load = [0] * len(holders)
         for p in order:
             i = min(range(len(holders)), key=lambda i: (load[i], i))
@@ -68,8 +70,14 @@ def assign_replicated(pieces: list[Piece]) -> dict[tuple[str, str, int], int]:
     return owner
 
 
-def save(engine: Trained, directory: str | os.PathLike[str], tag: str | None = None,
-         client_state: Any = None, *, on_phase: Callable[[str], None] | None = None) -> Path:
+def save(
+    engine: Trained,
+    directory: str | os.PathLike[str],
+    tag: str | None = None,
+    client_state: Any = None,
+    *,
+    on_phase: Callable[[str], None] | None = None,
+) -> Path:
     """Write a checkpoint of ``engine`` under ``directory/tag`` (see [Note: atomic save]).
 
     Every rank must call it, with the same tag. Returns the checkpoint's path.
@@ -80,14 +88,17 @@ def save(engine: Trained, directory: str | os.PathLike[str], tag: str | None = N
         raise CheckpointError(
             f"save_checkpoint at micro-step {engine.micro_step}, between accumulation boundaries"
             f" (every {engine.accumulation_steps}): the gradients accumulated so far would be "
-            "lost; save right after engine.step() returns True")
+            "lost; save right after engine.step() returns True"
+        )
     tag = str(tag) if tag is not None else layout.default_tag(engine.global_step)
     agreed = gather_json(comm, (tag, uuid.uuid4().hex[:12]))
     tags = [t for t, _ in agreed]
     if len(set(tags)) > 1:
         ranks = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
-        raise CheckpointError(f"ranks disagree on the checkpoint tag ({ranks}); pass the same "
-                              "tag on every rank, or none (the step number is used)")
+        raise CheckpointError(
+            f"ranks disagree on the checkpoint tag ({ranks}); pass the same "
+            "tag on every rank, or none (the step number is used)"
+        )
     layout.check_tag(tag)
     root = Path(directory)
     tmp = root / f"{layout.TMP_PREFIX}{tag}-{agreed[0][1]}"
@@ -99,15 +110,15 @@ def save(engine: Trained, directory: str | os.PathLike[str], tag: str | None = N
     except Exception as e:  # shared with the other ranks below, so that none hangs
         error = e
     phase("files_written")
-    reports = gather_json(comm, (f"{type(error).__name__}: {error}" if error else None,
-                                      report))
+    reports = gather_json(comm, (f"{type(error).__name__}: {error}" if error else None, report))
     failed = {r: msg for r, (msg, _) in enumerate(reports) if msg}
     if failed:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         what = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise CheckpointError(f"checkpoint {tag!r} was not saved ({what}); the previous "
-                              "checkpoint is untouched") from error
+        raise CheckpointError(
+            f"checkpoint {tag!r} was not saved ({what}); the previous checkpoint is untouched"
+        ) from error
 
     outcome = None
     if rank == 0:
@@ -120,9 +131,10 @@ def save(engine: Trained, directory: str | os.PathLike[str], tag: str | None = N
             phase(name)
     outcomes = gather_json(comm, outcome)
     if outcomes[0]:
-        raise CheckpointError(f"checkpoint {tag!r} was not published by rank 0 "
-                              f"({outcomes[0]}); the previous checkpoint is untouched"
-                              ) from error
+        raise CheckpointError(
+            f"checkpoint {tag!r} was not published by rank 0 "
+            f"({outcomes[0]}); the previous checkpoint is untouched"
+        ) from error
     log.info("checkpoint %r saved to %s (step %d)", tag, root / tag, engine.global_step)
     return root / tag
 
@@ -133,26 +145,50 @@ def _write_rank_files(engine: Trained, tmp: Path, client_state: Any) -> dict[str
     tmp.mkdir(parents=True, exist_ok=True)
     state = engine.strategy.checkpoint_state(engine.model, engine.optimizer)
     owner = assign_replicated(state.pieces)
-    mine = [p for p in state.pieces
-            if not p.replicated or owner[(p.name, p.key, p.start)] == comm.rank]
+    mine = [
+        p for p in state.pieces if not p.replicated or owner[(p.name, p.key, p.start)] == comm.rank
+    ]
     tfile = layout.tensor_file(comm.rank)
-    record = write_tensors(tmp / tfile, [(_key(p), p.tensor) for p in mine],
-                           {"format": "longboat-checkpoint", "rank": str(comm.rank)})
+    record = write_tensors(
+        tmp / tfile,
+        [(_key(p), p.tensor) for p in mine],
+        {"format": "longboat-checkpoint", "rank": str(comm.rank)},
+    )
     files = {tfile: record}
-    index = [[p.name, p.key, list(p.shape), dtype_name(p.tensor.dtype), p.start, p.end, tfile,
-              _key(p), record.tensors[_key(p)]] for p in mine]
+    index = [
+        [
+            p.name,
+            p.key,
+            list(p.shape),
+            dtype_name(p.tensor.dtype),
+            p.start,
+            p.end,
+            tfile,
+            _key(p),
+            record.tensors[_key(p)],
+        ]
+        for p in mine
+    ]
     per_rank = {"rank": comm.rank, "rng": rng.capture(), "optimizer_scalars": state.scalars}
     rfile = layout.rank_file(comm.rank)
     files[rfile] = write_json(tmp / rfile, to_json_bytes(per_rank, f"rank {comm.rank} state"))
     if comm.rank == 0:
         saved = trainstate.capture(engine, state.groups, client_state)
         files[layout.STATE] = write_json(tmp / layout.STATE, to_json_bytes(saved, "state"))
-    return {"files": {f: {"sha256": r.sha256, "bytes": r.bytes} for f, r in files.items()},
-            "index": index}
+    return {
+        "files": {f: {"sha256": r.sha256, "bytes": r.bytes} for f, r in files.items()},
+        "index": index,
+    }
 
 
-def _publish(engine: Trained, root: Path, tmp: Path, tag: str, reports: list[dict[str, Any]],
-             phase: Callable[[str], None]) -> None:
+def _publish(
+    engine: Trained,
+    root: Path,
+    tmp: Path,
+    tag: str,
+    reports: list[dict[str, Any]],
+    phase: Callable[[str], None],
+) -> None:
     """Rank 0: manifest, rename into place, move ``latest``, prune (see [Note: atomic save])."""
     tensors: dict[str, dict[str, TensorEntry]] = {}
     files: dict[str, dict[str, Any]] = {}
@@ -161,11 +197,19 @@ def _publish(engine: Trained, root: Path, tmp: Path, tag: str, reports: list[dic
         for name, key, shape, dtype, start, end, file, fkey, sha in rep["index"]:
             e = tensors.setdefault(name, {}).get(key)
             shard = Shard(file, fkey, start, end, sha)
-            tensors[name][key] = TensorEntry(tuple(shape), dtype,
-                                             (*(e.shards if e else ()), shard))
+            tensors[name][key] = TensorEntry(tuple(shape), dtype, (*(e.shards if e else ()), shard))
     spec = engine.checkpointing.spec
-    manifest = Manifest(tag, engine.global_step, engine.strategy.name, engine.control.world_size,
-                        spec, spec.fingerprint, tensors, files, time.time())
+    manifest = Manifest(
+        tag,
+        engine.global_step,
+        engine.strategy.name,
+        engine.control.world_size,
+        spec,
+        spec.fingerprint,
+        tensors,
+        files,
+        time.time(),
+    )
     write_json(tmp / layout.MANIFEST, to_json_bytes(manifest.to_json(), "manifest"))
     fsync_dir(tmp)
     phase("manifest_written")

@@ -17,8 +17,7 @@ from longboat.strategies.pieces import OPTIM
 class ManifestSource:
     """Reads the slices a strategy asks for from the shards a manifest lists."""
 
-    def __init__(self, path: Path, manifest: Manifest, scalars: dict[str, dict[str, Any]]
-                 ) -> None:
+    def __init__(self, path: Path, manifest: Manifest, scalars: dict[str, dict[str, Any]]) -> None:
         self.path = path
         self.manifest = manifest
         self._scalars = scalars
@@ -36,13 +35,16 @@ class ManifestSource:
         if entry is None:
             raise CheckpointError(f"checkpoint '{self.path}' has no {key} for {name!r}")
         if end > entry.numel or out.numel() != end - start:
-            raise CheckpointError(f"{key} of {name!r}: asked for elements [{start}, {end}) "
-                                  f"of a saved tensor with {entry.numel}")
+            raise CheckpointError(
+                f"{key} of {name!r}: asked for elements [{start}, {end}) "
+                f"of a saved tensor with {entry.numel}"
+            )
         for s in entry.shards:
             a, b = max(start, s.start), min(end, s.end)
             if a < b:
-                out[a - start: b - start].copy_(
-                    self._files.slice(s.file, s.key, a - s.start, b - s.start))
+                out[a - start : b - start].copy_(
+                    self._files.slice(s.file, s.key, a - s.start, b - s.start)
+                )
 
     def close(self) -> None:
         self._files.close()

@@ -25,9 +25,16 @@ from longboat.checkpoint.errors import CheckpointError
 
 # safetensors' dtype names.
 DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 _CHUNK = 8 << 20
 
@@ -44,8 +51,10 @@ class FileRecord:
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a tensor, without a copy when it is already contiguous on the CPU."""
     if t.dtype not in DTYPE_NAMES:
-        raise CheckpointError(f"tensors of dtype {t.dtype} cannot be checkpointed yet; "
-                              f"supported: {', '.join(str(d) for d in DTYPE_NAMES)}")
+        raise CheckpointError(
+            f"tensors of dtype {t.dtype} cannot be checkpointed yet; "
+            f"supported: {', '.join(str(d) for d in DTYPE_NAMES)}"
+        )
     t = t.detach().reshape(-1)
     if t.device.type != "cpu":
         t = t.cpu()
@@ -53,8 +62,9 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def write_tensors(path: Path, tensors: list[tuple[str, torch.Tensor]],
-                  metadata: dict[str, str] | None = None) -> FileRecord:
+def write_tensors(
+    path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
+) -> FileRecord:
     """Write 1-D-flattened ``tensors`` (key, tensor) to ``path`` as safetensors and fsync it.
 
     Tensors are stored with their own shape. Returns the SHA-256 of the file and of each
@@ -66,8 +76,11 @@ def write_tensors(path: Path, tensors: list[tuple[str, torch.Tensor]],
         if key in header:
             raise CheckpointError(f"tensor key {key!r} appears twice in '{path.name}'")
         n = t.numel() * t.element_size()
-        header[key] = {"dtype": DTYPE_NAMES.get(t.dtype, str(t.dtype)), "shape": list(t.shape),
-                       "data_offsets": [offset, offset + n]}
+        header[key] = {
+            "dtype": DTYPE_NAMES.get(t.dtype, str(t.dtype)),
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)  # data starts 8-byte aligned, as safetensors does
@@ -142,8 +155,11 @@ def _spans(f: Any, size: int, whole: Any) -> list[tuple[str, int]]:
     whole.update(text)
     try:
         header = json.loads(text)
-        entries = sorted((v["data_offsets"][0], v["data_offsets"][1], k)
-                         for k, v in header.items() if k != "__metadata__")
+        entries = sorted(
+            (v["data_offsets"][0], v["data_offsets"][1], k)
+            for k, v in header.items()
+            if k != "__metadata__"
+        )
     except (ValueError, TypeError, KeyError, AttributeError):
         return []
     spans, pos = [], 0
@@ -171,8 +187,9 @@ class TensorFiles:
             try:
                 handle = self._open[file] = safe_open(str(self.root / file), framework="pt")
             except Exception as e:  # safetensors raises its own SafetensorError
-                raise CheckpointError(f"'{self.root / file}' cannot be read as safetensors: "
-                                      f"{e}") from None
+                raise CheckpointError(
+                    f"'{self.root / file}' cannot be read as safetensors: {e}"
+                ) from None
         return handle.get_slice(key)[start:end]  # type: ignore[attr-defined]
 
     def close(self) -> None:

@@ -52,4 +52,4 @@ class Checkpointing:
         live = [lo for r in self._loaders if (lo := r()) is not None]
         for lo, st in zip(live, states, strict=False):
             lo.load_state_dict(st)
-        self._pending = [None] * len(live) + list(states[len(live):])
+        self._pending = [None] * len(live) + list(states[len(live) :])

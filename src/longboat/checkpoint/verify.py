@@ -28,13 +28,18 @@ def file_problems(path: Path, manifest: Manifest, names: list[str]) -> list[str]
         if got.sha256 == rec["sha256"] and got.bytes == rec["bytes"]:
             continue
         got = checksum(p, per_tensor=True)  # a second pass, only for a file that failed
-        what = (f"has {got.bytes} bytes where the manifest records {rec['bytes']}"
-                if got.bytes != rec["bytes"] else "does not match its checksum")
-        changed = [desc for k, (desc, sha) in wanted.get(f, {}).items()
-                   if got.tensors.get(k) != sha]
+        what = (
+            f"has {got.bytes} bytes where the manifest records {rec['bytes']}"
+            if got.bytes != rec["bytes"]
+            else "does not match its checksum"
+        )
+        changed = [
+            desc for k, (desc, sha) in wanted.get(f, {}).items() if got.tensors.get(k) != sha
+        ]
         detail = f"; tensors affected: {', '.join(changed[:6])}" if changed else ""
-        problems.append(f"'{p}' {what} (SHA-256 {got.sha256}, the manifest records "
-                        f"{rec['sha256']}){detail}")
+        problems.append(
+            f"'{p}' {what} (SHA-256 {got.sha256}, the manifest records {rec['sha256']}){detail}"
+        )
     return problems
 
 
@@ -56,5 +61,6 @@ def verify_files(path: Path, manifest: Manifest, rank: int, world_size: int) -> 
     mine = share(manifest, rank, world_size)
     problems = file_problems(path, manifest, mine)
     if problems:
-        raise CheckpointError("checkpoint files failed verification, nothing was loaded:\n  "
-                              + "\n  ".join(problems))
+        raise CheckpointError(
+            "checkpoint files failed verification, nothing was loaded:\n  " + "\n  ".join(problems)
+        )

@@ -16,8 +16,9 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect a longboat configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-checkpoint_app = typer.Typer(help="Inspect or consolidate a longboat checkpoint.",
-                             no_args_is_help=True)
+checkpoint_app = typer.Typer(
+    help="Inspect or consolidate a longboat checkpoint.", no_args_is_help=True
+)
 app.add_typer(checkpoint_app, name="checkpoint")
 
 USAGE_EXIT = 2

@@ -14,20 +14,26 @@ from longboat.cli.app import app, usage_error
 @app.command()
 def bench(
     model: str = options.MODEL,
-    strategies: str = typer.Option("single,replicate,zero1,zero2,zero3", "--strategies",
-                                   help="longboat strategies, comma-separated"),
-    peers: str = typer.Option("ddp,fsdp2,deepspeed", "--peers",
-                              help="peers to compare, comma-separated ('' for none)"),
+    strategies: str = typer.Option(
+        "single,replicate,zero1,zero2,zero3",
+        "--strategies",
+        help="longboat strategies, comma-separated",
+    ),
+    peers: str = typer.Option(
+        "ddp,fsdp2,deepspeed", "--peers", help="peers to compare, comma-separated ('' for none)"
+    ),
     world_sizes: str = typer.Option("1,2", "--world-sizes", help="e.g. 1,2,4"),
     micro_batch: int = options.MICRO_BATCH,
     seq_len: int = typer.Option(128, "--seq-len", help="tokens per sequence (GPT models)"),
     warmup: int = typer.Option(2, "--warmup", help="unmeasured steps per side"),
     steps: int = typer.Option(10, "--steps", help="measured steps per side"),
-    scaling: str = typer.Option("weak", "--scaling",
-                                help="weak: same micro-batch per rank; strong: same global batch"),
+    scaling: str = typer.Option(
+        "weak", "--scaling", help="weak: same micro-batch per rank; strong: same global batch"
+    ),
     threads: int = typer.Option(1, "--threads", help="torch threads per rank"),
-    memory: bool = typer.Option(True, "--memory/--no-memory",
-                                help="also run each side alone for its peak RSS"),
+    memory: bool = typer.Option(
+        True, "--memory/--no-memory", help="also run each side alone for its peak RSS"
+    ),
     out: Path = typer.Option(Path("bench-results"), "--out", help="directory for the outputs"),
 ) -> None:
     """Measure step time, throughput, scaling and memory of strategies and peers."""
@@ -37,9 +43,18 @@ def bench(
 
     try:
         settings = settings_from_flags(
-            model=model, strategies=strategies, peers=peers, world_sizes=world_sizes,
-            micro_batch=micro_batch, seq_len=seq_len, warmup=warmup, steps=steps,
-            scaling=scaling, threads=threads, memory=memory)
+            model=model,
+            strategies=strategies,
+            peers=peers,
+            world_sizes=world_sizes,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            warmup=warmup,
+            steps=steps,
+            scaling=scaling,
+            threads=threads,
+            memory=memory,
+        )
         run_bench(settings, out)
     except BenchUsageError as e:
         raise usage_error(str(e)) from None

@@ -13,16 +13,20 @@ from longboat.cli.app import checkpoint_app, usage_error
 @checkpoint_app.command("inspect")
 def checkpoint_inspect(
     directory: Path = typer.Argument(
-        ..., metavar="DIR", help="a checkpoint (tag directory), or a directory of checkpoints "
-        "(its latest is shown)"),
+        ...,
+        metavar="DIR",
+        help="a checkpoint (tag directory), or a directory of checkpoints (its latest is shown)",
+    ),
 ) -> None:
     """Show what a checkpoint holds and whether every file matches its SHA-256 (exit 1 if not)."""
     from longboat.checkpoint import CheckpointNotFoundError
     from longboat.checkpoint.inspect import describe
 
     if not directory.is_dir():
-        raise usage_error(f"checkpoint directory {str(directory)!r} does not exist: give the "
-                           "directory save_checkpoint wrote, or one of its tag directories")
+        raise usage_error(
+            f"checkpoint directory {str(directory)!r} does not exist: give the "
+            "directory save_checkpoint wrote, or one of its tag directories"
+        )
     try:
         found = describe(directory)
     except CheckpointNotFoundError as e:
@@ -34,8 +38,10 @@ def checkpoint_inspect(
 @checkpoint_app.command("consolidate")
 def checkpoint_consolidate(
     directory: Path = typer.Argument(
-        ..., metavar="DIR", help="a checkpoint (tag directory), or a directory of checkpoints "
-        "(its latest is used)"),
+        ...,
+        metavar="DIR",
+        help="a checkpoint (tag directory), or a directory of checkpoints (its latest is used)",
+    ),
     out: Path = typer.Argument(..., metavar="OUT.safetensors", help="the file to write"),
 ) -> None:
     """Write the model's full weights as one plain safetensors file (model.load_state_dict
@@ -44,13 +50,14 @@ def checkpoint_consolidate(
     from longboat.checkpoint.inspect import consolidate
 
     if not directory.is_dir():
-        raise usage_error(f"checkpoint directory {str(directory)!r} does not exist: give the "
-                           "directory save_checkpoint wrote, or one of its tag directories")
+        raise usage_error(
+            f"checkpoint directory {str(directory)!r} does not exist: give the "
+            "directory save_checkpoint wrote, or one of its tag directories"
+        )
     if out.suffix != ".safetensors":
         raise usage_error(f"output {str(out)!r} must end in .safetensors, e.g. model.safetensors")
     if not out.parent.is_dir():
-        raise usage_error(f"output directory {str(out.parent)!r} does not exist: create it "
-                           "first")
+        raise usage_error(f"output directory {str(out.parent)!r} does not exist: create it first")
     try:
         written = consolidate(directory, out)
     except CheckpointNotFoundError as e:

@@ -18,20 +18,30 @@ def doctor_command(
     master_addr: str = options.MASTER_ADDR,
     master_port: int | None = options.MASTER_PORT,
     config: Path | None = options.config_file(
-        "check this config's batch arithmetic for the world size"),
+        "check this config's batch arithmetic for the world size"
+    ),
     backend: str | None = typer.Option(
-        None, "--backend", help="gloo, nccl or mpi (default: nccl with CUDA, else gloo)"),
+        None, "--backend", help="gloo, nccl or mpi (default: nccl with CUDA, else gloo)"
+    ),
     rdzv_timeout: int = typer.Option(
-        60, "--rdzv-timeout", help="seconds to wait for all ranks and nodes to join"),
+        60, "--rdzv-timeout", help="seconds to wait for all ranks and nodes to join"
+    ),
 ) -> None:
     """Check that a job can run here (versions, backend, network, shared memory, config);
     each problem comes with its fix. Exit 0 only when no check fails."""
     from longboat.launch.doctor import DoctorOptions, doctor
     from longboat.launch.run import LaunchUsageError
 
-    opts = DoctorOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                         master_addr=master_addr, master_port=master_port, config=config,
-                         backend=backend, timeout_s=rdzv_timeout)
+    opts = DoctorOptions(
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        config=config,
+        backend=backend,
+        timeout_s=rdzv_timeout,
+    )
     try:
         code = doctor(opts)
     except LaunchUsageError as e:

@@ -6,17 +6,23 @@ from pathlib import Path
 
 import typer
 
-NPROC_PER_NODE = typer.Option(1, "-n", "--nproc-per-node", help="ranks (worker processes) on "
-                              "this node")
+NPROC_PER_NODE = typer.Option(
+    1, "-n", "--nproc-per-node", help="ranks (worker processes) on this node"
+)
 NNODES = typer.Option(1, "--nnodes", help="number of nodes in the job")
 NODE_RANK = typer.Option(0, "--node-rank", help="this node's rank, 0 to nnodes-1")
-MASTER_ADDR = typer.Option("127.0.0.1", "--master-addr",
-                           help="address of node 0, which hosts the rendezvous")
-MASTER_PORT = typer.Option(None, "--master-port",
-                           help="port on node 0 (default: a free port; single node only)")
+MASTER_ADDR = typer.Option(
+    "127.0.0.1", "--master-addr", help="address of node 0, which hosts the rendezvous"
+)
+MASTER_PORT = typer.Option(
+    None, "--master-port", help="port on node 0 (default: a free port; single node only)"
+)
 MICRO_BATCH = typer.Option(8, "--micro-batch", help="samples per rank per forward")
-MODEL = typer.Option("reference-gpt", "--model", help="reference-gpt, digits-cnn, tiny-gpt, gpt "
-                     "(plan) or package.module:factory")
+MODEL = typer.Option(
+    "reference-gpt",
+    "--model",
+    help="reference-gpt, digits-cnn, tiny-gpt, gpt (plan) or package.module:factory",
+)
 
 
 def config_file(help: str) -> Path | None:

@@ -15,21 +15,28 @@ from longboat.cli.app import app, usage_error
 def plan(
     model: str = options.MODEL,
     model_args: str | None = typer.Option(
-        None, "--model-args",
-        help='JSON keyword arguments for the model, e.g. \'{"d_model": 1024}\''),
+        None,
+        "--model-args",
+        help="JSON keyword arguments for the model, e.g. '{\"d_model\": 1024}'",
+    ),
     micro_batch: int = options.MICRO_BATCH,
     seq_len: int | None = typer.Option(
-        None, "--seq-len", help="tokens per sample for GPT models (default: the model's)"),
+        None, "--seq-len", help="tokens per sample for GPT models (default: the model's)"
+    ),
     world_size: int = typer.Option(2, "--world-size", help="number of ranks"),
     precision: str | None = typer.Option(
-        None, "--precision", help="fp32, bf16 or fp16 (default: the config's, else fp32)"),
+        None, "--precision", help="fp32, bf16 or fp16 (default: the config's, else fp32)"
+    ),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam, sgd or sgd-momentum"),
     budget: str | None = typer.Option(
-        None, "--budget", help="memory per rank, e.g. 8GiB; exit 1 if no strategy fits"),
+        None, "--budget", help="memory per rank, e.g. 8GiB; exit 1 if no strategy fits"
+    ),
     strategies: str | None = typer.Option(
-        None, "--strategies", help="comma-separated, from single,replicate,zero-1,zero-2,zero-3"),
+        None, "--strategies", help="comma-separated, from single,replicate,zero-1,zero-2,zero-3"
+    ),
     config_file: Path | None = options.config_file(
-        "a longboat config: bucket sizes, ZeRO units, precision"),
+        "a longboat config: bucket sizes, ZeRO units, precision"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
     """Predict per-rank memory and communication of each strategy, allocating nothing."""
@@ -40,8 +47,19 @@ def plan(
     if precision is not None and precision not in ("fp32", "bf16", "fp16"):
         raise usage_error(f"--precision {precision!r} is invalid: use fp32, bf16 or fp16")
     try:
-        text, code = run_plan(model, model_args, micro_batch, seq_len, world_size, precision,
-                              optimizer, budget, strategies, config_file, as_json)
+        text, code = run_plan(
+            model,
+            model_args,
+            micro_batch,
+            seq_len,
+            world_size,
+            precision,
+            optimizer,
+            budget,
+            strategies,
+            config_file,
+            as_json,
+        )
     except (PlanInputError, ConfigError) as e:
         raise usage_error(str(e)) from None
     print(text)

@@ -42,12 +42,15 @@ def run(
         900, "--rdzv-timeout", help="seconds to wait for all nodes to join"
     ),
     grace_period: int = typer.Option(
-        30, "--grace-period", help="on SIGTERM/SIGINT, seconds the workers get to finish "
-        "(e.g. write a final checkpoint) before they are killed"
+        30,
+        "--grace-period",
+        help="on SIGTERM/SIGINT, seconds the workers get to finish "
+        "(e.g. write a final checkpoint) before they are killed",
     ),
     doctor: bool = typer.Option(
-        False, "--doctor", help="run `longboat doctor` with these options first; start SCRIPT "
-        "only if no check fails"
+        False,
+        "--doctor",
+        help="run `longboat doctor` with these options first; start SCRIPT only if no check fails",
     ),
 ) -> None:
     """Run SCRIPT on N processes per node (a drop-in for torchrun)."""
@@ -80,11 +83,20 @@ def _preflight(opts: RunOptions) -> None:
     """``run --doctor``: the doctor's checks for this run; exit 1 without starting on failure."""
     from longboat.launch.doctor import DoctorOptions, doctor
 
-    code = doctor(DoctorOptions(
-        nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, node_rank=opts.node_rank,
-        master_addr=opts.master_addr, master_port=opts.master_port,
-        timeout_s=min(opts.rdzv_timeout_s, 60)))
+    code = doctor(
+        DoctorOptions(
+            nproc_per_node=opts.nproc_per_node,
+            nnodes=opts.nnodes,
+            node_rank=opts.node_rank,
+            master_addr=opts.master_addr,
+            master_port=opts.master_port,
+            timeout_s=min(opts.rdzv_timeout_s, 60),
+        )
+    )
     if code != 0:
-        print(f"longboat: not starting {opts.script}: fix the problems above (or drop --doctor)",
-              file=sys.stderr, flush=True)
+        print(
+            f"longboat: not starting {opts.script}: fix the problems above (or drop --doctor)",
+            file=sys.stderr,
+            flush=True,
+        )
         raise typer.Exit(code)

@@ -48,13 +48,13 @@ class Bucket:
     def flags(self) -> torch.Tensor:
         """The usage flags of [Note: usage flags], one per parameter, in ``params`` order."""
         assert self.buffer is not None, "allocate() first"
-        return self.buffer[self.numel: self.size]
+        return self.buffer[self.numel : self.size]
 
     def view_of(self, i: int) -> torch.Tensor:
         """The slice of the flat buffer that holds parameter ``i``'s gradient, shaped like it."""
         p = self.params[i]
         assert self.buffer is not None, "allocate() first"
-        return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
 
 @dataclass
@@ -69,10 +69,12 @@ class BucketPlan:
         return self.buckets[b], i
 
 
-def group_params(params: Iterable[torch.nn.Parameter], cap_bytes: int,
-                 first_cap_bytes: int | None = None,
-                 key: Callable[[torch.nn.Parameter], Hashable] = lambda p: (p.dtype, p.device),
-                 ) -> list[list[torch.nn.Parameter]]:
+def group_params(
+    params: Iterable[torch.nn.Parameter],
+    cap_bytes: int,
+    first_cap_bytes: int | None = None,
+    key: Callable[[torch.nn.Parameter], Hashable] = lambda p: (p.dtype, p.device),
+) -> list[list[torch.nn.Parameter]]:
     """Trainable ``params`` in buckets of about ``cap_bytes``, the one grouping every strategy
     uses (replicate's buckets, ZeRO's stage-1/2 units).
 

@@ -48,8 +48,7 @@ from longboat.comm.hang import (
 from longboat.comm.protocol import Comm, Handle
 from longboat.comm.trace import CallRecord, dtype_name, where_called
 
-__all__ = ["CollectiveTimeout", "Collectives", "Comm", "DesyncError", "Handle", "PeerLost",
-           "Rules"]
+__all__ = ["CollectiveTimeout", "Collectives", "Comm", "DesyncError", "Handle", "PeerLost", "Rules"]
 
 #: The environment variable that turns :class:`Rules` on ([Note: NCCL rules]).
 NCCL_RULES_VAR = "LONGBOAT_NCCL_RULES"
@@ -75,13 +74,15 @@ class Rules:
                         f"{op} on the data plane ({group}) got a tensor on {t.device}, not on "
                         f"the model's device {self.device}: NCCL would refuse it. Make it on "
                         "the model's device, or send what the CPU must read through the "
-                        "control plane")
+                        "control plane"
+                    )
             elif t.device.type != "cpu" or t.numel() * t.element_size() > self.max_bytes:
                 raise RulesError(
                     f"{op} on the control plane ({group}) got a {t.device} tensor of "
                     f"{t.numel() * t.element_size():,} bytes: the control plane carries small "
                     f"CPU tensors (at most {self.max_bytes:,} bytes); tensors of the model "
-                    "belong on the data plane")
+                    "belong on the data plane"
+                )
 
 
 class _Done:
@@ -100,8 +101,13 @@ class _Timed:
 
     __slots__ = ("_log", "_owner", "_rec", "_work")
 
-    def __init__(self, owner: Collectives, work: Any, rec: CallRecord | None,
-                 log: tuple[CommLog, int, float] | None = None) -> None:
+    def __init__(
+        self,
+        owner: Collectives,
+        work: Any,
+        rec: CallRecord | None,
+        log: tuple[CommLog, int, float] | None = None,
+    ) -> None:
         self._owner = owner
         self._work = work
         self._rec = rec
@@ -145,10 +151,18 @@ class Collectives:
     group's timeout (the data group's own timeout is set where it is created).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, desync_check: bool = False,
-                 log: bool = False, log_verbose: bool = False, timeout_s: float = 600.0,
-                 check_group: dist.ProcessGroup | None = None, rules: Rules | None = None,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        desync_check: bool = False,
+        log: bool = False,
+        log_verbose: bool = False,
+        timeout_s: float = 600.0,
+        check_group: dist.ProcessGroup | None = None,
+        rules: Rules | None = None,
+        name: str | None = None,
+    ) -> None:
         self.group = group
         self.active = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.active else 1
@@ -163,15 +177,20 @@ class Collectives:
         self.seq = 0  # collectives issued; the same on every rank while they are in step
         self.last: CallRecord | None = None  # the last collective that completed its issue
         self._owns_check_group = desync_check and self.active and check_group is None
-        self._check = (DesyncCheck(self.rank, self.world_size, timeout_s, group, check_group)
-                       if desync_check and self.active else None)
+        self._check = (
+            DesyncCheck(self.rank, self.world_size, timeout_s, group, check_group)
+            if desync_check and self.active
+            else None
+        )
         self.commlog = CommLog(self.world_size, self.rank, log_verbose) if log else None
         self.desync_check = self._check is not None
         self.log = self.commlog is not None
-        self._group_name = name or ("default" if group is None
-                                    else str(getattr(group, "group_name", "?")))
-        self._global = (dist.get_process_group_ranks(group) if self.active and group is not None
-                        else None)
+        self._group_name = name or (
+            "default" if group is None else str(getattr(group, "group_name", "?"))
+        )
+        self._global = (
+            dist.get_process_group_ranks(group) if self.active and group is not None else None
+        )
 
     @classmethod
     def alone(cls, global_rank: int = 0, name: str = "alone") -> Collectives:
@@ -207,24 +226,43 @@ class Collectives:
         self._check = None
         self.desync_check = False
 
-    def _record(self, op: str, tensor: torch.Tensor | None, out: torch.Tensor | None,
-                reduce_op: str, tag: str) -> CallRecord:
+    def _record(
+        self,
+        op: str,
+        tensor: torch.Tensor | None,
+        out: torch.Tensor | None,
+        reduce_op: str,
+        tag: str,
+    ) -> CallRecord:
         source, caller = where_called(3)
         return CallRecord(
-            seq=self.seq, op=op, dtype=dtype_name(tensor.dtype) if tensor is not None else "-",
+            seq=self.seq,
+            op=op,
+            dtype=dtype_name(tensor.dtype) if tensor is not None else "-",
             shape=tuple(tensor.shape) if tensor is not None else (),
-            out_shape=tuple(out.shape) if out is not None else None, reduce_op=reduce_op,
-            group=self._group_name, source=source, caller=caller, tag=tag)
+            out_shape=tuple(out.shape) if out is not None else None,
+            reduce_op=reduce_op,
+            group=self._group_name,
+            source=source,
+            caller=caller,
+            tag=tag,
+        )
 
     def _failed(self, err: RuntimeError, rec: CallRecord | None) -> None:
         """A collective raised: timeouts and lost peers become a report and its exception."""
         if isinstance(err, (DesyncError, CollectiveTimeout, PeerLost)) or not is_hang_or_loss(err):
             return
         peer_last = self._check.last_agreed if self._check is not None else None
-        rep = build_report(rank=self.rank, world_size=self.world_size,
-                           namespace=namespace(self._group_name), current=rec,
-                           last_done=self.last, peer_last=peer_last, error=err,
-                           timeout_s=self.timeout_s)
+        rep = build_report(
+            rank=self.rank,
+            world_size=self.world_size,
+            namespace=namespace(self._group_name),
+            current=rec,
+            last_done=self.last,
+            peer_last=peer_last,
+            error=err,
+            timeout_s=self.timeout_s,
+        )
         raise_report(rep, err)
 
     # -- issuing -------------------------------------------------------------------------------
@@ -241,9 +279,20 @@ class Collectives:
         self.blocked_seconds += time.perf_counter() - t0
         return _Done()
 
-    def _observed(self, name: str, fn: Any, *args: Any, tensor: torch.Tensor | None,
-                  out: torch.Tensor | None = None, reduce_op: str = "", check_src: int = -1,
-                  nbytes: int = 0, tag: str = "", async_op: bool, **kwargs: Any) -> Handle:
+    def _observed(
+        self,
+        name: str,
+        fn: Any,
+        *args: Any,
+        tensor: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+        reduce_op: str = "",
+        check_src: int = -1,
+        nbytes: int = 0,
+        tag: str = "",
+        async_op: bool,
+        **kwargs: Any,
+    ) -> Handle:
         """``_issue`` with the desync check, the record and the comm log."""
         rec = self._record(name, tensor, out, reduce_op, tag)
         t0 = time.perf_counter()
@@ -273,8 +322,7 @@ class Collectives:
             log.add(rec, nbytes, t2 - t1)
         return _Done()
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
-                   ) -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         """Reduce ``tensor`` in place across ranks (``op``: sum, avg, max or min; avg of a
         floating tensor only)."""
         if not self.active:
@@ -290,13 +338,21 @@ class Collectives:
             op = "sum"
         self.seq += 1
         if self.observing:
-            return self._observed("all_reduce", dist.all_reduce, tensor, op=_OPS[op],
-                                  tensor=tensor, reduce_op=op, async_op=async_op,
-                                  nbytes=tensor.numel() * tensor.element_size())
+            return self._observed(
+                "all_reduce",
+                dist.all_reduce,
+                tensor,
+                op=_OPS[op],
+                tensor=tensor,
+                reduce_op=op,
+                async_op=async_op,
+                nbytes=tensor.numel() * tensor.element_size(),
+            )
         return self._issue(dist.all_reduce, tensor, op=_OPS[op], async_op=async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                       tag: str = "") -> Handle:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> Handle:
         """Sum ``input`` across ranks; rank r keeps chunk r of the result in ``output``.
         ``tag`` says what the tensor is, for the desync check and reports."""
         if not self.active:
@@ -306,15 +362,24 @@ class Collectives:
             self.rules.check("reduce_scatter", (output, input), self._group_name)
         self.seq += 1
         if self.observing:
-            return self._observed("reduce_scatter", _reduce_scatter, output, input,
-                                  op=dist.ReduceOp.SUM, tensor=input, out=output,
-                                  reduce_op="sum", async_op=async_op, tag=tag,
-                                  nbytes=input.numel() * input.element_size())
-        return self._issue(_reduce_scatter, output, input, op=dist.ReduceOp.SUM,
-                           async_op=async_op)
+            return self._observed(
+                "reduce_scatter",
+                _reduce_scatter,
+                output,
+                input,
+                op=dist.ReduceOp.SUM,
+                tensor=input,
+                out=output,
+                reduce_op="sum",
+                async_op=async_op,
+                tag=tag,
+                nbytes=input.numel() * input.element_size(),
+            )
+        return self._issue(_reduce_scatter, output, input, op=dist.ReduceOp.SUM, async_op=async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                   tag: str = "") -> Handle:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> Handle:
         """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``.
         ``tag`` says what the tensor is, for the desync check and reports."""
         if not self.active:
@@ -324,9 +389,17 @@ class Collectives:
             self.rules.check("all_gather", (output, input), self._group_name)
         self.seq += 1
         if self.observing:
-            return self._observed("all_gather", _all_gather, output, input, tensor=input,
-                                  out=output, async_op=async_op, tag=tag,
-                                  nbytes=output.numel() * output.element_size())
+            return self._observed(
+                "all_gather",
+                _all_gather,
+                output,
+                input,
+                tensor=input,
+                out=output,
+                async_op=async_op,
+                tag=tag,
+                nbytes=output.numel() * output.element_size(),
+            )
         return self._issue(_all_gather, output, input, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
@@ -338,9 +411,16 @@ class Collectives:
         self.seq += 1
         root = self.global_rank(src)  # torch names the root by its global rank
         if self.observing:
-            self._observed("broadcast", dist.broadcast, tensor, src=root, tensor=tensor,
-                           check_src=src, async_op=False,
-                           nbytes=tensor.numel() * tensor.element_size())
+            self._observed(
+                "broadcast",
+                dist.broadcast,
+                tensor,
+                src=root,
+                tensor=tensor,
+                check_src=src,
+                async_op=False,
+                nbytes=tensor.numel() * tensor.element_size(),
+            )
         else:
             self._issue(dist.broadcast, tensor, src=root, async_op=False)
 
@@ -367,13 +447,13 @@ class Collectives:
         """Receive into ``tensor`` what group rank ``src`` sends."""
         return self._p2p("recv", dist.irecv, tensor, src, async_op)
 
-    def _p2p(self, name: str, fn: Any, tensor: torch.Tensor, peer: int, async_op: bool
-             ) -> Handle:
+    def _p2p(self, name: str, fn: Any, tensor: torch.Tensor, peer: int, async_op: bool) -> Handle:
         if not self.active:
             raise RuntimeError(f"{name} in a group of one rank: there is no peer")
         if not 0 <= peer < self.world_size or peer == self.rank:
-            raise ValueError(f"{name}: peer {peer} is not another rank of this group of "
-                             f"{self.world_size}")
+            raise ValueError(
+                f"{name}: peer {peer} is not another rank of this group of {self.world_size}"
+            )
         if self.rules is not None:
             self.rules.check(name, (tensor,), self._group_name)
         t0 = time.perf_counter()
@@ -388,4 +468,3 @@ class Collectives:
             handle.wait()
             return _Done()
         return handle
-

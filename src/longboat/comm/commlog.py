@@ -52,8 +52,9 @@ class CommLog:
             s.bytes += nbytes
             s.seconds += seconds
         if self.verbose:
-            self._log.info("rank %d: %s %d B %.3f ms", self.rank, rec.describe(), nbytes,
-                           seconds * 1e3)
+            self._log.info(
+                "rank %d: %s %d B %.3f ms", self.rank, rec.describe(), nbytes, seconds * 1e3
+            )
 
     def summary(self) -> list[dict[str, Any]]:
         """One row per operation: count, bytes, total/mean seconds, algbw and busbw (GB/s)."""
@@ -62,10 +63,17 @@ class CommLog:
             items = sorted(self.stats.items())
         for op, s in items:
             algbw = s.bytes / s.seconds / 1e9 if s.seconds > 0 else 0.0
-            rows.append({"op": op, "count": s.count, "bytes": s.bytes,
-                         "total_s": s.seconds, "mean_s": s.seconds / s.count if s.count else 0.0,
-                         "algbw_gbps": algbw,
-                         "busbw_gbps": algbw * bus_factor(op, self.world_size)})
+            rows.append(
+                {
+                    "op": op,
+                    "count": s.count,
+                    "bytes": s.bytes,
+                    "total_s": s.seconds,
+                    "mean_s": s.seconds / s.count if s.count else 0.0,
+                    "algbw_gbps": algbw,
+                    "busbw_gbps": algbw * bus_factor(op, self.world_size),
+                }
+            )
         return rows
 
     def table(self) -> str:
@@ -77,9 +85,15 @@ class CommLog:
         for col in ("op", "count", "bytes", "total ms", "mean ms", "algbw GB/s", "busbw GB/s"):
             t.add_column(col, justify="left" if col == "op" else "right")
         for r in self.summary():
-            t.add_row(r["op"], str(r["count"]), f"{r['bytes']:,}", f"{r['total_s'] * 1e3:.2f}",
-                      f"{r['mean_s'] * 1e3:.3f}", f"{r['algbw_gbps']:.3f}",
-                      f"{r['busbw_gbps']:.3f}")
+            t.add_row(
+                r["op"],
+                str(r["count"]),
+                f"{r['bytes']:,}",
+                f"{r['total_s'] * 1e3:.2f}",
+                f"{r['mean_s'] * 1e3:.3f}",
+                f"{r['algbw_gbps']:.3f}",
+                f"{r['busbw_gbps']:.3f}",
+            )
         out = io.StringIO()
         Console(width=100, file=out, color_system=None).print(t)
         return out.getvalue()

@@ -26,15 +26,21 @@ class DesyncError(RuntimeError):
 class DesyncCheck:
     """Fingerprint exchange over a dedicated gloo group (created collectively at setup)."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float,
-                 group: dist.ProcessGroup | None,
-                 check_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        group: dist.ProcessGroup | None,
+        check_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         if check_group is None:  # a gloo group of the same ranks, made here (collectively)
             ranks = None if group is None else dist.get_process_group_ranks(group)
-            check_group = dist.new_group(ranks=ranks, backend="gloo",
-                                         timeout=datetime.timedelta(seconds=timeout_s))
+            check_group = dist.new_group(
+                ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            )
         self.group = check_group
         self._mine = torch.zeros(FINGERPRINT_LEN, dtype=torch.int64)
         self._all = torch.zeros(world_size, FINGERPRINT_LEN, dtype=torch.int64)
@@ -82,9 +88,12 @@ class DesyncCheck:
             lines.append(
                 f"{_ranks(ranks)} entered {_strip_seq(words[ranks[0]])} where "
                 f"{_ranks(ref_ranks)} entered {_strip_seq(words[ref_ranks[0]])}; "
-                f"{_difference(fp, ref_print)}")
-        head = (f"collectives out of step at collective #{rec.seq} (seen by rank {self.rank} "
-                f"of {self.world_size}): ")
+                f"{_difference(fp, ref_print)}"
+            )
+        head = (
+            f"collectives out of step at collective #{rec.seq} (seen by rank {self.rank} "
+            f"of {self.world_size}): "
+        )
         return head + "\n  ".join(lines)
 
 
@@ -111,9 +120,11 @@ def _difference(a: tuple[int, ...], b: tuple[int, ...]) -> str:
     if a[10] != b[10]:
         return "different source ranks for the broadcast"
     if a[11] != b[11]:
-        return ("different tensors of the same shape (see the tags): ranks reached this "
-                "collective from different places, e.g. a ZeRO-3 unit whose module ran on some "
-                "ranks only; every rank must run the same units in the same order, so put a "
-                "module that runs conditionally (a routed expert) inside a unit that always runs "
-                "(name the enclosing module's class in zero.unit_classes)")
+        return (
+            "different tensors of the same shape (see the tags): ranks reached this "
+            "collective from different places, e.g. a ZeRO-3 unit whose module ran on some "
+            "ranks only; every rank must run the same units in the same order, so put a "
+            "module that runs conditionally (a routed expert) inside a unit that always runs "
+            "(name the enclosing module's class in zero.unit_classes)"
+        )
     return "different collective counts: a rank issued a collective outside this doorway"

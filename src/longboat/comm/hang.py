@@ -44,8 +44,15 @@ def _store() -> Any:
 
 
 # Words the backends and the store use when a peer went away (as launch/failures.py reads them).
-_PEER_LOSS = ("connection closed", "connection reset", "broken pipe", "connection refused",
-              "distnetworkerror", "peer", "socket closed")
+_PEER_LOSS = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "connection refused",
+    "distnetworkerror",
+    "peer",
+    "socket closed",
+)
 
 
 def is_hang_or_loss(err: BaseException) -> bool:
@@ -65,13 +72,22 @@ def _is_timeout(err: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def build_report(*, rank: int, world_size: int, namespace: str, current: CallRecord | None,
-                 last_done: CallRecord | None, peer_last: CallRecord | None, error: BaseException,
-                 timeout_s: float) -> dict[str, Any]:
+def build_report(
+    *,
+    rank: int,
+    world_size: int,
+    namespace: str,
+    current: CallRecord | None,
+    last_done: CallRecord | None,
+    peer_last: CallRecord | None,
+    error: BaseException,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Share this rank's state through the store, collect the peers' and return the report."""
     timed_out = _is_timeout(error)
     mine = {
-        "rank": rank, "pid": os.getpid(),
+        "rank": rank,
+        "pid": os.getpid(),
         "current": current.as_json() if current else None,
         "last_completed": last_done.as_json() if last_done else None,
         "stack": python_stack(),
@@ -93,14 +109,24 @@ def build_report(*, rank: int, world_size: int, namespace: str, current: CallRec
         except Exception:  # the store's host may be the dead peer: report what we know
             pass
     cur_seq = current.seq if current else None
-    missing = [r for r in range(world_size) if r != rank and (
-        r not in peers or (peers[r] or {}).get("current", {}) is None
-        or (peers[r] or {}).get("current", {}).get("seq") != cur_seq)]
+    missing = [
+        r
+        for r in range(world_size)
+        if r != rank
+        and (
+            r not in peers
+            or (peers[r] or {}).get("current", {}) is None
+            or (peers[r] or {}).get("current", {}).get("seq") != cur_seq
+        )
+    ]
     return {
         "kind": "timeout" if timed_out else "peer_lost",
-        "rank": rank, "world_size": world_size, "timeout_s": timeout_s,
+        "rank": rank,
+        "world_size": world_size,
+        "timeout_s": timeout_s,
         "error": f"{type(error).__name__}: {error}".strip()[:2000],
-        "collective": mine["current"], "not_arrived": missing,
+        "collective": mine["current"],
+        "not_arrived": missing,
         "peer_last_known": peer_last.as_json() if peer_last else None,
         "ranks": {str(rank): mine, **{str(r): s for r, s in peers.items()}},
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -110,28 +136,44 @@ def build_report(*, rank: int, world_size: int, namespace: str, current: CallRec
 def _describe(rec: dict[str, Any] | None) -> str:
     if not rec:
         return "nothing"
-    return CallRecord(**{**rec, "shape": tuple(rec["shape"]), "out_shape": (
-        tuple(rec["out_shape"]) if rec["out_shape"] is not None else None)}).describe()
+    return CallRecord(
+        **{
+            **rec,
+            "shape": tuple(rec["shape"]),
+            "out_shape": (tuple(rec["out_shape"]) if rec["out_shape"] is not None else None),
+        }
+    ).describe()
 
 
 def format_report(rep: dict[str, Any]) -> str:
     """The block printed to stderr (and by the launcher)."""
-    what = (f"collective timed out after {rep['timeout_s']:g} s" if rep["kind"] == "timeout"
-            else "a peer was lost during a collective")
-    lines = [f"longboat: {what} on rank {rep['rank']} of {rep['world_size']}",
-             f"  waiting in: {_describe(rep['collective'])}"]
+    what = (
+        f"collective timed out after {rep['timeout_s']:g} s"
+        if rep["kind"] == "timeout"
+        else "a peer was lost during a collective"
+    )
+    lines = [
+        f"longboat: {what} on rank {rep['rank']} of {rep['world_size']}",
+        f"  waiting in: {_describe(rep['collective'])}",
+    ]
     if rep["not_arrived"]:
         known = _describe(rep["peer_last_known"]) if rep["peer_last_known"] else "unknown"
-        lines.append(f"  did not arrive: rank(s) {', '.join(map(str, rep['not_arrived']))}"
-                     f" (last collective all ranks agreed on: {known}; line as on this rank)")
+        lines.append(
+            f"  did not arrive: rank(s) {', '.join(map(str, rep['not_arrived']))}"
+            f" (last collective all ranks agreed on: {known}; line as on this rank)"
+        )
     for r in range(rep["world_size"]):
         state = rep["ranks"].get(str(r))
         if state is None:
-            lines.append(f"  rank {r}: no answer within {_ANSWER_WAIT_S:g} s (stopped, dead, or"
-                         " busy outside a collective)")
+            lines.append(
+                f"  rank {r}: no answer within {_ANSWER_WAIT_S:g} s (stopped, dead, or"
+                " busy outside a collective)"
+            )
             continue
-        lines.append(f"  rank {r} (pid {state['pid']}): in {_describe(state['current'])}; last "
-                     f"completed {_describe(state['last_completed'])}")
+        lines.append(
+            f"  rank {r} (pid {state['pid']}): in {_describe(state['current'])}; last "
+            f"completed {_describe(state['last_completed'])}"
+        )
         lines.extend("    " + s for s in state["stack"].rstrip().splitlines()[-8:])
     lines.append(f"  error: {rep['error'].splitlines()[0] if rep['error'] else ''}")
     return "\n".join(lines)
@@ -150,8 +192,9 @@ def publish(rep: dict[str, Any]) -> str:
             tmp.write_text(json.dumps(rep, indent=1))
             tmp.replace(path / f"rank{rep['rank']}.json")
         except OSError as e:  # the report on stderr still stands
-            print(f"longboat: could not write the hang report into {directory}: {e}",
-                  file=sys.stderr)
+            print(
+                f"longboat: could not write the hang report into {directory}: {e}", file=sys.stderr
+            )
     return text
 
 
@@ -162,6 +205,8 @@ def raise_report(rep: dict[str, Any], error: BaseException) -> None:
     cls = CollectiveTimeout if rep["kind"] == "timeout" else PeerLost
     summary = text.splitlines()[0].removeprefix("longboat: ")
     if rep["not_arrived"]:
-        summary += (f": rank(s) {', '.join(map(str, rep['not_arrived']))} did not arrive at "
-                    f"{_describe(rep['collective'])}")
+        summary += (
+            f": rank(s) {', '.join(map(str, rep['not_arrived']))} did not arrive at "
+            f"{_describe(rep['collective'])}"
+        )
     raise cls(f"{summary} (report above)") from None

@@ -42,18 +42,19 @@ class Comm(Protocol):
         """The global rank of position ``group_rank`` of this group."""
         ...
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
-                   ) -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         """Reduce ``tensor`` in place across the group (``op``: sum, avg, max or min)."""
         ...
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                       tag: str = "") -> Handle:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> Handle:
         """Sum ``input`` across the group; rank r keeps chunk r of the result in ``output``."""
         ...
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                   tag: str = "") -> Handle:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> Handle:
         """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``."""
         ...
 

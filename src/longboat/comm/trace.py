@@ -25,8 +25,20 @@ _COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Operation codes for fingerprints; order is part of the fingerprint format.
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 REDUCE_OPS = ("", "sum", "max", "min")
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 FINGERPRINT_LEN = 12
 
 
@@ -93,8 +105,9 @@ def where_called(depth: int = 2) -> tuple[str, str]:
 def python_stack(limit: int = 12) -> str:
     """This thread's Python stack without the frames of ``comm/`` (which only report) and of
     torch (autograd's machinery between ``engine.backward`` and a gradient hook says nothing)."""
-    frames = [f for f in traceback.extract_stack()
-              if not f.filename.startswith((_COMM_DIR, _TORCH_DIR))]
+    frames = [
+        f for f in traceback.extract_stack() if not f.filename.startswith((_COMM_DIR, _TORCH_DIR))
+    ]
     return "".join(traceback.format_list(frames[-limit:]))
 
 
@@ -116,6 +129,14 @@ def fingerprint(rec: CallRecord, src: int) -> list[int]:
         dt = _DTYPES.index(getattr(torch, rec.dtype))
     except (AttributeError, ValueError):  # no tensor ("-"), or a rare dtype: a stable code
         dt = len(_DTYPES) + zlib.crc32(rec.dtype.encode())
-    return [rec.seq, OPS.index(rec.op), REDUCE_OPS.index(rec.reduce_op), dt, len(rec.shape),
-            *shape, out_numel if rec.out_shape is not None else -1, src,
-            zlib.crc32(rec.tag.encode()) if rec.tag else 0]
+    return [
+        rec.seq,
+        OPS.index(rec.op),
+        REDUCE_OPS.index(rec.reduce_op),
+        dt,
+        len(rec.shape),
+        *shape,
+        out_numel if rec.out_shape is not None else -1,
+        src,
+        zlib.crc32(rec.tag.encode()) if rec.tag else 0,
+    ]

@@ -31,8 +31,11 @@ def resolve_batch(batch: BatchConfig, data_parallel_size: int) -> ResolvedBatch:
     t, m, a = batch.train_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps
     n = data_parallel_size
     how: dict[str, str] = {}
-    for key, val in (("train_batch_size", t), ("micro_batch_size", m),
-                     ("gradient_accumulation_steps", a)):
+    for key, val in (
+        ("train_batch_size", t),
+        ("micro_batch_size", m),
+        ("gradient_accumulation_steps", a),
+    ):
         if val is not None:
             how[key] = "set"
     if t is None and m is None:

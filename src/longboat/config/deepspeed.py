@@ -14,15 +14,35 @@ from longboat.config.errors import ConfigError
 
 # Keys whose presence at the top level marks a mapping as DeepSpeed's (longboat nests these).
 _MARKERS = frozenset(
-    {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-     "fp16", "bf16", "zero_optimization"}
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "fp16",
+        "bf16",
+        "zero_optimization",
+    }
 )
 
 _SUPPORTED = frozenset(
-    {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-     "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization",
-     "seed", "communication_data_type", "tensorboard", "csv_monitor", "wall_clock_breakdown",
-     "flops_profiler", "comms_logger"}
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "optimizer",
+        "scheduler",
+        "fp16",
+        "bf16",
+        "zero_optimization",
+        "seed",
+        "communication_data_type",
+        "tensorboard",
+        "csv_monitor",
+        "wall_clock_breakdown",
+        "flops_profiler",
+        "comms_logger",
+    }
 )
 
 # DeepSpeed's optimizer names -> torch.optim class names. DeepSpeed's "Adam" is AdamW unless
@@ -39,8 +59,13 @@ def looks_like_deepspeed(data: Mapping[str, Any]) -> bool:
 # ``auto_cast`` is accepted and has nothing to translate: DeepSpeed's fp16 converts the model to
 # fp16 and auto_cast decides whether inputs are cast to match; longboat keeps fp32 weights and
 # runs the forward under torch.autocast, which casts every operation's inputs either way.
-_FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-              "min_loss_scale")
+_FP16_KEYS = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+)
 _PRECISION_KEYS = {"fp16": {"enabled", "auto_cast", *_FP16_KEYS}, "bf16": {"enabled"}}
 _COMM_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
 
@@ -49,12 +74,15 @@ def _enabled(block: Any, key: str) -> bool:
     if isinstance(block, bool):
         return block
     if not isinstance(block, Mapping):
-        raise ConfigError(f"DeepSpeed key '{key}' must be an object like {{\"enabled\": true}}, "
-                          f"got {block!r}")
+        raise ConfigError(
+            f"DeepSpeed key '{key}' must be an object like {{\"enabled\": true}}, got {block!r}"
+        )
     on = block.get("enabled", False)
     if not isinstance(on, bool):
-        raise ConfigError(f"DeepSpeed key '{key}.enabled' = {on!r} must be true or false "
-                          "('auto' is resolved by the Hugging Face Trainer, not by DeepSpeed)")
+        raise ConfigError(
+            f"DeepSpeed key '{key}.enabled' = {on!r} must be true or false "
+            "('auto' is resolved by the Hugging Face Trainer, not by DeepSpeed)"
+        )
     extra = sorted(set(block) - _PRECISION_KEYS[key])
     if extra and on:
         raise ConfigError(
@@ -72,7 +100,8 @@ def _block(block: Any, key: str, allowed: set[str]) -> Mapping[str, Any]:
     if extra:
         raise ConfigError(
             f"DeepSpeed key(s) {', '.join(f'{key}.{k}' for k in extra)} are not supported; "
-            f"remove them (supported here: {', '.join(sorted(allowed))})")
+            f"remove them (supported here: {', '.join(sorted(allowed))})"
+        )
     return block
 
 
@@ -96,11 +125,13 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
         node[leaf] = value
         src[key] = f"DeepSpeed key '{ds_key}' in {where}"
 
-    for ds_key, key in (("train_batch_size", "batch.train_batch_size"),
-                        ("train_micro_batch_size_per_gpu", "batch.micro_batch_size"),
-                        ("gradient_accumulation_steps", "batch.gradient_accumulation_steps"),
-                        ("gradient_clipping", "gradient_clipping"),
-                        ("seed", "seed")):
+    for ds_key, key in (
+        ("train_batch_size", "batch.train_batch_size"),
+        ("train_micro_batch_size_per_gpu", "batch.micro_batch_size"),
+        ("gradient_accumulation_steps", "batch.gradient_accumulation_steps"),
+        ("gradient_clipping", "gradient_clipping"),
+        ("seed", "seed"),
+    ):
         if ds_key in data and data[ds_key] != "auto":
             put(key, data[ds_key], ds_key)
 
@@ -109,8 +140,9 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
             continue
         block = data[ds_key]
         if not isinstance(block, Mapping) or "type" not in block:
-            raise ConfigError(f"DeepSpeed key '{ds_key}' must be an object with a 'type', "
-                              f"got {block!r}")
+            raise ConfigError(
+                f"DeepSpeed key '{ds_key}' must be an object with a 'type', got {block!r}"
+            )
         params = dict(block.get("params", {}))
         typ = str(block["type"])
         if ds_key == "optimizer":
@@ -124,8 +156,9 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
     fp16 = _enabled(data.get("fp16", {}), "fp16")
     bf16 = _enabled(data.get("bf16", {}), "bf16")
     if fp16 and bf16:
-        raise ConfigError("DeepSpeed keys 'fp16.enabled' and 'bf16.enabled' are both true; "
-                          "enable at most one")
+        raise ConfigError(
+            "DeepSpeed keys 'fp16.enabled' and 'bf16.enabled' are both true; enable at most one"
+        )
     if fp16 or bf16:
         put("precision.dtype", "fp16" if fp16 else "bf16", "fp16" if fp16 else "bf16")
     if fp16 and isinstance(data["fp16"], Mapping):
@@ -135,10 +168,15 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
     comm = data.get("communication_data_type")
     if comm is not None:
         if str(comm).lower() not in _COMM_DTYPES:
-            raise ConfigError(f"DeepSpeed key 'communication_data_type' = {comm!r} is invalid; "
-                              "use 'fp32', 'fp16' or 'bf16'")
-        put("precision.communication_data_type", _COMM_DTYPES[str(comm).lower()],
-            "communication_data_type")
+            raise ConfigError(
+                f"DeepSpeed key 'communication_data_type' = {comm!r} is invalid; "
+                "use 'fp32', 'fp16' or 'bf16'"
+            )
+        put(
+            "precision.communication_data_type",
+            _COMM_DTYPES[str(comm).lower()],
+            "communication_data_type",
+        )
 
     for ds_key, key in (("tensorboard", "monitor.tensorboard"), ("csv_monitor", "monitor.csv")):
         if ds_key in data:
@@ -179,8 +217,11 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
             put("strategy", "zero", "zero_optimization.stage")
             put("zero.stage", stage, "zero_optimization.stage")
             if "reduce_bucket_size" in z:  # DeepSpeed counts elements; longboat MiB of fp32
-                put("zero.bucket_mb", z["reduce_bucket_size"] * 4 / 2**20,
-                    "zero_optimization.reduce_bucket_size")
+                put(
+                    "zero.bucket_mb",
+                    z["reduce_bucket_size"] * 4 / 2**20,
+                    "zero_optimization.reduce_bucket_size",
+                )
         else:
             raise ConfigError(
                 f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is invalid; use 0, 1, 2 or 3"

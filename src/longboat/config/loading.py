@@ -48,8 +48,11 @@ def _explain(err: ValidationError, origin: str) -> ConfigError:
             owner = _model_at(loc)
             valid = sorted(owner.model_fields) if owner else []
             guess = _closest(str(loc[-1]), valid)
-            hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), guess])}'?" if guess else (
-                f"valid keys here: {', '.join(valid)}")
+            hint = (
+                f"did you mean '{'.'.join([*map(str, loc[:-1]), guess])}'?"
+                if guess
+                else (f"valid keys here: {', '.join(valid)}")
+            )
             lines.append(f"unknown key '{key}' (value {e['input']!r}); {hint}")
         else:
             val = e.get("input")
@@ -166,7 +169,8 @@ def explain(source: Config | Mapping[str, Any] | str | Path | None, world_size: 
     batch = resolve_batch(cfg.batch, cfg.data_parallel_size(world_size))
     derived = {
         "strategy": (strategy, f"auto -> {strategy} at world size {world_size}")
-        if cfg.strategy == "auto" else None,
+        if cfg.strategy == "auto"
+        else None,
     }
     for key, value in values.items():
         if key.startswith("batch."):

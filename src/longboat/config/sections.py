@@ -44,8 +44,9 @@ class ReplicateConfig(_Section):
         1.0, gt=0, description="size of the first bucket, small so communication starts early"
     )
     overlap_optimizer: bool = Field(
-        True, description="step the optimizer bucket by bucket as each all-reduce completes "
-        "(only without clipping, and only for per-parameter optimizers)"
+        True,
+        description="step the optimizer bucket by bucket as each all-reduce completes "
+        "(only without clipping, and only for per-parameter optimizers)",
     )
 
 
@@ -63,7 +64,8 @@ class ZeroConfig(_Section):
         "one unit (e.g. ['Block']); empty = choose by size",
     )
     unit_min_params: int = Field(
-        1_000_000, gt=0,
+        1_000_000,
+        gt=0,
         description="stage 3 with no unit_classes: smallest module (in parameters) made a unit",
     )
     prefetch: bool = Field(True, description="stage 3: gather the next unit while this one runs")
@@ -75,17 +77,27 @@ class MeshConfig(_Section):
 
     pp: int = Field(1, ge=1, description="pipeline stages")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per layer")
-    dp: int | None = Field(None, ge=1, description="data-parallel ranks; default: what pp and "
-                           "tp leave of the world")
+    dp: int | None = Field(
+        None, ge=1, description="data-parallel ranks; default: what pp and tp leave of the world"
+    )
     dp_replicate: int | None = Field(
-        None, ge=1, description="replicas of the sharded model (hybrid sharding: ZeRO within "
-        "dp_shard ranks, replicated across dp_replicate); default 1")
-    dp_shard: int | None = Field(None, ge=1, description="ranks one replica is sharded over; "
-                                 "default dp / dp_replicate")
+        None,
+        ge=1,
+        description="replicas of the sharded model (hybrid sharding: ZeRO within "
+        "dp_shard ranks, replicated across dp_replicate); default 1",
+    )
+    dp_shard: int | None = Field(
+        None, ge=1, description="ranks one replica is sharded over; default dp / dp_replicate"
+    )
 
 
-_FP16_ONLY = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-              "min_loss_scale")
+_FP16_ONLY = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+)
 
 
 class PrecisionConfig(_Section):
@@ -96,26 +108,35 @@ class PrecisionConfig(_Section):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scale: float = Field(0.0, ge=0, description="fp16: 0 = dynamic, > 0 = this static scale")
     initial_scale_power: int = Field(
-        16, ge=0, le=127, description="fp16 dynamic: the scale starts at 2**initial_scale_power")
+        16, ge=0, le=127, description="fp16 dynamic: the scale starts at 2**initial_scale_power"
+    )
     loss_scale_window: int = Field(
-        1000, gt=0, description="fp16 dynamic: steps in a row without overflow before it doubles")
+        1000, gt=0, description="fp16 dynamic: steps in a row without overflow before it doubles"
+    )
     hysteresis: int = Field(
-        2, ge=1, description="fp16 dynamic: overflows tolerated before the scale halves "
-        "(the hysteresis-th halves it; refilled when the scale doubles)")
+        2,
+        ge=1,
+        description="fp16 dynamic: overflows tolerated before the scale halves "
+        "(the hysteresis-th halves it; refilled when the scale doubles)",
+    )
     min_loss_scale: float = Field(
-        1.0, gt=0, description="fp16 dynamic: never halve below this; an overflow there is an "
-        "error")
+        1.0, gt=0, description="fp16 dynamic: never halve below this; an overflow there is an error"
+    )
     communication_data_type: Literal["fp32", "bf16", "fp16"] | None = Field(
-        None, description="dtype gradients travel in between ranks (replicate); None = their "
-        "own dtype (fp32)")
+        None,
+        description="dtype gradients travel in between ranks (replicate); None = their "
+        "own dtype (fp32)",
+    )
 
     @model_validator(mode="after")
     def _fp16_keys_need_fp16(self) -> PrecisionConfig:
         stray = [k for k in _FP16_ONLY if k in self.model_fields_set]
         if stray and self.dtype != "fp16":
             keys = ", ".join(f"precision.{k}" for k in stray)
-            raise ValueError(f"{keys}: only for dtype 'fp16' (dtype is {self.dtype!r}); remove "
-                             "or set precision.dtype = 'fp16'")
+            raise ValueError(
+                f"{keys}: only for dtype 'fp16' (dtype is {self.dtype!r}); remove "
+                "or set precision.dtype = 'fp16'"
+            )
         return self
 
 
@@ -134,8 +155,11 @@ class CheckpointConfig(_Section):
     """Checkpoints written by ``engine.save_checkpoint`` (see :mod:`longboat.checkpoint`)."""
 
     keep_last: int = Field(
-        0, ge=0, description="keep only the newest K complete checkpoints of a directory "
-        "(older ones are deleted after each save); 0 = keep all")
+        0,
+        ge=0,
+        description="keep only the newest K complete checkpoints of a directory "
+        "(older ones are deleted after each save); 0 = keep all",
+    )
 
 
 class LogConfig(_Section):
@@ -158,10 +182,14 @@ class MonitorConfig(_Section):
     and sent to the console, a CSV file and TensorBoard (see ``docs/monitoring.md``)."""
 
     every: int = Field(1, gt=0, description="optimizer steps between events")
-    console: bool = Field(True, description="rank-0 progress bar (lines when piped); "
-                          "log.progress = false also turns it off")
-    total_steps: int | None = Field(None, gt=0, description="steps of the run, for the ETA; "
-                                    "also engine.set_total_steps(n)")
+    console: bool = Field(
+        True,
+        description="rank-0 progress bar (lines when piped); "
+        "log.progress = false also turns it off",
+    )
+    total_steps: int | None = Field(
+        None, gt=0, description="steps of the run, for the ETA; also engine.set_total_steps(n)"
+    )
     csv: SinkConfig = Field(default_factory=SinkConfig)
     tensorboard: SinkConfig = Field(default_factory=SinkConfig)
 
@@ -170,21 +198,31 @@ class ProfileConfig(_Section):
     """The step profiler: where a step's wall-clock time goes, and its flops."""
 
     wall_clock_breakdown: bool = Field(
-        False, description="time data loading, forward, backward, communication wait, "
-        "optimizer and checkpointing per step; a table at close()")
-    flops: bool = Field(False, description="count one step's flops (after a warm-up step) and "
-                        "report achieved flop/s beside a measured matmul rate")
+        False,
+        description="time data loading, forward, backward, communication wait, "
+        "optimizer and checkpointing per step; a table at close()",
+    )
+    flops: bool = Field(
+        False,
+        description="count one step's flops (after a warm-up step) and "
+        "report achieved flop/s beside a measured matmul rate",
+    )
 
 
 class CommConfig(_Section):
     """The collectives doorway: timeout, desync check and comm log (see docs/diagnostics.md)."""
 
     timeout_s: float = Field(
-        600.0, gt=0, description="seconds a collective may wait for its peers before every "
-        "surviving rank reports who did not arrive and exits")
+        600.0,
+        gt=0,
+        description="seconds a collective may wait for its peers before every "
+        "surviving rank reports who did not arrive and exits",
+    )
     desync_check: bool = Field(
-        True, description="share a fingerprint of each collective first, so ranks out of step "
-        "fail at once naming the ranks and the difference")
+        True,
+        description="share a fingerprint of each collective first, so ranks out of step "
+        "fail at once naming the ranks and the difference",
+    )
     log: bool = Field(False, description="count bytes and time per operation; a table at close")
     log_verbose: bool = Field(False, description="with log: also one line per collective")
 

@@ -38,11 +38,14 @@ def merge(reports: list[dict[str, Any]]) -> list[str]:
     for r, by in sorted(named.items()):
         if r in reporters:
             continue
-        known = next((rep.get("peer_last_known") for rep in reports if rep.get("peer_last_known")),
-                     None)
+        known = next(
+            (rep.get("peer_last_known") for rep in reports if rep.get("peer_last_known")), None
+        )
         last = f"; last collective known: {_sig(known)}" if known else ""
-        lines.append(f"longboat:   rank {r} did not arrive (named by rank(s) "
-                     f"{', '.join(map(str, by))}){last}")
+        lines.append(
+            f"longboat:   rank {r} did not arrive (named by rank(s) "
+            f"{', '.join(map(str, by))}){last}"
+        )
     for rep in reports:
         lines.append(f"longboat:   rank {rep['rank']} waited in {_sig(rep.get('collective'))}")
     silent = sorted(set(range(world)) - set(reporters) - set(named))

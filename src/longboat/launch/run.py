@@ -249,8 +249,11 @@ def launch(opts: RunOptions) -> int:
             log_line_prefix_template="[rank${rank}]: ",
             logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
             # torch < 2.8 has no such field; its agent then always waits 30 s.
-            **({"shutdown_timeout": opts.grace_period_s}
-               if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}),
+            **(
+                {"shutdown_timeout": opts.grace_period_s}
+                if "shutdown_timeout" in LaunchConfig.__dataclass_fields__
+                else {}
+            ),
         )
         code = _run_agent(config, opts, log_dir, port)
         if code:
@@ -292,8 +295,10 @@ def _run_agent(config: LaunchConfig, opts: RunOptions, log_dir: Path, port: int)
         return summary.exit_code
     except SignalException as e:
         # The agent already sent the same signal to the workers and waited for them to stop.
-        report(f"longboat: stopped by {signal.Signals(e.sigval).name}; workers were stopped "
-               f"(after at most --grace-period {opts.grace_period_s} s to finish)")
+        report(
+            f"longboat: stopped by {signal.Signals(e.sigval).name}; workers were stopped "
+            f"(after at most --grace-period {opts.grace_period_s} s to finish)"
+        )
         return 128 + int(e.sigval)
     except DistError as e:
         # Raised while the nodes meet: node 0 not up, a node missing, or a port unreachable.

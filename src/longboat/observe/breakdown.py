@@ -33,8 +33,9 @@ class Blocked(Protocol):
 class Breakdown:
     """Accumulates phase times of the current step; :meth:`end_step` closes it."""
 
-    def __init__(self, comm: Blocked, clock: Callable[[], float] = time.perf_counter,
-                 sync_cuda: bool = False) -> None:
+    def __init__(
+        self, comm: Blocked, clock: Callable[[], float] = time.perf_counter, sync_cuda: bool = False
+    ) -> None:
         self.comm = comm
         self.clock = clock
         self.sync_cuda = sync_cuda

@@ -30,7 +30,8 @@ class CsvSink:
             if old != header:
                 raise ValueError(
                     f"monitor.csv: {self.path} holds other columns ({old}); this run writes "
-                    f"({header}); set monitor.csv.job_name to a new name or move the file")
+                    f"({header}); set monitor.csv.job_name to a new name or move the file"
+                )
         self._file = self.path.open("a", newline="")
         self._writer = csv.writer(self._file)
         if fresh:

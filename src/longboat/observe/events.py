@@ -34,10 +34,16 @@ class StepEvent:
 
     def scalars(self) -> dict[str, float]:
         """Every value this event has, by flat name (no ``step``)."""
-        out = {"loss": self.loss, "lr": self.lr, "loss_scale": self.loss_scale,
-               "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
-               "step_ms": self.step_ms, "flops_per_step": self.flops_per_step,
-               "achieved_tflops_per_rank": self.achieved_tflops_per_rank}
+        out = {
+            "loss": self.loss,
+            "lr": self.lr,
+            "loss_scale": self.loss_scale,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "step_ms": self.step_ms,
+            "flops_per_step": self.flops_per_step,
+            "achieved_tflops_per_rank": self.achieved_tflops_per_rank,
+        }
         out.update({f"{k}_ms": v for k, v in self.phases_ms.items()})
         return {k: float(v) for k, v in out.items() if v is not None and not math.isnan(v)}
 
@@ -56,8 +62,12 @@ def count_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     ``(batch, sequence, ...)``, and each of its first two dimensions' entries is a token
     (``batch x sequence``). 0 when there is none (images, features: no tokens/s is reported)."""
     for value in (*args, *kwargs.values()):
-        if (isinstance(value, torch.Tensor) and value.dim() >= 2
-                and not value.dtype.is_floating_point and not value.dtype.is_complex
-                and value.dtype != torch.bool):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dim() >= 2
+            and not value.dtype.is_floating_point
+            and not value.dtype.is_complex
+            and value.dtype != torch.bool
+        ):
             return value.shape[0] * value.shape[1]
     return 0

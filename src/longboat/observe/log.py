@@ -29,8 +29,11 @@ def setup_logging(world: World, level: str = "INFO") -> logging.Logger:
     handler = logging.StreamHandler(sys.stderr)
     handler._longboat = True  # type: ignore[attr-defined]
     handler.addFilter(_RankFilter(world))
-    fmt = "longboat %(levelname)s [rank %(rank)d] %(message)s" if world.distributed else (
-        "longboat %(levelname)s %(message)s")
+    fmt = (
+        "longboat %(levelname)s [rank %(rank)d] %(message)s"
+        if world.distributed
+        else ("longboat %(levelname)s %(message)s")
+    )
     handler.setFormatter(logging.Formatter(fmt))
     logger.addHandler(handler)
     return logger

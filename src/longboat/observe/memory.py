@@ -36,8 +36,16 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffe
 
 def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> int:
     """``k`` of [Note: memory formulas] for the common optimizers (fp32 states)."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam,
-                              torch.optim.RAdam, torch.optim.Adamax)):
+    if isinstance(
+        optimizer,
+        (
+            torch.optim.Adam,
+            torch.optim.AdamW,
+            torch.optim.NAdam,
+            torch.optim.RAdam,
+            torch.optim.Adamax,
+        ),
+    ):
         return 8
     if isinstance(optimizer, torch.optim.SGD):
         return 4 if optimizer.defaults.get("momentum", 0) else 0
@@ -58,8 +66,12 @@ def expected_bytes(strategy: str, a: int, n: int, k: int) -> dict[str, int]:
     if strategy not in table:
         raise ValueError(f"no memory formula for strategy {strategy!r}")
     p, g, o = table[strategy]
-    return {"parameters": int(p), "gradients": int(g), "optimizer_state": int(o),
-            "communication_buffers": 0}
+    return {
+        "parameters": int(p),
+        "gradients": int(g),
+        "optimizer_state": int(o),
+        "communication_buffers": 0,
+    }
 
 
 def _storage_key(st: torch.UntypedStorage) -> tuple[object, ...]:
@@ -85,8 +97,7 @@ def _storages(tensors: Iterable[torch.Tensor], seen: set[tuple[object, ...]]) ->
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for s in optimizer.state.values() for v in s.values()
-            if isinstance(v, torch.Tensor)]
+    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 @dataclass(frozen=True)
@@ -109,13 +120,19 @@ class MemoryReport:
         return sum(self.expected.values())
 
     def __str__(self) -> str:
-        rows = [f"model state on rank {self.rank} ({self.strategy}, {self.world_size} ranks, "
-                f"{self.trainable_params:,} trainable parameters):"]
+        rows = [
+            f"model state on rank {self.rank} ({self.strategy}, {self.world_size} ranks, "
+            f"{self.trainable_params:,} trainable parameters):"
+        ]
         for c in CATEGORIES:
-            rows.append(f"  {c:<22} {self.measured[c] / 2**20:10.2f} MiB   "
-                        f"formula {self.expected[c] / 2**20:10.2f} MiB")
-        rows.append(f"  {'total':<22} {self.total / 2**20:10.2f} MiB   "
-                    f"formula {self.expected_total / 2**20:10.2f} MiB")
+            rows.append(
+                f"  {c:<22} {self.measured[c] / 2**20:10.2f} MiB   "
+                f"formula {self.expected[c] / 2**20:10.2f} MiB"
+            )
+        rows.append(
+            f"  {'total':<22} {self.total / 2**20:10.2f} MiB   "
+            f"formula {self.expected_total / 2**20:10.2f} MiB"
+        )
         return "\n".join(rows)
 
 

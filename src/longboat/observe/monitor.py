@@ -39,9 +39,18 @@ def _job_dir(sink: SinkConfig) -> Path:
 class Monitor:
     """The engine's diagnostics: monitors (``monitor`` config) and profiler (``profile``)."""
 
-    def __init__(self, config: Config, comm: Comm, blocked: Blocked, *, is_main: bool,
-                 train_batch_size: int, optimizer: torch.optim.Optimizer,
-                 loss_scale: Any, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: Config,
+        comm: Comm,
+        blocked: Blocked,
+        *,
+        is_main: bool,
+        train_batch_size: int,
+        optimizer: torch.optim.Optimizer,
+        loss_scale: Any,
+        device: torch.device,
+    ) -> None:
         mon, prof = config.monitor, config.profile
         self.comm = comm
         self.is_main = is_main
@@ -58,18 +67,21 @@ class Monitor:
             # must agree, so rank 0 says whether its console is a terminal.
             tty = torch.tensor([float(_stderr_is_tty())])
             comm.broadcast(tty, src=0)
-            self.console_every = (mon.every if tty.item() else
-                                  math.ceil(LINE_EVERY / mon.every) * mon.every)
+            self.console_every = (
+                mon.every if tty.item() else math.ceil(LINE_EVERY / mon.every) * mon.every
+            )
         if mon.tensorboard.enabled:
             _require_tensorboard()  # on every rank, so that none waits for a failed rank 0
         # Events travel on ``comm`` (the world's control plane); the breakdown counts the time
         # blocked in every doorway (``blocked``: the topology).
-        self.breakdown = (Breakdown(blocked, sync_cuda=device.type == "cuda")
-                          if prof.wall_clock_breakdown else None)
+        self.breakdown = (
+            Breakdown(blocked, sync_cuda=device.type == "cuda")
+            if prof.wall_clock_breakdown
+            else None
+        )
         self.flops = StepFlops() if prof.flops else None
         self.peak_flops = matmul_rate(device) if prof.flops else None
-        self.active = bool(self.files_every or self.console_every or self.breakdown
-                           or self.flops)
+        self.active = bool(self.files_every or self.console_every or self.breakdown or self.flops)
         self.sinks: list[tuple[Sink, int]] = []
         if is_main:
             self._open_sinks(config, console)
@@ -120,8 +132,9 @@ class Monitor:
         """Time the enclosed engine work as ``name`` when the breakdown is on."""
         return _NULL if self.breakdown is None else self.breakdown.phase(name)
 
-    def forward_begin(self, step_index: int, args: tuple[Any, ...],
-                      kwargs: Mapping[str, Any]) -> None:
+    def forward_begin(
+        self, step_index: int, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
         """Before a forward of the step with 0-based index ``step_index``."""
         if not self.active:
             return
@@ -154,12 +167,12 @@ class Monitor:
         self._tokens += self._tokens_step
         self._tokens_step = 0
         due = [s for s, every in self.sinks if every and step % every == 0]
-        emit = any(every and step % every == 0
-                   for every in (self.files_every, self.console_every))
+        emit = any(every and step % every == 0 for every in (self.files_every, self.console_every))
         if not (emit or self._pending):
             return
-        with (_NULL if self.breakdown is None
-              else self.breakdown.phase("monitor", split_waits=False)):
+        with (
+            _NULL if self.breakdown is None else self.breakdown.phase("monitor", split_waits=False)
+        ):
             self._finish()
             if emit:
                 self._pending = self._start_reduce(step, loss, due)
@@ -172,13 +185,27 @@ class Monitor:
         writes the event: sinks see each event one step late, and the training never waits
         for the monitors' communication."""
         n = max(self._n, 1)
-        local = torch.tensor([math.nan if loss is None else loss, self._time / n,
-                              self._tokens / n, *(v / n for v in self._phases.values())],
-                             dtype=torch.float64)
+        local = torch.tensor(
+            [
+                math.nan if loss is None else loss,
+                self._time / n,
+                self._tokens / n,
+                *(v / n for v in self._phases.values()),
+            ],
+            dtype=torch.float64,
+        )
         table = torch.empty(self.comm.world_size * local.numel(), dtype=torch.float64)
         handle = self.comm.all_gather(table, local, async_op=True)
-        return _Pending(handle, local, table, step, loss is None, due,
-                        float(self.optimizer.param_groups[0]["lr"]), self._loss_scale())
+        return _Pending(
+            handle,
+            local,
+            table,
+            step,
+            loss is None,
+            due,
+            float(self.optimizer.param_groups[0]["lr"]),
+            self._loss_scale(),
+        )
 
     def _finish(self) -> None:
         """Complete the event in flight, if any, and hand it to its sinks."""
@@ -191,14 +218,21 @@ class Monitor:
         tokens = float(table[:, 2].sum())
         per_rank = self.flops.per_rank if self.flops is not None else None
         event = StepEvent(
-            step=p.step, loss=None if p.no_loss else float(table[:, 0].mean()),
-            lr=p.lr, step_ms=step_s * 1e3, samples_per_s=self.train_batch_size / step_s,
-            tokens_per_s=tokens / step_s if tokens else None, loss_scale=p.loss_scale,
-            phases_ms=({k: float(v) * 1e3 for k, v in zip(COLUMNS, table[:, 3:].mean(0),
-                                                          strict=True)}
-                       if self.breakdown is not None else {}),
+            step=p.step,
+            loss=None if p.no_loss else float(table[:, 0].mean()),
+            lr=p.lr,
+            step_ms=step_s * 1e3,
+            samples_per_s=self.train_batch_size / step_s,
+            tokens_per_s=tokens / step_s if tokens else None,
+            loss_scale=p.loss_scale,
+            phases_ms=(
+                {k: float(v) * 1e3 for k, v in zip(COLUMNS, table[:, 3:].mean(0), strict=True)}
+                if self.breakdown is not None
+                else {}
+            ),
             flops_per_step=None if per_rank is None else per_rank * self.comm.world_size,
-            achieved_tflops_per_rank=None if per_rank is None else per_rank / step_s / 1e12)
+            achieved_tflops_per_rank=None if per_rank is None else per_rank / step_s / 1e12,
+        )
         for sink in p.sinks:
             sink.write(event)
 
@@ -217,10 +251,18 @@ class Monitor:
         if self.breakdown is None and self.flops is None:
             return None
         flops = self.flops.per_rank if self.flops is not None and self.flops.per_rank else 0
-        self.summary = gather_summary(self.comm, RunRecord(
-            self.step_times, self.phase_totals, self.first_phases,
-            breakdown=self.breakdown is not None, flops=self.flops is not None,
-            flops_per_rank=float(flops), peak_flops=self.peak_flops or 0.0))
+        self.summary = gather_summary(
+            self.comm,
+            RunRecord(
+                self.step_times,
+                self.phase_totals,
+                self.first_phases,
+                breakdown=self.breakdown is not None,
+                flops=self.flops is not None,
+                flops_per_rank=float(flops),
+                peak_flops=self.peak_flops or 0.0,
+            ),
+        )
         if self.is_main and self.summary["steps"]:  # no table for a run that took no step
             render(self.summary)
         return self.summary

@@ -40,9 +40,15 @@ class ConsoleSink:
         self._log = logging.getLogger("longboat")
 
     def _start_bar(self) -> None:
-        self._bar = Progress(TextColumn("step {task.completed}"), BarColumn(),
-                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                             TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+        self._bar = Progress(
+            TextColumn("step {task.completed}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            transient=False,
+        )
         self._task = self._bar.add_task("train", total=self.total, info="")
         self._bar.start()
 

@@ -8,14 +8,23 @@ from pathlib import Path
 from longboat.observe.events import StepEvent
 
 # Grouped the way TensorBoard shows them: training values, then time per phase, then flops.
-_GROUP = {"loss": "train", "lr": "train", "loss_scale": "train", "samples_per_s": "throughput",
-          "tokens_per_s": "throughput", "step_ms": "time", "flops_per_step": "flops",
-          "achieved_tflops_per_rank": "flops"}
+_GROUP = {
+    "loss": "train",
+    "lr": "train",
+    "loss_scale": "train",
+    "samples_per_s": "throughput",
+    "tokens_per_s": "throughput",
+    "step_ms": "time",
+    "flops_per_step": "flops",
+    "achieved_tflops_per_rank": "flops",
+}
 
 
-MISSING = ("monitor.tensorboard.enabled = true needs the 'tensorboard' package, which is not "
-           "installed: pip install 'longboat[tensorboard]' (or pip install tensorboard), or set "
-           "monitor.tensorboard.enabled = false")
+MISSING = (
+    "monitor.tensorboard.enabled = true needs the 'tensorboard' package, which is not "
+    "installed: pip install 'longboat[tensorboard]' (or pip install tensorboard), or set "
+    "monitor.tensorboard.enabled = false"
+)
 
 
 def tag(name: str) -> str:

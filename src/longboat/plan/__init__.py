@@ -8,6 +8,18 @@ from longboat.plan.render import parse_bytes, render
 from longboat.plan.simulate import MetaCollectives, Simulated, simulate
 from longboat.plan.target import BUILTINS, PlanInputError, Target, resolve
 
-__all__ = ["BUILTINS", "STRATEGIES", "MetaCollectives", "Plan", "PlanInputError",
-           "Simulated", "StrategyPlan", "Target", "make_plan", "parse_bytes", "render",
-           "resolve", "simulate"]
+__all__ = [
+    "BUILTINS",
+    "STRATEGIES",
+    "MetaCollectives",
+    "Plan",
+    "PlanInputError",
+    "Simulated",
+    "StrategyPlan",
+    "Target",
+    "make_plan",
+    "parse_bytes",
+    "render",
+    "resolve",
+    "simulate",
+]

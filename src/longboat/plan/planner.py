@@ -39,13 +39,21 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
     """``base`` (its bucket sizes, units, precision...) with ``strategy`` and the micro-batch."""
     if strategy not in STRATEGIES:
-        raise PlanInputError(f"--strategies: unknown strategy {strategy!r}; choose from "
-                             f"{', '.join(STRATEGIES)}")
-    batch = base.batch.model_copy(update={"micro_batch_size": micro_batch,
-                                          "train_batch_size": None,
-                                          "gradient_accumulation_steps": 1})
-    update: dict[str, Any] = {"strategy": strategy.split("-")[0], "batch": batch,
-                              "log": base.log.model_copy(update={"progress": False})}
+        raise PlanInputError(
+            f"--strategies: unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}"
+        )
+    batch = base.batch.model_copy(
+        update={
+            "micro_batch_size": micro_batch,
+            "train_batch_size": None,
+            "gradient_accumulation_steps": 1,
+        }
+    )
+    update: dict[str, Any] = {
+        "strategy": strategy.split("-")[0],
+        "batch": batch,
+        "log": base.log.model_copy(update={"progress": False}),
+    }
     if strategy.startswith("zero-"):
         update["zero"] = base.zero.model_copy(update={"stage": int(strategy[-1])})
     return base.model_copy(update=update)
@@ -91,8 +99,9 @@ class Plan:
         return out
 
 
-def _recommend(plans: Sequence[StrategyPlan], world_size: int, budget: int | None
-               ) -> tuple[str | None, str]:
+def _recommend(
+    plans: Sequence[StrategyPlan], world_size: int, budget: int | None
+) -> tuple[str | None, str]:
     fitting = [p for p in plans if p.fits is not False]
     if world_size == 1:
         single = [p for p in fitting if p.strategy == "single"]
@@ -101,8 +110,10 @@ def _recommend(plans: Sequence[StrategyPlan], world_size: int, budget: int | Non
     by_name = {p.strategy: p for p in fitting}
     for name in PREFERENCE:
         if name in by_name:
-            why = ("the fastest-communicating strategy that fits "
-                   f"(preference: {' > '.join(PREFERENCE)})")
+            why = (
+                "the fastest-communicating strategy that fits "
+                f"(preference: {' > '.join(PREFERENCE)})"
+            )
             if budget is None:
                 why = f"no --budget given; {why}"
             return name, why
@@ -112,9 +123,16 @@ def _recommend(plans: Sequence[StrategyPlan], world_size: int, budget: int | Non
     return None, f"none of {names} fits in {budget:,} bytes per rank"
 
 
-def make_plan(target: Target, base: Config, world_size: int, micro_batch: int,
-              optimizer: str = "adamw", strategies: Sequence[str] = STRATEGIES,
-              budget: int | None = None, rank: int = 0) -> Plan:
+def make_plan(
+    target: Target,
+    base: Config,
+    world_size: int,
+    micro_batch: int,
+    optimizer: str = "adamw",
+    strategies: Sequence[str] = STRATEGIES,
+    budget: int | None = None,
+    rank: int = 0,
+) -> Plan:
     """Simulate each of ``strategies`` at ``world_size`` ranks and recommend one.
 
     The figures are those of ``rank`` (default 0). Ranks differ by a few bytes under ZeRO: the
@@ -125,26 +143,53 @@ def make_plan(target: Target, base: Config, world_size: int, micro_batch: int,
     if micro_batch < 1:
         raise PlanInputError(f"--micro-batch {micro_batch} is invalid: use 1 or more")
     if optimizer not in OPTIMIZERS:
-        raise PlanInputError(f"--optimizer {optimizer!r} is unknown; choose from "
-                             f"{', '.join(OPTIMIZERS)}")
+        raise PlanInputError(
+            f"--optimizer {optimizer!r} is unknown; choose from {', '.join(OPTIMIZERS)}"
+        )
     plans: list[StrategyPlan] = []
     trainable = 0
     for name in strategies:
         cfg = strategy_config(base, name, micro_batch)
         # single is one process on its own, whatever the world size (for comparison).
         n = 1 if name == "single" else world_size
-        sim: Simulated = simulate(target, cfg, n, micro_batch, OPTIMIZERS[optimizer],
-                                  rank=min(rank, n - 1))
+        sim: Simulated = simulate(
+            target, cfg, n, micro_batch, OPTIMIZERS[optimizer], rank=min(rank, n - 1)
+        )
         trainable = sim.trainable_params
-        plans.append(StrategyPlan(
-            strategy=name, world_size=n, model_state=sim.model_state,
-            activations=sim.activations, transient=sim.transient, peak=sim.peak,
-            comm_bytes=sim.comm_bytes, fits=None if budget is None else sim.peak <= budget))
+        plans.append(
+            StrategyPlan(
+                strategy=name,
+                world_size=n,
+                model_state=sim.model_state,
+                activations=sim.activations,
+                transient=sim.transient,
+                peak=sim.peak,
+                comm_bytes=sim.comm_bytes,
+                fits=None if budget is None else sim.peak <= budget,
+            )
+        )
     recommended, reason = _recommend(plans, world_size, budget)
-    return Plan(model=target.name, trainable_params=trainable, world_size=world_size,
-                micro_batch=micro_batch, precision=base.precision.dtype, optimizer=optimizer,
-                budget=budget, strategies=plans, recommended=recommended, reason=reason)
+    return Plan(
+        model=target.name,
+        trainable_params=trainable,
+        world_size=world_size,
+        micro_batch=micro_batch,
+        precision=base.precision.dtype,
+        optimizer=optimizer,
+        budget=budget,
+        strategies=plans,
+        recommended=recommended,
+        reason=reason,
+    )
 
 
-__all__ = ["CATEGORIES", "OPTIMIZERS", "PREFERENCE", "STRATEGIES", "Plan", "StrategyPlan",
-           "make_plan", "strategy_config"]
+__all__ = [
+    "CATEGORIES",
+    "OPTIMIZERS",
+    "PREFERENCE",
+    "STRATEGIES",
+    "Plan",
+    "StrategyPlan",
+    "make_plan",
+    "strategy_config",
+]

@@ -19,8 +19,9 @@ def parse_bytes(text: str) -> int:
     try:
         return int(TypeAdapter(ByteSize).validate_python(text))
     except ValidationError:
-        raise PlanInputError(f"--budget {text!r} is not a size; write e.g. 8GiB, 512MiB or "
-                             "2.5GB") from None
+        raise PlanInputError(
+            f"--budget {text!r} is not a size; write e.g. 8GiB, 512MiB or 2.5GB"
+        ) from None
 
 
 def _mib(n: int) -> str:
@@ -29,20 +30,40 @@ def _mib(n: int) -> str:
 
 def render(plan: Plan, width: int = 120) -> str:
     """The plan as text: one row per strategy, then the recommendation."""
-    title = (f"{plan.model}: {plan.trainable_params:,} trainable parameters, micro-batch "
-             f"{plan.micro_batch}, {plan.world_size} rank(s), {plan.precision}, "
-             f"{plan.optimizer}; MiB per rank")
+    title = (
+        f"{plan.model}: {plan.trainable_params:,} trainable parameters, micro-batch "
+        f"{plan.micro_batch}, {plan.world_size} rank(s), {plan.precision}, "
+        f"{plan.optimizer}; MiB per rank"
+    )
     table = Table(title=title, title_justify="left")
-    for col in ("strategy", "parameters", "gradients", "optimizer", "comm buffers",
-                "activations", "transient", "peak", "fits", "comm/step"):
+    for col in (
+        "strategy",
+        "parameters",
+        "gradients",
+        "optimizer",
+        "comm buffers",
+        "activations",
+        "transient",
+        "peak",
+        "fits",
+        "comm/step",
+    ):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
     for s in plan.strategies:
         fits = "-" if s.fits is None else ("yes" if s.fits else "NO")
         ms = s.model_state
-        table.add_row(s.strategy, _mib(ms["parameters"]), _mib(ms["gradients"]),
-                      _mib(ms["optimizer_state"]), _mib(ms["communication_buffers"]),
-                      _mib(s.activations), _mib(s.transient), _mib(s.peak), fits,
-                      _mib(s.comm_total))
+        table.add_row(
+            s.strategy,
+            _mib(ms["parameters"]),
+            _mib(ms["gradients"]),
+            _mib(ms["optimizer_state"]),
+            _mib(ms["communication_buffers"]),
+            _mib(s.activations),
+            _mib(s.transient),
+            _mib(s.peak),
+            fits,
+            _mib(s.comm_total),
+        )
     buf = io.StringIO()
     console = Console(file=buf, width=width, no_color=True, highlight=False)
     console.print(table)

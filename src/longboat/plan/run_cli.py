@@ -13,9 +13,19 @@ from longboat.plan.target import PlanInputError, resolve
 from longboat.strategies import zero_stage
 
 
-def run_plan(model: str, model_args: str | None, micro_batch: int, seq_len: int | None,
-             world_size: int, precision: str | None, optimizer: str, budget: str | None,
-             strategies: str | None, config_file: Path | None, as_json: bool) -> tuple[str, int]:
+def run_plan(
+    model: str,
+    model_args: str | None,
+    micro_batch: int,
+    seq_len: int | None,
+    world_size: int,
+    precision: str | None,
+    optimizer: str,
+    budget: str | None,
+    strategies: str | None,
+    config_file: Path | None,
+    as_json: bool,
+) -> tuple[str, int]:
     """Plan and format; returns (text, exit status). Raises :class:`PlanInputError` or
     :class:`~longboat.config.ConfigError` for usage errors.
 
@@ -27,25 +37,40 @@ def run_plan(model: str, model_args: str | None, micro_batch: int, seq_len: int 
         try:
             kwargs = json.loads(model_args)
         except json.JSONDecodeError as e:
-            raise PlanInputError(f"--model-args is not JSON ({e}); write e.g. "
-                                 "'{\"d_model\": 1024}'") from None
+            raise PlanInputError(
+                f"--model-args is not JSON ({e}); write e.g. '{{\"d_model\": 1024}}'"
+            ) from None
         if not isinstance(kwargs, dict):
             raise PlanInputError("--model-args must be a JSON object of keyword arguments")
     if config_file is not None and not config_file.is_file():
-        raise PlanInputError(f"config file {str(config_file)!r} does not exist: give the "
-                             "path of a file")
+        raise PlanInputError(
+            f"config file {str(config_file)!r} does not exist: give the path of a file"
+        )
     base = lb_config.load_config(config_file)
     if precision is not None:  # through validation again: fp16-only keys must still agree
         data = base.model_dump(exclude_unset=True)
         data.setdefault("precision", {})["dtype"] = precision
         base = lb_config.load_config(data)
     # "zero2" as `longboat bench` spells it is accepted too.
-    names = (tuple(f"zero-{stage}" if (stage := zero_stage(s)) else s.strip()
-                   for s in strategies.split(",")) if strategies else STRATEGIES)
+    names = (
+        tuple(
+            f"zero-{stage}" if (stage := zero_stage(s)) else s.strip()
+            for s in strategies.split(",")
+        )
+        if strategies
+        else STRATEGIES
+    )
     target = resolve(model, kwargs, seq_len)
     try:
-        plan = make_plan(target, base, world_size, micro_batch, optimizer, names,
-                         parse_bytes(budget) if budget else None)
+        plan = make_plan(
+            target,
+            base,
+            world_size,
+            micro_batch,
+            optimizer,
+            names,
+            parse_bytes(budget) if budget else None,
+        )
     except TypeError as e:  # the model's constructor refused the arguments
         raise PlanInputError(f"--model {model!r} with --model-args {kwargs}: {e}") from None
     text = json.dumps(plan.to_json(), indent=2) if as_json else render(plan)

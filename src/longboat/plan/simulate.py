@@ -89,13 +89,15 @@ class MetaCollectives:
         n = self.world_size
         return self._count("all_reduce", 2 * (n - 1) / n * _nbytes(tensor))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       async_op: bool = False, tag: str = "") -> _Done:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> _Done:
         n = self.world_size
         return self._count("reduce_scatter", (n - 1) / n * _nbytes(input))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor,
-                   async_op: bool = False, tag: str = "") -> _Done:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> _Done:
         n = self.world_size
         return self._count("all_gather", (n - 1) / n * _nbytes(output))
 
@@ -129,20 +131,28 @@ class Simulated:
     comm_bytes: dict[str, int]  # bytes sent per step by this rank, per collective
 
 
-def simulate(target: Target, config: Config, world_size: int, micro_batch: int,
-             make_optimizer: Any, rank: int = 0) -> Simulated:
+def simulate(
+    target: Target,
+    config: Config,
+    world_size: int,
+    micro_batch: int,
+    make_optimizer: Any,
+    rank: int = 0,
+) -> Simulated:
     """Run setup and two steps of ``config``'s strategy on meta tensors at ``world_size``, as
     rank ``rank`` would."""
     from longboat.engine import Engine
 
     sent: dict[str, int] = {}
-    topology = Topology.of(Mesh.resolve(world_size), rank,
-                           lambda n, r: MetaCollectives(n, r, sent=sent))
+    topology = Topology.of(
+        Mesh.resolve(world_size), rank, lambda n, r: MetaCollectives(n, r, sent=sent)
+    )
     world = World(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
     tracker = LiveBytes()
     if config.precision.dtype == "fp16":  # see [Note: fake tensors]
-        config = config.model_copy(update={"precision": config.precision.model_copy(
-            update={"dtype": "bf16"})})
+        config = config.model_copy(
+            update={"precision": config.precision.model_copy(update={"dtype": "bf16"})}
+        )
     with FakeTensorMode(), tracker:
         model = target.build()
         opt = make_optimizer(model.parameters())
@@ -167,7 +177,12 @@ def simulate(target: Target, config: Config, world_size: int, micro_batch: int,
             engine.close()
     state_total = sum(state[c] for c in CATEGORIES)
     return Simulated(
-        strategy=name, world_size=world_size, trainable_params=trainable, model_state=state,
-        peak=tracker.max_peak, activations=activations,
+        strategy=name,
+        world_size=world_size,
+        trainable_params=trainable,
+        model_state=state,
+        peak=tracker.max_peak,
+        activations=activations,
         transient=max(tracker.max_peak - state_total - activations, 0),
-        comm_bytes=dict(sent))
+        comm_bytes=dict(sent),
+    )

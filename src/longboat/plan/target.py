@@ -54,9 +54,12 @@ def _gpt_input(seq_len: int | None) -> Callable[[nn.Module, int], tuple[Any, ...
     def make(model: nn.Module, b: int) -> tuple[Any, ...]:
         t = seq_len or model.seq_len  # type: ignore[attr-defined]
         if t > model.seq_len:  # type: ignore[attr-defined]
-            raise PlanInputError(f"--seq-len {t} exceeds the model's seq_len "
-                                 f"{model.seq_len}; give --seq-len {model.seq_len} or less")
+            raise PlanInputError(
+                f"--seq-len {t} exceeds the model's seq_len "
+                f"{model.seq_len}; give --seq-len {model.seq_len} or less"
+            )
         return (torch.zeros(b, t, dtype=torch.long),)
+
     return make
 
 
@@ -71,13 +74,16 @@ def _cnn_loss(out: Any, _args: tuple[Any, ...]) -> torch.Tensor:
 def _user(spec: str, kwargs: dict[str, Any]) -> Target:
     mod_name, _, attr = spec.partition(":")
     if not mod_name or not attr:
-        raise PlanInputError(f"--model {spec!r} is neither a built-in ({', '.join(BUILTINS)}) "
-                             "nor 'package.module:callable'")
+        raise PlanInputError(
+            f"--model {spec!r} is neither a built-in ({', '.join(BUILTINS)}) "
+            "nor 'package.module:callable'"
+        )
     try:
         module = importlib.import_module(mod_name)
     except ImportError as e:
-        raise PlanInputError(f"--model {spec!r}: cannot import {mod_name!r} ({e}); is it on "
-                             "PYTHONPATH?") from None
+        raise PlanInputError(
+            f"--model {spec!r}: cannot import {mod_name!r} ({e}); is it on PYTHONPATH?"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise PlanInputError(f"--model {spec!r}: module {mod_name!r} has no callable {attr!r}")
@@ -85,7 +91,8 @@ def _user(spec: str, kwargs: dict[str, Any]) -> Target:
     if not callable(example):
         raise PlanInputError(
             f"--model {spec!r}: module {mod_name!r} must define example_input(model, "
-            "micro_batch) returning the arguments of one forward (see docs/plan.md)")
+            "micro_batch) returning the arguments of one forward (see docs/plan.md)"
+        )
     user_loss = getattr(module, "example_loss", None)
 
     def loss(out: Any, _args: tuple[Any, ...]) -> torch.Tensor:
@@ -94,14 +101,17 @@ def _user(spec: str, kwargs: dict[str, Any]) -> Target:
     return Target(spec, lambda: fn(**kwargs), lambda m, b: _as_args(example(m, b)), loss)
 
 
-def resolve(spec: str, model_args: dict[str, Any] | None = None, seq_len: int | None = None
-            ) -> Target:
+def resolve(
+    spec: str, model_args: dict[str, Any] | None = None, seq_len: int | None = None
+) -> Target:
     """The :class:`Target` named by ``spec`` (a built-in or ``package.module:callable``)."""
     kwargs = dict(model_args or {})
     if spec == "reference-gpt":
         if kwargs:
-            raise PlanInputError("--model reference-gpt takes no --model-args; use --model gpt "
-                                 "with --model-args to change its dimensions")
+            raise PlanInputError(
+                "--model reference-gpt takes no --model-args; use --model gpt "
+                "with --model-args to change its dimensions"
+            )
         return Target(spec, reference_gpt, _gpt_input(seq_len), _gpt_loss)
     if spec == "gpt":
         return Target(spec, lambda: GPT(**kwargs), _gpt_input(seq_len), _gpt_loss)

@@ -50,8 +50,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         self.max_peak = max(self.max_peak, self.live)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             # A fake tensor has no value, but the engine reads the loss as a number and torch's
             # optimizers read their step count; 1 suits both (Adam divides by 1 - beta**step,

@@ -32,11 +32,16 @@ class StrategyContext:
     wire_dtype: torch.dtype | None = None
 
     @classmethod
-    def of(cls, world: World, topology: Topology, config: Config, section: str | None = None
-           ) -> StrategyContext:
+    def of(
+        cls, world: World, topology: Topology, config: Config, section: str | None = None
+    ) -> StrategyContext:
         wire = config.precision.communication_data_type
-        return cls(world, topology, getattr(config, section) if section else None,
-                   DTYPES[wire] if wire else None)
+        return cls(
+            world,
+            topology,
+            getattr(config, section) if section else None,
+            DTYPES[wire] if wire else None,
+        )
 
 
 class Strategy(Protocol):
@@ -104,14 +109,14 @@ class Strategy(Protocol):
         """The model's ``state_dict`` with every tensor whole, on every rank."""
         ...
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
-                         ) -> RankState:
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
         """This rank's parameters, buffers and optimizer state as pieces of the full tensors
         (see [Note: pieces] in ``strategies/pieces.py``). Called between steps."""
         ...
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                              source: PieceSource) -> None:
+    def load_checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, source: PieceSource
+    ) -> None:
         """Fill this rank's share of model and optimizer state from ``source``, whatever
         strategy and world size wrote it. Called between steps."""
         ...

@@ -65,7 +65,7 @@ class BufferSync:
             self.comm.broadcast(flat, src=0)
             offset = 0
             for b in bufs:
-                b.copy_(flat[offset: offset + b.numel()].view_as(b))
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
 
     def close(self) -> None:

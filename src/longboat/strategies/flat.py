@@ -91,8 +91,10 @@ class FlatUnit:
 
     def make_pieces(self, shard: torch.Tensor) -> None:
         """Cut the optimizer's per-parameter views out of ``shard`` ([Note: shard pieces])."""
-        self.pieces = [(i, a - self.lo, b - self.lo, nn.Parameter(shard[a - self.lo: b - self.lo]))
-                       for i, a, b in self.overlaps()]
+        self.pieces = [
+            (i, a - self.lo, b - self.lo, nn.Parameter(shard[a - self.lo : b - self.lo]))
+            for i, a, b in self.overlaps()
+        ]
 
     def flatten(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """A new copy of elements ``[lo, hi)`` of the padded flat parameters (all by default),
@@ -102,13 +104,12 @@ class FlatUnit:
         for p, off in zip(self.params, self.offsets, strict=True):
             a, b = max(lo, off), min(hi, off + p.numel())
             if a < b:
-                flat[a - lo: b - lo].copy_(p.detach().reshape(-1)[a - off: b - off])
+                flat[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - off : b - off])
         return flat
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s slice of a full flat buffer, shaped like the parameter."""
-        return flat[self.offsets[i]: self.offsets[i] + self.shapes[i].numel()].view(
-            self.shapes[i])
+        return flat[self.offsets[i] : self.offsets[i] + self.shapes[i].numel()].view(self.shapes[i])
 
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Make every parameter's data a view into ``flat`` (no copy)."""
@@ -126,7 +127,7 @@ class FlatUnit:
         if self.grad_shard is not None:
             return self.grad_shard
         assert self.flat_grad is not None
-        return self.flat_grad[self.lo: self.hi]
+        return self.flat_grad[self.lo : self.hi]
 
     @property
     def complete(self) -> bool:

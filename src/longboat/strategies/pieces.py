@@ -89,11 +89,16 @@ def encode_scalar(value: Any, where: str, device: torch.device) -> Any:
     if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return {"tensor": str(value.dtype).removeprefix("torch."), "value": value.item(),
-                "on_param_device": value.device == device and device.type != "cpu"}
-    raise ValueError(f"optimizer state {where} is a {type(value).__name__}, which a checkpoint "
-                     "cannot hold without pickle; only element-wise tensors and scalars are "
-                     "supported")
+        return {
+            "tensor": str(value.dtype).removeprefix("torch."),
+            "value": value.item(),
+            "on_param_device": value.device == device and device.type != "cpu",
+        }
+    raise ValueError(
+        f"optimizer state {where} is a {type(value).__name__}, which a checkpoint "
+        "cannot hold without pickle; only element-wise tensors and scalars are "
+        "supported"
+    )
 
 
 def decode_scalar(value: Any, device: torch.device) -> Any:
@@ -104,8 +109,9 @@ def decode_scalar(value: Any, device: torch.device) -> Any:
     return value
 
 
-def split_state(state: dict[str, Any], numel: int, device: torch.device, where: str
-                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def split_state(
+    state: dict[str, Any], numel: int, device: torch.device, where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """An optimizer's per-parameter state as (element-wise tensors by ``optim.*`` key, encoded
     scalars)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -116,7 +122,8 @@ def split_state(state: dict[str, Any], numel: int, device: torch.device, where: 
                 raise ValueError(
                     f"optimizer state {k!r} of {where} has {v.numel()} elements, not the "
                     f"parameter's {numel}: checkpoints support element-wise optimizer state "
-                    "(SGD, Adam, AdamW, ...) only")
+                    "(SGD, Adam, AdamW, ...) only"
+                )
             tensors[OPTIM + k] = v
         else:
             scalars[k] = encode_scalar(v, f"{k!r} of {where}", device)

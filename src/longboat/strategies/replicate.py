@@ -132,8 +132,7 @@ class Replicate:
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        self._order.advance(
-            lambda i: len(self._arrived[i]) == len(self._buckets[i].params), force)
+        self._order.advance(lambda i: len(self._arrived[i]) == len(self._buckets[i].params), force)
 
     def _launch(self, index: int) -> None:
         b = self._buckets[index]
@@ -192,7 +191,7 @@ class Replicate:
         if landing is None:
             return b.view_of(i)
         p = b.params[i]
-        return landing[b.offsets[i]: b.offsets[i] + p.numel()].view_as(p)
+        return landing[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
 
     def wait_gradients(self) -> None:
         for b in self._buckets:
@@ -206,8 +205,12 @@ class Replicate:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         pending = any(b.handle is not None for b in self._buckets)
-        if not (pending and self.cfg.overlap_optimizer
-                and is_elementwise(optimizer) and not has_step_hooks(optimizer)):
+        if not (
+            pending
+            and self.cfg.overlap_optimizer
+            and is_elementwise(optimizer)
+            and not has_step_hooks(optimizer)
+        ):
             self.wait_gradients()
             optimizer.step()
             return
@@ -224,10 +227,12 @@ class Replicate:
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         # The buckets are where averaged gradients live (p.grad are views into them).
-        return {"parameters": list(self.params),
-                "gradients": [b.buffer for b in self._buckets if b.buffer is not None]
-                + [p.grad for p in self.params if p.grad is not None],
-                "optimizer_state": optimizer_state_tensors(optimizer)}
+        return {
+            "parameters": list(self.params),
+            "gradients": [b.buffer for b in self._buckets if b.buffer is not None]
+            + [p.grad for p in self.params if p.grad is not None],
+            "optimizer_state": optimizer_state_tensors(optimizer),
+        }
 
     def gathered_parameters(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # parameters are whole on every rank
@@ -235,13 +240,13 @@ class Replicate:
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
-                         ) -> RankState:
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
         # Every rank of the axis holds the same state: each tensor is written once, by one rank.
         return whole_state(model, optimizer, members(self.comm))
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                              source: PieceSource) -> None:
+    def load_checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, source: PieceSource
+    ) -> None:
         load_whole_state(model, optimizer, source)  # every rank reads the same: replicas agree
 
     def close(self) -> None:

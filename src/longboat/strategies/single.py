@@ -54,9 +54,11 @@ class Single:
         optimizer.step()
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        return {"parameters": list(self.params),
-                "gradients": [p.grad for p in self.params if p.grad is not None],
-                "optimizer_state": optimizer_state_tensors(optimizer)}
+        return {
+            "parameters": list(self.params),
+            "gradients": [p.grad for p in self.params if p.grad is not None],
+            "optimizer_state": optimizer_state_tensors(optimizer),
+        }
 
     def gathered_parameters(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # parameters are whole on every rank
@@ -64,12 +66,12 @@ class Single:
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
-                         ) -> RankState:
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
         return whole_state(model, optimizer)
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                              source: PieceSource) -> None:
+    def load_checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, source: PieceSource
+    ) -> None:
         load_whole_state(model, optimizer, source)
 
     def close(self) -> None:

@@ -28,8 +28,10 @@ def _model_tensors(model: nn.Module, skip: set[int]) -> Iterator[tuple[str, torc
     seen = set(skip)
     for name, t in model.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"model state {name!r} is a {type(t).__name__} (a module's extra "
-                             "state), which checkpoints cannot hold without pickle")
+            raise ValueError(
+                f"model state {name!r} is a {type(t).__name__} (a module's extra "
+                "state), which checkpoints cannot hold without pickle"
+            )
         if id(t) in seen:
             continue
         seen.add(id(t))
@@ -39,8 +41,10 @@ def _model_tensors(model: nn.Module, skip: set[int]) -> Iterator[tuple[str, torc
 def model_pieces(model: nn.Module, skip: set[int], replicas: tuple[int, ...]) -> list[Piece]:
     """Whole pieces of every parameter and buffer except those whose id is in ``skip``, held
     alike by the global ranks ``replicas``."""
-    return [Piece(name, MODEL, tuple(t.shape), 0, t.numel(), t.detach().reshape(-1), replicas)
-            for name, t in _model_tensors(model, skip)]
+    return [
+        Piece(name, MODEL, tuple(t.shape), 0, t.numel(), t.detach().reshape(-1), replicas)
+        for name, t in _model_tensors(model, skip)
+    ]
 
 
 def _read_into(source: PieceSource, name: str, key: str, t: torch.Tensor) -> None:
@@ -59,8 +63,9 @@ def load_model(model: nn.Module, source: PieceSource, skip: set[int]) -> None:
         _read_into(source, name, MODEL, t.data)
 
 
-def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                replicas: tuple[int, ...] = ()) -> RankState:
+def whole_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, replicas: tuple[int, ...] = ()
+) -> RankState:
     """The state of a strategy that holds every tensor whole, alike on the global ranks
     ``replicas``."""
     names = canonical_names(model)
@@ -69,19 +74,22 @@ def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
         state.groups.append([_name(names, p) for p in group["params"]])
         for p in group["params"]:
             name = names[id(p)]
-            tensors, scalars = split_state(optimizer.state.get(p, {}), p.numel(), p.device,
-                                           f"parameter {name!r}")
-            state.pieces += [Piece(name, key, tuple(p.shape), 0, p.numel(),
-                                   t.detach().reshape(-1), replicas)
-                             for key, t in tensors.items()]
+            tensors, scalars = split_state(
+                optimizer.state.get(p, {}), p.numel(), p.device, f"parameter {name!r}"
+            )
+            state.pieces += [
+                Piece(name, key, tuple(p.shape), 0, p.numel(), t.detach().reshape(-1), replicas)
+                for key, t in tensors.items()
+            ]
             if scalars:
                 state.scalars[name] = scalars
     return state
 
 
 @torch.no_grad()
-def load_whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                     source: PieceSource) -> None:
+def load_whole_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, source: PieceSource
+) -> None:
     """Fill a whole-tensor strategy's model and optimizer state from ``source``."""
     load_model(model, source, set())
     names = canonical_names(model)
@@ -105,7 +113,9 @@ def load_whole_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def _name(names: dict[int, str], p: torch.Tensor) -> str:
     if id(p) not in names:
-        raise ValueError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not "
-                         "a parameter of the model; a checkpoint names optimizer state by "
-                         "parameter name, so build the optimizer from model.parameters()")
+        raise ValueError(
+            f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not "
+            "a parameter of the model; a checkpoint names optimizer state by "
+            "parameter name, so build the optimizer from model.parameters()"
+        )
     return names[id(p)]

@@ -115,20 +115,23 @@ class Zero:
                 "tensor). Use strategy 'replicate', or one of those optimizers"
             )
         if optimizer.state:
-            raise ConfigError("strategy 'zero' needs a fresh optimizer (it re-targets the "
-                              "optimizer at flat shards); build it before stepping it")
+            raise ConfigError(
+                "strategy 'zero' needs a fresh optimizer (it re-targets the "
+                "optimizer at flat shards); build it before stepping it"
+            )
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 self.dp.broadcast(t.data, src=0)
         self._buffers = BufferSync(model, self.dp)
-        group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups)
-                    for p in grp["params"]}
-        params = [p for p in dict.fromkeys(model.parameters())
-                  if p.requires_grad and id(p) in group_of]
+        group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
+        params = [
+            p for p in dict.fromkeys(model.parameters()) if p.requires_grad and id(p) in group_of
+        ]
         if self.policy.units_by_module:
             pieces = []
-            for module, ps in module_units(model, {id(p) for p in params},
-                                           self.cfg.unit_classes, self.cfg.unit_min_params):
+            for module, ps in module_units(
+                model, {id(p) for p in params}, self.cfg.unit_classes, self.cfg.unit_min_params
+            ):
                 for chunk in _split(ps, group_of):
                     pieces.append((module, chunk))
             # Launch order approximates backward order: blocks in reverse, but the root unit
@@ -141,11 +144,18 @@ class Zero:
         module_names = {id(m): n or "root" for n, m in model.named_modules()}
         param_names = {id(p): n for n, p in model.named_parameters()}
         for module, ps in pieces:
-            u = FlatUnit(len(self.units), ps, group_of[id(ps[0])], self.comm.world_size,
-                         self.comm.rank, module=module)
+            u = FlatUnit(
+                len(self.units),
+                ps,
+                group_of[id(ps[0])],
+                self.comm.world_size,
+                self.comm.rank,
+                module=module,
+            )
             # Named in desync and hang reports: two units' tensors may have the same shape.
-            what = (module_names[id(module)] if module is not None
-                    else f"{param_names[id(ps[0])]}, ...")
+            what = (
+                module_names[id(module)] if module is not None else f"{param_names[id(ps[0])]}, ..."
+            )
             u.tag = f"unit {u.index}: {what}"
             self._build(u)
             self.units.append(u)
@@ -155,8 +165,13 @@ class Zero:
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         if self.policy.shard_params:
-            self._gathering = Gathering(self.units, self.comm, model, self.cfg.prefetch,
-                                        lambda: self._order.advance(self._unit_done))
+            self._gathering = Gathering(
+                self.units,
+                self.comm,
+                model,
+                self.cfg.prefetch,
+                lambda: self._order.advance(self._unit_done),
+            )
             self._hooks += self._gathering.install()
         return model
 
@@ -171,7 +186,7 @@ class Zero:
             flat = u.flatten()
             u.flat_param = flat
             u.point_params_at(flat)
-            u.shard = flat[u.lo: u.hi]  # a view: the step updates flat in place
+            u.shard = flat[u.lo : u.hi]  # a view: the step updates flat in place
         u.make_pieces(u.shard)
         if self.policy.shard_grads:
             u.grad_shard = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device)
@@ -185,8 +200,10 @@ class Zero:
 
     def before_backward(self, sync: bool) -> None:
         if self._gathering is not None and self._gathering.held:
-            raise RuntimeError("engine.backward() inside engine.gathered_parameters(): that "
-                               "context is for evaluation; leave it (on every rank) to train")
+            raise RuntimeError(
+                "engine.backward() inside engine.gathered_parameters(): that "
+                "context is for evaluation; leave it (on every rank) to train"
+            )
         self.wait_gradients()  # stages 2-3: the last micro-batch's reductions land in the shard
         self._sync = sync
         self._order.reset()
@@ -216,8 +233,11 @@ class Zero:
         if u.flat_grad is None:  # stages 2-3: a transient buffer per backward
             # On one data-parallel rank the shard is the whole unit: gradients accumulate in
             # it directly, with nothing to reduce (no more memory than a single process).
-            u.flat_grad = (u.grad_shard if self._alone else
-                           torch.zeros(u.padded, dtype=u.dtype, device=u.device))
+            u.flat_grad = (
+                u.grad_shard
+                if self._alone
+                else torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+            )
         assert p.grad is not None
         u.view(u.flat_grad, i).add_(p.grad)
         p.grad = None  # the flat buffer holds it now; free the full-size gradient
@@ -227,7 +247,8 @@ class Zero:
             raise RuntimeError(
                 f"zero: a gradient of {u.tag} arrived after its reduction started (stage "
                 f"{self.policy.stage}); autograd ran its accumulation after the unit's backward "
-                "ended. Please report this with the model; stage 2 does not depend on that order")
+                "ended. Please report this with the model; stage 2 does not depend on that order"
+            )
         if not self.policy.shard_params and self.policy.reduces_now(self._sync):
             self._order.advance(self._unit_done)
         self._reap()
@@ -261,7 +282,7 @@ class Zero:
             u.flat_grad = None
         else:
             assert u.flat_grad is not None
-            u.flat_grad[u.lo: u.hi].copy_(u.reduced)
+            u.flat_grad[u.lo : u.hi].copy_(u.reduced)
         u.reduced = None
 
     def _reap(self) -> None:
@@ -353,8 +374,9 @@ class Zero:
                 for *_, pc in u.pieces:
                     pc.grad = None
             assert u.shard is not None and u.flat_param is not None
-            handles.append(self.comm.all_gather(u.flat_param, u.shard.clone(), async_op=True,
-                                                tag=u.tag))
+            handles.append(
+                self.comm.all_gather(u.flat_param, u.shard.clone(), async_op=True, tag=u.tag)
+            )
         for h in handles:
             h.wait()
 
@@ -367,9 +389,12 @@ class Zero:
         comm = [u.reduced for u in self.units if u.reduced is not None]
         if self._gathering is not None:
             comm += self._gathering.spare_buffers()
-        return {"parameters": params, "gradients": grads,
-                "optimizer_state": optimizer_state_tensors(optimizer),
-                "communication_buffers": comm}
+        return {
+            "parameters": params,
+            "gradients": grads,
+            "optimizer_state": optimizer_state_tensors(optimizer),
+            "communication_buffers": comm,
+        }
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:
         """Stage 3: every unit gathered while inside (entering and leaving are collective), so
@@ -385,12 +410,12 @@ class Zero:
         with self.gathered_parameters():
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
-                         ) -> RankState:
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
         return zero_state.rank_state(self.units, model, optimizer, self.dp, self.replicas)
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                              source: PieceSource) -> None:
+    def load_checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, source: PieceSource
+    ) -> None:
         if self._gathering is not None:
             self._gathering.free_all()  # a buffer gathered earlier would be stale after this
         zero_state.load(self.units, model, optimizer, source)

@@ -31,8 +31,14 @@ class Gathering:
     after forward either).
     """
 
-    def __init__(self, units: list[FlatUnit], comm: Comm, root: nn.Module, prefetch: bool,
-                 on_unit_done: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        comm: Comm,
+        root: nn.Module,
+        prefetch: bool,
+        on_unit_done: Callable[[], None],
+    ) -> None:
         self.units = units
         self.comm = comm
         self.root = root
@@ -54,11 +60,15 @@ class Gathering:
         for us in by_module.values():
             m = us[0].module
             assert m is not None
-            hooks.append(m.register_forward_pre_hook(
-                lambda _m, args, kwargs, us=us: self._before_forward(us, args, kwargs),
-                with_kwargs=True))
-            hooks.append(m.register_forward_hook(
-                lambda _m, _a, out, us=us: self._after_forward(us, out)))
+            hooks.append(
+                m.register_forward_pre_hook(
+                    lambda _m, args, kwargs, us=us: self._before_forward(us, args, kwargs),
+                    with_kwargs=True,
+                )
+            )
+            hooks.append(
+                m.register_forward_hook(lambda _m, _a, out, us=us: self._after_forward(us, out))
+            )
         return hooks
 
     # -- one unit ------------------------------------------------------------------------------
@@ -140,8 +150,9 @@ class Gathering:
                 return  # its backward is already over: gathering again would only waste memory
             self.gather(u, async_op=True)
 
-    def _before_forward(self, us: list[FlatUnit], args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _before_forward(
+        self, us: list[FlatUnit], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         # Only a training forward (as in [Note: buffers]) is followed by a backward on every
         # rank; another (an evaluation, maybe on one rank) must leave no trace that one rank has
         # and another has not.
@@ -153,8 +164,9 @@ class Gathering:
         self._prefetch(us, +1)
         return self._watch_inputs(us, args, kwargs) if training else (args, kwargs)
 
-    def _watch_inputs(self, us: list[FlatUnit], args: tuple[Any, ...], kwargs: dict[str, Any]
-                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _watch_inputs(
+        self, us: list[FlatUnit], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Pass the inputs that need a gradient through :class:`_PostBackward`, whose backward
         runs once the unit's backward is over ([Note: stage-3 order])."""
         flat, spec = tree_flatten((args, kwargs))

@@ -32,8 +32,13 @@ from longboat.strategies.pieces import (
 from longboat.strategies.whole_state import load_model, model_pieces
 
 
-def rank_state(units: list[FlatUnit], model: nn.Module, optimizer: torch.optim.Optimizer,
-               dp: Comm, replicas: Comm) -> RankState:
+def rank_state(
+    units: list[FlatUnit],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dp: Comm,
+    replicas: Comm,
+) -> RankState:
     """This rank's pieces of every unit, with the optimizer state of each. Buffers and frozen
     parameters are alike on every rank of ``dp``; shard pieces on the ranks of ``replicas``
     ([Note: hybrid sharding] in ``zero.py``; just this rank without replicas)."""
@@ -45,22 +50,27 @@ def rank_state(units: list[FlatUnit], model: nn.Module, optimizer: torch.optim.O
         for i, a, b, piece in u.pieces:
             name, shape = names[id(u.params[i])], tuple(u.shapes[i])
             start, end = u.lo + a - u.offsets[i], u.lo + b - u.offsets[i]  # within the parameter
-            tensors, scalars = split_state(optimizer.state.get(piece, {}), b - a, u.device,
-                                           f"parameter {name!r}")
-            state.pieces.append(Piece(name, MODEL, shape, start, end, piece.detach(),
-                                      shards_alike))
-            state.pieces += [Piece(name, key, shape, start, end, t.detach(), shards_alike)
-                             for key, t in tensors.items()]
+            tensors, scalars = split_state(
+                optimizer.state.get(piece, {}), b - a, u.device, f"parameter {name!r}"
+            )
+            state.pieces.append(Piece(name, MODEL, shape, start, end, piece.detach(), shards_alike))
+            state.pieces += [
+                Piece(name, key, shape, start, end, t.detach(), shards_alike)
+                for key, t in tensors.items()
+            ]
             if scalars:
                 state.scalars[name] = scalars
-    state.groups = [[names[id(p)] for u in units if u.group == g for p in u.params]
-                    for g in range(len(optimizer.param_groups))]
+    state.groups = [
+        [names[id(p)] for u in units if u.group == g for p in u.params]
+        for g in range(len(optimizer.param_groups))
+    ]
     return state
 
 
 @torch.no_grad()
-def load(units: list[FlatUnit], model: nn.Module, optimizer: torch.optim.Optimizer,
-         source: PieceSource) -> None:
+def load(
+    units: list[FlatUnit], model: nn.Module, optimizer: torch.optim.Optimizer, source: PieceSource
+) -> None:
     """Fill this rank's shards (and, where the full flat parameters persist: stages 1-2, those
     too) from ``source``. Sharded units (stage 3) must be freed first."""
     names = canonical_names(model)
@@ -76,14 +86,21 @@ def load(units: list[FlatUnit], model: nn.Module, optimizer: torch.optim.Optimiz
             assert u.flat_param is not None
             for i, (off, shape) in enumerate(zip(u.offsets, u.shapes, strict=True)):
                 n = shape.numel()
-                source.read(names[id(u.params[i])], MODEL, 0, n, u.flat_param[off: off + n])
+                source.read(names[id(u.params[i])], MODEL, 0, n, u.flat_param[off : off + n])
         for i, a, b, piece in u.pieces:
             _load_optimizer_state(u, i, a, b, piece, optimizer, names[id(u.params[i])], source)
 
 
-def _load_optimizer_state(u: FlatUnit, i: int, a: int, b: int, piece: nn.Parameter,
-                          optimizer: torch.optim.Optimizer, name: str,
-                          source: PieceSource) -> None:
+def _load_optimizer_state(
+    u: FlatUnit,
+    i: int,
+    a: int,
+    b: int,
+    piece: nn.Parameter,
+    optimizer: torch.optim.Optimizer,
+    name: str,
+    source: PieceSource,
+) -> None:
     keys, scalars = source.state_keys(name), source.scalars(name)
     if not keys and not scalars:
         optimizer.state.pop(piece, None)  # nothing saved: as a fresh optimizer would be

@@ -22,12 +22,14 @@ from longboat.config import ConfigError
 _MIB = 1024 * 1024
 
 
-def bucket_units(params: list[nn.Parameter], group_of: dict[int, int], bucket_mb: float
-                 ) -> list[list[nn.Parameter]]:
+def bucket_units(
+    params: list[nn.Parameter], group_of: dict[int, int], bucket_mb: float
+) -> list[list[nn.Parameter]]:
     """Stages 1-2: reverse-order buckets (:func:`~longboat.comm.buckets.group_params`), one
     param group, dtype and device each."""
-    return group_params(params, int(bucket_mb * _MIB),
-                        key=lambda p: (group_of[id(p)], p.dtype, p.device))
+    return group_params(
+        params, int(bucket_mb * _MIB), key=lambda p: (group_of[id(p)], p.dtype, p.device)
+    )
 
 
 def _choose_modules(model: nn.Module, classes: Iterable[str], min_params: int) -> list[nn.Module]:
@@ -56,8 +58,9 @@ def _choose_modules(model: nn.Module, classes: Iterable[str], min_params: int) -
     return chosen
 
 
-def module_units(model: nn.Module, trainable: set[int], classes: Iterable[str],
-                 min_params: int) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+def module_units(
+    model: nn.Module, trainable: set[int], classes: Iterable[str], min_params: int
+) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """Stage 3: (module, its parameters) per unit, in forward registration order, root last."""
     modules = _choose_modules(model, classes, min_params)
     unit_of: dict[int, int] = {id(m): i for i, m in enumerate(modules)}

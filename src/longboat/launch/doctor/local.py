@@ -30,8 +30,11 @@ def versions() -> dict[str, str]:
 
     import longboat
 
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "longboat": getattr(longboat, "__version__", _dist_version())}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "longboat": getattr(longboat, "__version__", _dist_version()),
+    }
 
 
 def _dist_version() -> str:
@@ -49,8 +52,12 @@ def backends() -> Backends:
     import torch.distributed as dist
 
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return Backends(gloo=dist.is_gloo_available(), nccl=dist.is_nccl_available(),
-                    mpi=dist.is_mpi_available(), cuda_devices=cuda)
+    return Backends(
+        gloo=dist.is_gloo_available(),
+        nccl=dist.is_nccl_available(),
+        mpi=dist.is_mpi_available(),
+        cuda_devices=cuda,
+    )
 
 
 def check_versions(found: dict[str, str]) -> Finding:
@@ -59,24 +66,40 @@ def check_versions(found: dict[str, str]) -> Finding:
 
 def check_backend(wanted: str, have: Backends) -> Finding:
     """Is ``wanted`` (gloo, nccl or mpi) usable here?"""
-    listing = (f"gloo {'yes' if have.gloo else 'no'}, nccl {'yes' if have.nccl else 'no'}, "
-               f"mpi {'yes' if have.mpi else 'no'}, CUDA devices {have.cuda_devices}")
+    listing = (
+        f"gloo {'yes' if have.gloo else 'no'}, nccl {'yes' if have.nccl else 'no'}, "
+        f"mpi {'yes' if have.mpi else 'no'}, CUDA devices {have.cuda_devices}"
+    )
     detail = f"{wanted} wanted; {listing}"
     if wanted == "gloo" and not have.gloo:
-        return Finding("backend", "fail", detail,
-                       "this torch build has no gloo; install a standard torch wheel")
+        return Finding(
+            "backend",
+            "fail",
+            detail,
+            "this torch build has no gloo; install a standard torch wheel",
+        )
     if wanted == "nccl" and not have.nccl:
-        return Finding("backend", "fail", detail,
-                       "this torch build has no NCCL: install a CUDA build of torch, or use "
-                       "--backend gloo")
+        return Finding(
+            "backend",
+            "fail",
+            detail,
+            "this torch build has no NCCL: install a CUDA build of torch, or use --backend gloo",
+        )
     if wanted == "nccl" and have.cuda_devices == 0:
-        return Finding("backend", "fail", detail,
-                       "NCCL needs a CUDA device and none is visible: check nvidia-smi and "
-                       "CUDA_VISIBLE_DEVICES, or use --backend gloo")
+        return Finding(
+            "backend",
+            "fail",
+            detail,
+            "NCCL needs a CUDA device and none is visible: check nvidia-smi and "
+            "CUDA_VISIBLE_DEVICES, or use --backend gloo",
+        )
     if wanted == "mpi" and not have.mpi:
-        return Finding("backend", "fail", detail,
-                       "this torch build has no MPI: build torch from source with MPI, or use "
-                       "--backend gloo")
+        return Finding(
+            "backend",
+            "fail",
+            detail,
+            "this torch build has no MPI: build torch from source with MPI, or use --backend gloo",
+        )
     return Finding("backend", "ok", detail)
 
 
@@ -84,10 +107,12 @@ def check_gpus_per_node(backend: str, nproc_per_node: int, have: Backends) -> Fi
     """With NCCL each local rank needs its own GPU; None when it does not apply."""
     if backend != "nccl" or have.cuda_devices == 0 or nproc_per_node <= have.cuda_devices:
         return None
-    return Finding("gpus", "fail",
-                   f"-n {nproc_per_node} ranks on this node but {have.cuda_devices} CUDA "
-                   "device(s)",
-                   f"use -n {have.cuda_devices} or fewer with NCCL (one GPU per rank)")
+    return Finding(
+        "gpus",
+        "fail",
+        f"-n {nproc_per_node} ranks on this node but {have.cuda_devices} CUDA device(s)",
+        f"use -n {have.cuda_devices} or fewer with NCCL (one GPU per rank)",
+    )
 
 
 def shm_bytes(path: str = "/dev/shm") -> int | None:
@@ -101,14 +126,22 @@ def shm_bytes(path: str = "/dev/shm") -> int | None:
 
 def check_shm(size: int | None) -> Finding:
     if size is None:
-        return Finding("shared memory", "warn", "/dev/shm is missing",
-                       "mount a tmpfs at /dev/shm (in docker: docker run --shm-size=8g ...)")
+        return Finding(
+            "shared memory",
+            "warn",
+            "/dev/shm is missing",
+            "mount a tmpfs at /dev/shm (in docker: docker run --shm-size=8g ...)",
+        )
     detail = f"/dev/shm {size / GIB:.1f} GiB"
     if size < MIN_SHM_BYTES:
-        return Finding("shared memory", "warn", detail + f" (under {MIN_SHM_BYTES // GIB} GiB)",
-                       "DataLoader workers and NCCL need more: in docker use "
-                       "`docker run --shm-size=8g ...` (or --ipc=host); in Kubernetes mount an "
-                       "emptyDir with medium: Memory at /dev/shm")
+        return Finding(
+            "shared memory",
+            "warn",
+            detail + f" (under {MIN_SHM_BYTES // GIB} GiB)",
+            "DataLoader workers and NCCL need more: in docker use "
+            "`docker run --shm-size=8g ...` (or --ipc=host); in Kubernetes mount an "
+            "emptyDir with medium: Memory at /dev/shm",
+        )
     return Finding("shared memory", "ok", detail)
 
 
@@ -125,9 +158,16 @@ def check_config(path: Path | None, world_size: int) -> Finding | None:
         msg = str(e)
         # The config's own messages say "...; <fix>": split them so the fix stands on its own.
         what, _, fix = msg.partition("; ")
-        return Finding("config", "fail", f"{path}: {what} (world size {world_size})",
-                       fix or "fix the config; `longboat config explain FILE` shows it resolved")
-    return Finding("config", "ok",
-                   f"{path}: train_batch_size {b.train_batch_size} = micro "
-                   f"{b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} x "
-                   f"{world_size} ranks; strategy {cfg.resolved_strategy(world_size)}")
+        return Finding(
+            "config",
+            "fail",
+            f"{path}: {what} (world size {world_size})",
+            fix or "fix the config; `longboat config explain FILE` shows it resolved",
+        )
+    return Finding(
+        "config",
+        "ok",
+        f"{path}: train_batch_size {b.train_batch_size} = micro "
+        f"{b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} x "
+        f"{world_size} ranks; strategy {cfg.resolved_strategy(world_size)}",
+    )

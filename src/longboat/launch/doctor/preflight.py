@@ -39,18 +39,29 @@ class DoctorOptions:
 
 def validate_options(opts: DoctorOptions) -> None:
     """Raise :class:`LaunchUsageError` for the first bad option."""
-    validate(RunOptions(script=Path(worker.__file__), nproc_per_node=opts.nproc_per_node,
-                        nnodes=opts.nnodes, node_rank=opts.node_rank,
-                        master_addr=opts.master_addr, master_port=opts.master_port))
+    validate(
+        RunOptions(
+            script=Path(worker.__file__),
+            nproc_per_node=opts.nproc_per_node,
+            nnodes=opts.nnodes,
+            node_rank=opts.node_rank,
+            master_addr=opts.master_addr,
+            master_port=opts.master_port,
+        )
+    )
     if opts.backend is not None and opts.backend not in BACKENDS:
-        raise LaunchUsageError(f"--backend {opts.backend!r} is not one of "
-                               f"{', '.join(BACKENDS)}: e.g. --backend gloo")
+        raise LaunchUsageError(
+            f"--backend {opts.backend!r} is not one of {', '.join(BACKENDS)}: e.g. --backend gloo"
+        )
     if opts.config is not None and not opts.config.is_file():
-        raise LaunchUsageError(f"--config {str(opts.config)!r} does not exist: give the path "
-                               "of a longboat TOML/JSON/YAML config")
+        raise LaunchUsageError(
+            f"--config {str(opts.config)!r} does not exist: give the path "
+            "of a longboat TOML/JSON/YAML config"
+        )
     if opts.timeout_s < 1:
-        raise LaunchUsageError(f"--rdzv-timeout {opts.timeout_s} is invalid: give seconds, at "
-                               "least 1")
+        raise LaunchUsageError(
+            f"--rdzv-timeout {opts.timeout_s} is invalid: give seconds, at least 1"
+        )
 
 
 def _backend(opts: DoctorOptions, have: local.Backends) -> str:
@@ -67,8 +78,7 @@ def local_findings(opts: DoctorOptions) -> list[Finding]:
         local.check_backend(backend, have),
         local.check_gpus_per_node(backend, opts.nproc_per_node, have),
         network.check_master(opts.master_addr, opts.master_port, opts.node_rank, opts.nnodes),
-        network.check_interface(backend, opts.nnodes, os.environ,
-                                network.gather(opts.master_addr)),
+        network.check_interface(backend, opts.nnodes, os.environ, network.gather(opts.master_addr)),
         local.check_shm(local.shm_bytes()),
         local.check_config(opts.config, opts.world_size),
     ]
@@ -83,13 +93,23 @@ def diagnose(opts: DoctorOptions) -> tuple[list[Finding], list[dict[str, Any]]]:
     if opts.world_size == 1:
         return findings, []
     if any(f.status == "fail" and f.name == "master" for f in findings):
-        skipped = Finding("ranks", "warn", "not started: the master address or port is unusable",
-                          "fix the master problem above first")
+        skipped = Finding(
+            "ranks",
+            "warn",
+            "not started: the master address or port is unusable",
+            "fix the master problem above first",
+        )
         return [*findings, skipped], []
     backend = _backend(opts, local.backends())
-    rank_findings, facts = run_ranks(opts.nproc_per_node, opts.nnodes, opts.node_rank,
-                                     opts.master_addr, opts.master_port, backend,
-                                     opts.timeout_s)
+    rank_findings, facts = run_ranks(
+        opts.nproc_per_node,
+        opts.nnodes,
+        opts.node_rank,
+        opts.master_addr,
+        opts.master_port,
+        backend,
+        opts.timeout_s,
+    )
     return findings + rank_findings, facts
 
 
@@ -104,20 +124,37 @@ def render(findings: list[Finding], facts: list[dict[str, Any]], console: Consol
     console.print(table)
     if facts:
         ranks = Table(title="ranks", title_justify="left")
-        for col in ("rank", "node", "host", "python", "torch", "longboat", "interface",
-                    "all_reduce"):
+        for col in (
+            "rank",
+            "node",
+            "host",
+            "python",
+            "torch",
+            "longboat",
+            "interface",
+            "all_reduce",
+        ):
             ranks.add_column(col)
         for f in facts:
             v = f["versions"]
-            ranks.add_row(str(f["rank"]), str(f["node_rank"]), escape(f["host"]), v["python"],
-                          v["torch"], v["longboat"], escape(str(f["interface"])),
-                          f"{f['all_reduce_ms']:.2f} ms" if f["all_reduce_ok"] else "WRONG")
+            ranks.add_row(
+                str(f["rank"]),
+                str(f["node_rank"]),
+                escape(f["host"]),
+                v["python"],
+                v["torch"],
+                v["longboat"],
+                escape(str(f["interface"])),
+                f"{f['all_reduce_ms']:.2f} ms" if f["all_reduce_ok"] else "WRONG",
+            )
         console.print(ranks)
     problems = [f for f in findings if f.status != "ok"]
     for f in problems:
         # Plain lines, never wrapped mid-word, so they can be copied and searched for.
-        console.print(f"[{_STYLE[f.status]}]{f.status.upper()}[/] {f.name}: {escape(f.detail)}",
-                      soft_wrap=True)
+        console.print(
+            f"[{_STYLE[f.status]}]{f.status.upper()}[/] {f.name}: {escape(f.detail)}",
+            soft_wrap=True,
+        )
         console.print(f"  fix: {f.fix}", soft_wrap=True, highlight=False, markup=False)
     if not problems:
         console.print("[green]all checks passed[/]")

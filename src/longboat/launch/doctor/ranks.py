@@ -29,49 +29,79 @@ def compare_ranks(facts: list[dict[str, Any]]) -> list[Finding]:
             common = max(by_value, key=lambda v: len(by_value[v]))
             spread = "; ".join(f"{value} on {_ranks_text(r)}" for value, r in by_value.items())
             hosts = sorted({f["host"] for f in facts if str(f["versions"].get(key)) != common})
-            findings.append(Finding(
-                f"{key} version", "fail", f"{key} differs between ranks: {spread}",
-                f"install the same {key} everywhere, e.g. {key} {common} on "
-                f"{', '.join(hosts)}"))
+            findings.append(
+                Finding(
+                    f"{key} version",
+                    "fail",
+                    f"{key} differs between ranks: {spread}",
+                    f"install the same {key} everywhere, e.g. {key} {common} on {', '.join(hosts)}",
+                )
+            )
     if not findings:
         names = ", ".join(facts[0]["versions"])
-        findings.append(Finding("rank versions", "ok",
-                                f"{names} the same on all {len(facts)} ranks"))
+        findings.append(
+            Finding("rank versions", "ok", f"{names} the same on all {len(facts)} ranks")
+        )
     bad = [f["rank"] for f in facts if not f.get("all_reduce_ok")]
     slowest = max(float(f.get("all_reduce_ms", 0.0)) for f in facts)
     if bad:
-        findings.append(Finding("all_reduce", "fail",
-                                f"wrong all_reduce result on {_ranks_text(bad)}",
-                                "the group formed but computes wrongly: report it with this "
-                                "output"))
+        findings.append(
+            Finding(
+                "all_reduce",
+                "fail",
+                f"wrong all_reduce result on {_ranks_text(bad)}",
+                "the group formed but computes wrongly: report it with this output",
+            )
+        )
     else:
-        findings.append(Finding("all_reduce", "ok",
-                                f"{len(facts)} ranks joined gloo; all_reduce correct, "
-                                f"{slowest:.2f} ms (slowest rank)"))
+        findings.append(
+            Finding(
+                "all_reduce",
+                "ok",
+                f"{len(facts)} ranks joined gloo; all_reduce correct, "
+                f"{slowest:.2f} ms (slowest rank)",
+            )
+        )
     return findings
 
 
 def _join_failure(detail: str, master_addr: str, port: int | None) -> Finding:
     where = f"{master_addr}:{port}" if port else master_addr
-    return Finding("ranks", "fail", detail,
-                   f"check that every node runs the same command with its own --node-rank, that "
-                   f"{where} is node 0's address on the network the nodes share, that the "
-                   "firewall lets the port and gloo's connections through, and that "
-                   "GLOO_SOCKET_IFNAME names that network's interface")
+    return Finding(
+        "ranks",
+        "fail",
+        detail,
+        f"check that every node runs the same command with its own --node-rank, that "
+        f"{where} is node 0's address on the network the nodes share, that the "
+        "firewall lets the port and gloo's connections through, and that "
+        "GLOO_SOCKET_IFNAME names that network's interface",
+    )
 
 
-def run_ranks(nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str,
-              master_port: int | None, backend: str, timeout_s: int
-              ) -> tuple[list[Finding], list[dict[str, Any]]]:
+def run_ranks(
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int | None,
+    backend: str,
+    timeout_s: int,
+) -> tuple[list[Finding], list[dict[str, Any]]]:
     """Start this node's ranks with the doctor worker; return findings and every rank's facts
     (empty when the group did not form)."""
     with tempfile.TemporaryDirectory(prefix="longboat-doctor-") as tmp:
         out = Path(tmp)
-        opts = RunOptions(script=Path(worker.__file__),
-                          script_args=(str(out), str(timeout_s), backend),
-                          nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                          master_addr=master_addr, master_port=master_port,
-                          rdzv_timeout_s=timeout_s, grace_period_s=5)
+        opts = RunOptions(
+            script=Path(worker.__file__),
+            script_args=(str(out), str(timeout_s), backend),
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            rdzv_timeout_s=timeout_s,
+            grace_period_s=5,
+        )
         try:
             code = launch(opts)
         except LaunchUsageError as e:
@@ -79,8 +109,10 @@ def run_ranks(nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str
         errors = sorted(out.glob("error-rank*.json"))
         if errors or code != 0 or not (out / "ranks.json").exists():
             said = [json.loads(p.read_text()) for p in errors]
-            detail = ("; ".join(f"rank {e['rank']}: {e['error']}" for e in said)
-                      or f"the ranks did not all join within {timeout_s} s (exit {code})")
+            detail = (
+                "; ".join(f"rank {e['rank']}: {e['error']}" for e in said)
+                or f"the ranks did not all join within {timeout_s} s (exit {code})"
+            )
             return [_join_failure(detail, master_addr, master_port)], []
         facts = json.loads((out / "ranks.json").read_text())
     return compare_ranks(facts), facts

@@ -31,9 +31,13 @@ def _facts(backend: str) -> dict[str, object]:
     net = network.gather(world.master_addr)
     used, _ = network.backend_interface(backend, os.environ, net)
     return {
-        "rank": world.rank, "local_rank": world.local_rank, "node_rank": world.node_rank,
-        "host": socket.gethostname(), "versions": local.versions(),
-        "backends": asdict(local.backends()), "interface": used,
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "node_rank": world.node_rank,
+        "host": socket.gethostname(),
+        "versions": local.versions(),
+        "backends": asdict(local.backends()),
+        "interface": used,
     }
 
 
@@ -69,7 +73,8 @@ def main(argv: list[str]) -> int:
         every = gather_json(Collectives(), facts)
     except Exception as e:  # reported by the doctor as a finding, not as a traceback
         (out / f"error-rank{world.rank}.json").write_text(
-            json.dumps({"rank": world.rank, "error": f"{type(e).__name__}: {e}"}))
+            json.dumps({"rank": world.rank, "error": f"{type(e).__name__}: {e}"})
+        )
         return 1
     finally:
         destroy_process_group()
