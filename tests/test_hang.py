@@ -42,11 +42,13 @@ def test_stopped_rank_is_named_with_its_last_collective(tmp_path: Path, n: int) 
         rep = json.loads(path.read_text())
         assert rep["kind"] == "timeout" and rep["not_arrived"] == [stopped], rep
         assert rep["collective"]["op"] == "all_reduce" and rep["collective"]["shape"] == [1]
-        assert rep["collective"]["source"] == "hang_sigstop.py:31 in <module>", rep
+        assert rep["collective"]["source"] == f"hang_sigstop.py:{_line('WAIT HERE')} in <module>", (
+            rep
+        )
         # The stopped rank's last collective known here: the previous step's gradient bucket.
         last = rep["peer_last_known"]
         assert last["op"] == "all_reduce" and last["seq"] == rep["collective"]["seq"] - 1
-        assert last["source"] == "hang_sigstop.py:23 in <module>", last
+        assert last["source"] == f"hang_sigstop.py:{_line('LAST AGREED')} in <module>", last
         # Survivors answered each other through the store; the stopped rank could not.
         assert sorted(rep["ranks"]) == [str(s) for s in survivors], rep["ranks"]
         # Detected within the timeout plus 1 s of entering the collective.
@@ -112,3 +114,9 @@ def test_lost_peer_report_names_the_missing_rank() -> None:
     assert text.startswith("longboat: a peer was lost during a collective on rank 0 of 3"), text
     assert "waiting in: all_reduce(float32[1]) #5 at t.py:9 in main" in text, text
     assert "did not arrive: rank(s) 1, 2" in text and "Connection closed by peer" in text, text
+
+
+def _line(marker: str) -> int:
+    """The line of hang_sigstop.py that carries ``marker`` in its comment."""
+    lines = (SCRIPTS / "hang_sigstop.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if f"# {marker}" in line)

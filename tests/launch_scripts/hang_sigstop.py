@@ -23,7 +23,7 @@ engine = longboat.initialize(
 )
 out.joinpath(f"pid{engine.comm.rank}").write_text(str(os.getpid()))
 for _ in range(2):
-    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.backward(engine(torch.ones(2, 4)).sum())  # LAST AGREED: its bucket's all-reduce
     engine.step()
 flag = torch.ones(1)
 if engine.comm.rank == engine.comm.world_size - 1:
@@ -31,5 +31,5 @@ if engine.comm.rank == engine.comm.world_size - 1:
         os._exit(3)
     os.kill(os.getpid(), signal.SIGSTOP)
 out.joinpath(f"entered{engine.comm.rank}").write_text(repr(time.time()))
-engine.comm.all_reduce(flag)  # line 31: the others wait here
+engine.comm.all_reduce(flag)  # WAIT HERE: the others wait in this collective
 print("not reached", flush=True)
