@@ -86,3 +86,33 @@ def test_collectives_in_step_are_unchanged_by_the_check(ranks) -> None:
     got = ranks(2, _in_step)
     expected = [3.0, 3.0, 3.0, 0.0, 0.0, 1.0, 1.0, 3.0]
     assert got == [expected, expected]
+
+
+def _async_tags(odd: int) -> None:
+    """Asynchronous gathers of same-shaped tensors of different things ([Note: overlapped
+    check]): nothing blocks at issue, the mismatch is raised at ``wait``, before the result is
+    used."""
+    comm = Collectives(desync_check=True, timeout_s=30)
+    try:
+        out = torch.empty(4 * comm.world_size)
+        ok = comm.all_gather(out, torch.ones(4), async_op=True, tag="unit 0: a")
+        ok.wait()  # in step
+        tag = "unit 2: c" if comm.rank == odd else "unit 1: b"
+        handle = comm.all_gather(out, torch.ones(4), async_op=True, tag=tag)
+        handle.wait()
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_asynchronous_collectives_are_checked_at_wait(ranks, n: int) -> None:
+    odd = n - 1
+    with pytest.raises(RankFailure) as info:
+        ranks(n, _async_tags, odd)
+    failures = info.value.failures
+    assert sorted(failures) == list(range(n)), f"every rank must raise: {failures}"
+    for r, text in failures.items():
+        assert DesyncError.__name__ in text and "collective #2" in text, text
+        assert "different tensors of the same shape" in text, text
+        mine = "[unit 2: c]" if r == odd else "[unit 1: b]"
+        assert mine in text, text  # each rank words its own collective in full

@@ -8,6 +8,13 @@ Observation is opt-in per doorway and costs one attribute test when off:
 
 * ``desync_check``: before each collective, every rank shares a fingerprint of it
   (:mod:`longboat.comm.desync`); ranks out of step raise :class:`DesyncError` there.
+
+[Note: overlapped check] A synchronous collective waits for the fingerprint exchange before it
+is issued (a blocking round trip). An asynchronous one does not wait: its exchange is started,
+the collective issued at once, and the fingerprints are verified in the handle's ``wait``, before
+anything uses the result. The gradient buckets and ZeRO's reductions and gathers, which are
+asynchronous, then pay no round trip on their critical path; a mismatch still raises
+:class:`DesyncError` on every rank at the same collective, before its result is read.
 * ``log``: per-operation counts, bytes, times and bandwidths (:mod:`longboat.comm.commlog`).
 * a collective that times out, or loses a peer, raises :class:`CollectiveTimeout` /
   :class:`PeerLost` after printing a report naming the ranks that did not arrive
@@ -36,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from longboat.comm.commlog import CommLog
-from longboat.comm.desync import DesyncCheck, DesyncError
+from longboat.comm.desync import DesyncCheck, DesyncError, PendingCheck
 from longboat.comm.hang import (
     CollectiveTimeout,
     PeerLost,
@@ -99,7 +106,7 @@ class _Timed:
     """An in-flight collective whose ``wait`` adds the time it blocks to its doorway's count
     and turns a timeout or a lost peer into a report."""
 
-    __slots__ = ("_log", "_owner", "_rec", "_work")
+    __slots__ = ("_check", "_log", "_owner", "_rec", "_work")
 
     def __init__(
         self,
@@ -107,11 +114,13 @@ class _Timed:
         work: Any,
         rec: CallRecord | None,
         log: tuple[CommLog, int, float] | None = None,
+        check: PendingCheck | None = None,
     ) -> None:
         self._owner = owner
         self._work = work
         self._rec = rec
         self._log = log  # (log, bytes, launch time) when the work has no future to time it
+        self._check = check  # [Note: overlapped check]: verified before the result is used
 
     def is_completed(self) -> bool:
         """Whether the operation is over (without waiting for it)."""
@@ -120,6 +129,10 @@ class _Timed:
     def wait(self) -> Any:
         t0 = time.perf_counter()
         try:
+            if self._check is not None:
+                check, self._check = self._check, None
+                assert self._owner._check is not None
+                self._owner._check.finish(check)  # raises DesyncError on every rank alike
             out = self._work.wait()
         except RuntimeError as e:
             self._owner._failed(e, self._rec)
@@ -296,9 +309,13 @@ class Collectives:
         """``_issue`` with the desync check, the record and the comm log."""
         rec = self._record(name, tensor, out, reduce_op, tag)
         t0 = time.perf_counter()
+        pending = None
         try:
             if self.desync_check and self._check is not None:
-                self._check.exchange(rec, check_src)
+                if async_op:  # [Note: overlapped check]
+                    pending = self._check.start(rec, check_src)
+                else:
+                    self._check.exchange(rec, check_src)
             t1 = time.perf_counter()
             work = fn(*args, group=self.group, async_op=async_op, **kwargs)
         except RuntimeError as e:
@@ -313,9 +330,9 @@ class Collectives:
                 try:
                     fut = work.get_future()
                 except RuntimeError:  # e.g. gloo's reduce_scatter: timed to the end of wait()
-                    return _Timed(self, work, rec, (log, nbytes, t1))
+                    return _Timed(self, work, rec, (log, nbytes, t1), pending)
                 fut.add_done_callback(lambda _f: log.add(rec, nbytes, time.perf_counter() - t1))
-            return _Timed(self, work, rec)
+            return _Timed(self, work, rec, check=pending)
         t2 = time.perf_counter()
         self.blocked_seconds += t2 - t0
         if log is not None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import datetime
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from longboat.comm.trace import FINGERPRINT_LEN, CallRecord, fingerprint
+from longboat.comm.trace import FINGERPRINT_LEN, CallRecord, describe_fingerprint, fingerprint
 
 # Bytes of each rank's description exchanged once a mismatch is found.
 _DESCRIPTION_BYTES = 512
@@ -21,6 +23,16 @@ _DESCRIPTION_BYTES = 512
 
 class DesyncError(RuntimeError):
     """Ranks entered different collectives, or the same one with different shapes or dtypes."""
+
+
+@dataclass
+class PendingCheck:
+    """A fingerprint exchange in flight (an asynchronous collective's check)."""
+
+    work: Any
+    table: torch.Tensor  # every rank's fingerprint, once the exchange lands
+    mine: torch.Tensor  # kept alive until then
+    rec: CallRecord
 
 
 class DesyncCheck:
@@ -62,6 +74,31 @@ class DesyncCheck:
             return
         raise DesyncError(self._explain(rec))
 
+    def start(self, rec: CallRecord, src: int) -> PendingCheck:
+        """Share ``rec``'s fingerprint without waiting (an asynchronous collective's check):
+        :meth:`finish` verifies it, before anyone uses the collective's result."""
+        mine = torch.tensor(fingerprint(rec, src), dtype=torch.int64)
+        table = torch.empty(self.world_size, FINGERPRINT_LEN, dtype=torch.int64)
+        work = dist.all_gather(list(table.unbind(0)), mine, group=self.group, async_op=True)
+        return PendingCheck(work, table, mine, rec)
+
+    def finish(self, pending: PendingCheck) -> None:
+        """Wait for a :meth:`start`-ed exchange; raise :class:`DesyncError` on a mismatch.
+
+        Every rank checks the same exchange, so every rank raises at the same collective. The
+        peers' words come from their fingerprints (no further collective: other checks may
+        already be in flight behind this one)."""
+        pending.work.wait()
+        table = pending.table
+        if bool((table == table[0]).all()):
+            if self.last_agreed is None or pending.rec.seq > self.last_agreed.seq:
+                self.last_agreed = pending.rec
+            return
+        prints = [tuple(row.tolist()) for row in table]
+        words = [describe_fingerprint(fp) for fp in prints]
+        words[self.rank] = pending.rec.describe()
+        raise DesyncError(self._compose(pending.rec, prints, words))
+
     def _descriptions(self, rec: CallRecord) -> list[str]:
         """Every rank's own words for the collective it entered (only after a mismatch)."""
         text = rec.describe().encode()[:_DESCRIPTION_BYTES]
@@ -74,6 +111,14 @@ class DesyncCheck:
     def _explain(self, rec: CallRecord) -> str:
         words = self._descriptions(rec)
         prints = [tuple(row.tolist()) for row in self._all]
+        return self._compose(rec, prints, words)
+
+    def _speaker(self, ranks: list[int]) -> int:
+        """Whose words describe a group of agreeing ranks: this rank's own if it is one of
+        them (its description is the fullest), else the first's."""
+        return self.rank if self.rank in ranks else ranks[0]
+
+    def _compose(self, rec: CallRecord, prints: list[tuple[int, ...]], words: list[str]) -> str:
         # The largest group of agreeing ranks is taken as the expected behaviour (ties: the
         # group of the lowest rank); every other group is named against it.
         counts = Counter(prints)
@@ -86,8 +131,8 @@ class DesyncCheck:
                 continue
             ranks = [r for r, p in enumerate(prints) if p == fp]
             lines.append(
-                f"{_ranks(ranks)} entered {_strip_seq(words[ranks[0]])} where "
-                f"{_ranks(ref_ranks)} entered {_strip_seq(words[ref_ranks[0]])}; "
+                f"{_ranks(ranks)} entered {_strip_seq(words[self._speaker(ranks)])} where "
+                f"{_ranks(ref_ranks)} entered {_strip_seq(words[self._speaker(ref_ranks)])}; "
                 f"{_difference(fp, ref_print)}"
             )
         head = (

@@ -140,3 +140,20 @@ def fingerprint(rec: CallRecord, src: int) -> list[int]:
         src,
         zlib.crc32(rec.tag.encode()) if rec.tag else 0,
     ]
+
+
+def describe_fingerprint(fp: tuple[int, ...] | list[int]) -> str:
+    """What a fingerprint says of its collective, e.g. ``all_reduce(float32[100])`` (a peer's,
+    when only its fingerprint is known; the tag is a checksum, shown as such)."""
+    op = OPS[fp[1]] if 0 <= fp[1] < len(OPS) else f"op {fp[1]}"
+    red = REDUCE_OPS[fp[2]] if 0 <= fp[2] < len(REDUCE_OPS) else "?"
+    dt = dtype_name(_DTYPES[fp[3]]) if 0 <= fp[3] < len(_DTYPES) else "another dtype"
+    ndim = fp[4]
+    dims = [str(d) for d in fp[5 : 5 + min(ndim, 3)]]
+    if ndim > 3:
+        dims.append(f"...({fp[8]} more elements)")
+    red_text = f", {red}" if red not in ("", "sum") else ""
+    tag = f" [tag {fp[11]:08x}]" if fp[11] else ""
+    if op == "barrier":
+        return "barrier()"
+    return f"{op}({dt}[{','.join(dims)}]{red_text}){tag}"
