@@ -16,7 +16,12 @@ import longboat
 
 QUIET = {"log": {"progress": False, "level": "WARNING"}}
 
-DATASETS = {"tiny": reference.dataset, "tied": reference.dataset, "zoo": reference.zoo_dataset}
+DATASETS = {
+    "tiny": reference.dataset,
+    "tied": reference.dataset,
+    "chain": reference.dataset,
+    "zoo": reference.zoo_dataset,
+}
 
 
 def data_for(recipe: reference.Recipe, n: int) -> TensorDataset:

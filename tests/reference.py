@@ -110,7 +110,42 @@ class ZooNet(nn.Module):
         return self.head(torch.tanh(self.decode(h)))
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"tiny": TinyNet, "tied": TiedNet, "zoo": ZooNet}
+class Gate(nn.Module):
+    """A residual layer used only when its input's mean is positive (on some micro-batches, not
+    others), with a parameter that is never used."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.extra = nn.Linear(d, d)
+        self.unused = nn.Parameter(torch.ones(d))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.extra(h) if float(h.detach().mean()) > 0 else h
+
+
+def chain_net() -> nn.Sequential:
+    """Eight layers in order (for pipeline stages): a conditionally used layer with a
+    never-used parameter, a frozen layer, a LayerNorm, odd widths."""
+    frozen = nn.Linear(24, 24)
+    frozen.requires_grad_(False)
+    return nn.Sequential(
+        nn.Linear(12, 24),
+        nn.Tanh(),
+        Gate(24),
+        nn.LayerNorm(24),
+        nn.Linear(24, 9),
+        nn.Linear(9, 24),
+        frozen,
+        nn.Linear(24, 12),
+    )
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "tiny": TinyNet,
+    "tied": TiedNet,
+    "zoo": ZooNet,
+    "chain": chain_net,
+}
 
 
 # -- data --------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ LAYERS = [
         "longboat.optim",
         "longboat.grads",
         "longboat.schedule",
+        "longboat.pipeline",
     },
     {"longboat.engine"},
     {

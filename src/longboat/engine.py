@@ -34,6 +34,7 @@ from longboat.observe.memory import (
 )
 from longboat.observe.monitor import Monitor
 from longboat.optim import build_optimizer, build_scheduler, check_parameters
+from longboat.pipeline import build_schedule
 from longboat.precision import Precision, SkippedStep
 from longboat.schedule import LossFn, Schedule, Sequential, default_inputs, split
 from longboat.strategies import build_strategy
@@ -53,6 +54,7 @@ class Engine:
         topology: Topology,
         scheduler: LRScheduler | None = None,
         owns_group: bool = False,
+        schedule: Schedule | None = None,
     ) -> None:
         self.config = config
         self.world = world
@@ -67,15 +69,20 @@ class Engine:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.batch: ResolvedBatch = resolve_batch(config.batch, mesh.dp)
+        # How a step's micro-batches run: in turn, or through pipeline stages (then ``model``
+        # is already this rank's stages, see initialize()).
+        self.schedule: Schedule = schedule or Sequential()
+        self.schedule.check(self.batch.gradient_accumulation_steps)
+        # Backwards per optimizer step on this rank: one per micro-batch and stage held.
+        self._backwards = self.batch.gradient_accumulation_steps * self.schedule.stages_per_rank
         check_parameters(model, optimizer)
         # Counted before the strategy may shard the parameters away.
         self.trainable_params = sum(
             p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad
         )
         # Names, full shapes and dtypes (the model fingerprint), also before any sharding.
-        self.checkpointing = checkpoint.Checkpointing(model)
+        self.checkpointing = checkpoint.Checkpointing(model, topology.control("pp"))
         self.strategy = build_strategy(config.resolved_strategy(mesh.dp), world, topology, config)
-        self.schedule: Schedule = Sequential()
         self.module = self.strategy.setup(model, optimizer)
         self.precision = Precision(config.precision, device_for(world))
         self.micro_step = 0
@@ -139,17 +146,25 @@ class Engine:
     @property
     def is_boundary(self) -> bool:
         """True when the next :meth:`backward` completes an optimizer step's gradients."""
-        return (self.micro_step + 1) % self.accumulation_steps == 0
+        return (self.micro_step + 1) % self._backwards == 0
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for accumulation, and by the fp16 loss scale);
         synchronises at the boundary."""
-        with self.monitor.phase("backward"):
-            self.strategy.before_backward(sync=self.is_boundary)
-            self.precision.scale(loss / self.accumulation_steps).backward()
-            self.strategy.after_backward()
+        self._backward(lambda: self.precision.scale(loss / self.accumulation_steps).backward())
         self._loss_sum += float(loss.detach())
         self._loss_count += 1
+
+    def backward_from(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward from ``output``'s gradient ``grad`` (already divided by the accumulation
+        and loss-scaled by the stage after): a pipeline stage before the last."""
+        self._backward(lambda: torch.autograd.backward(output, grad))
+
+    def _backward(self, run: Callable[[], None]) -> None:
+        with self.monitor.phase("backward"):
+            self.strategy.before_backward(sync=self.is_boundary)
+            run()
+            self.strategy.after_backward()
         self.micro_step += 1
 
     def step(self) -> bool:
@@ -161,7 +176,7 @@ class Engine:
         overflow made every rank skip the step: then no parameter, optimizer state or scheduler
         moves, ``skipped_steps`` grows and ``global_step`` still counts it (as in DeepSpeed).
         """
-        if self.micro_step == 0 or self.micro_step % self.accumulation_steps:
+        if self.micro_step == 0 or self.micro_step % self._backwards:
             return False
         with self.monitor.phase("optimizer"):
             self._optimizer_step()
@@ -184,7 +199,10 @@ class Engine:
             self.precision.update(skip, self.global_step + 1)
             if self.config.gradient_clipping > 0 and not skip:
                 self.last_grad_norm = clip_by_global_norm_(
-                    grads, self.config.gradient_clipping, self.strategy.norm_groups(), self.device
+                    grads,
+                    self.config.gradient_clipping,
+                    self.strategy.norm_groups() + self.schedule.norm_groups(),
+                    self.device,
                 )
         # A skipped step still runs the strategy's step bookkeeping ([Note: skipped step]).
         self.strategy.optimizer_step(SkippedStep(self.optimizer) if skip else self.optimizer)
@@ -205,13 +223,16 @@ class Engine:
         (``loss_fn(output, micro_batch)``), then :meth:`step` runs. Returns the mean loss of
         the micro-batches on this rank.
         """
-        if self.micro_step % self.accumulation_steps:
+        if self.micro_step % self._backwards:
             raise RuntimeError(
                 "train_step() in the middle of an accumulation begun with "
                 "backward(): finish it with step() first"
             )
         micro_batches = split(batch, self.batch.micro_batch_size, self.accumulation_steps)
         losses = self.schedule.run(self, micro_batches, loss_fn, inputs or default_inputs)
+        # The step's losses as the schedule reports them (a pipeline's come from its last
+        # stage, shared with every stage).
+        self._loss_sum, self._loss_count = sum(losses), len(losses)
         self.step()
         return sum(losses) / len(losses)
 
@@ -402,6 +423,9 @@ def initialize(
         ),
         device_for(world),
     )
+    schedule = build_schedule(cfg.pipeline, topology, device_for(world))
+    # With pipeline stages, this rank's stages only, from here on (specs built here).
+    model = schedule.prepare(model)
     if torch.cuda.is_available():
         model.to(device_for(world))
     if optimizer is None:
@@ -411,9 +435,13 @@ def initialize(
                 "config's 'optimizer' section, e.g. {type='AdamW', params={lr=1e-3}}"
             )
         optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    else:
+        schedule.restrict(optimizer, model)
     if scheduler is None and cfg.scheduler is not None:
         scheduler = build_scheduler(optimizer, cfg.scheduler)
-    return Engine(model, optimizer, cfg, world, topology, scheduler, owns_group=owns)
+    return Engine(
+        model, optimizer, cfg, world, topology, scheduler, owns_group=owns, schedule=schedule
+    )
 
 
 def resolve_mesh(cfg: Config, world_size: int) -> Mesh:
@@ -426,11 +454,8 @@ def resolve_mesh(cfg: Config, world_size: int) -> Mesh:
         )
     except MeshError as e:
         raise ConfigError(str(e)) from None
-    for axis in ("pp", "tp"):
-        if getattr(mesh, axis) > 1:
-            raise ConfigError(
-                f"key 'mesh.{axis}' = {getattr(mesh, axis)}: "
-                f"{'pipeline' if axis == 'pp' else 'tensor'} parallelism is not "
-                "available yet; leave it at 1"
-            )
+    if mesh.tp > 1:
+        raise ConfigError(
+            f"key 'mesh.tp' = {mesh.tp}: tensor parallelism is not available yet; leave it at 1"
+        )
     return mesh

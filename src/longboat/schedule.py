@@ -15,6 +15,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+from torch import nn
+
+from longboat.comm.protocol import Comm
 
 #: ``loss_fn(output, micro_batch)``: the micro-batch's loss from the model's output.
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -23,13 +26,36 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class Steps(Protocol):
     """What a schedule drives: the engine's forward and backward of one micro-batch."""
 
-    def forward(self, *args: Any) -> Any: ...
+    def forward(self, *args: Any, **kwargs: Any) -> Any: ...
 
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a micro-batch's loss (divided by the accumulation, fp16-scaled)."""
+        ...
+
+    def backward_from(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward from ``output``'s gradient (a pipeline stage before the last)."""
+        ...
 
 
 class Schedule(Protocol):
-    """Runs one optimizer step's micro-batches; returns their losses."""
+    """Runs one optimizer step's micro-batches; returns their losses.
+
+    ``prepare`` gives the module this rank trains (a pipeline keeps its stages' layers);
+    ``restrict`` drops from the user's optimizer what this rank does not train;
+    ``stages_per_rank`` backwards run per micro-batch on a rank; ``norm_groups`` are the groups
+    over which ranks hold disjoint parameters (beside the strategy's)."""
+
+    stages_per_rank: int
+
+    def prepare(self, model: nn.Module) -> nn.Module: ...
+
+    def restrict(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None: ...
+
+    def norm_groups(self) -> list[Comm]: ...
+
+    def check(self, micro_batches: int) -> None:
+        """Raise a ConfigError if a step of ``micro_batches`` cannot run."""
+        ...
 
     def run(
         self,
@@ -42,6 +68,20 @@ class Schedule(Protocol):
 
 class Sequential:
     """Forward and backward of each micro-batch in turn."""
+
+    stages_per_rank = 1
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def restrict(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        pass
+
+    def norm_groups(self) -> list[Comm]:
+        return []
+
+    def check(self, micro_batches: int) -> None:
+        pass
 
     def run(
         self,

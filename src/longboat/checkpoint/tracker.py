@@ -9,8 +9,10 @@ from typing import Any, Protocol, TypeVar
 
 from torch import nn
 
+from longboat.checkpoint.exchange import gather_json
 from longboat.checkpoint.fingerprint import ModelSpec
 from longboat.checkpoint.preemption import StopSignals
+from longboat.comm.protocol import Comm
 
 
 class Resumable(Protocol):
@@ -27,8 +29,15 @@ L = TypeVar("L", bound=Resumable)
 class Checkpointing:
     """Per-engine checkpoint bookkeeping."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.spec = ModelSpec.of(model)
+    def __init__(self, model: nn.Module, stages: Comm | None = None) -> None:
+        """``stages``: the doorway over the pipeline stages (each holding some of the model's
+        layers); the spec is then the whole model's, every stage's tensors in stage order, so a
+        checkpoint's names and fingerprint do not depend on how many stages wrote it."""
+        spec = ModelSpec.of(model)
+        if stages is not None and stages.world_size > 1:
+            rows = [r for part in gather_json(stages, spec.rows()) for r in part]
+            spec = ModelSpec.from_rows(rows)
+        self.spec = spec
         self.stop = StopSignals()
         self._loaders: list[weakref.ref[Any]] = []
         # Positions loaded before their loader existed: applied when the loader is created, in

@@ -456,15 +456,18 @@ class Collectives:
     # Not part of the desync check, which is a collective of the whole group: a send and its
     # receive involve two ranks. A receive that never comes is still a timeout and a report.
 
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle:
-        """Send ``tensor`` to group rank ``dst``, which must ``recv`` it."""
-        return self._p2p("send", dist.isend, tensor, dst, async_op)
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: str = "") -> Handle:
+        """Send ``tensor`` to group rank ``dst``, which must ``recv`` it; ``tag`` says what it
+        is in a hang report."""
+        return self._p2p("send", dist.isend, tensor, dst, async_op, tag)
 
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle:
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: str = "") -> Handle:
         """Receive into ``tensor`` what group rank ``src`` sends."""
-        return self._p2p("recv", dist.irecv, tensor, src, async_op)
+        return self._p2p("recv", dist.irecv, tensor, src, async_op, tag)
 
-    def _p2p(self, name: str, fn: Any, tensor: torch.Tensor, peer: int, async_op: bool) -> Handle:
+    def _p2p(
+        self, name: str, fn: Any, tensor: torch.Tensor, peer: int, async_op: bool, tag: str
+    ) -> Handle:
         if not self.active:
             raise RuntimeError(f"{name} in a group of one rank: there is no peer")
         if not 0 <= peer < self.world_size or peer == self.rank:
@@ -473,14 +476,18 @@ class Collectives:
             )
         if self.rules is not None:
             self.rules.check(name, (tensor,), self._group_name)
+        # Recorded (not counted in ``seq``: point-to-point traffic is not part of the desync
+        # check's agreement) so that a timeout or a lost peer names the operation and the peer.
+        where = f"{'to' if name == 'send' else 'from'} rank {self.global_rank(peer)}"
+        rec = self._record(name, tensor, None, "", f"{tag}, {where}" if tag else where)
         t0 = time.perf_counter()
         try:
             work = fn(tensor, self.global_rank(peer), group=self.group)
         except RuntimeError as e:
-            self._failed(e, None)
+            self._failed(e, rec)
             raise
         self.blocked_seconds += time.perf_counter() - t0
-        handle = _Timed(self, work, None)
+        handle = _Timed(self, work, rec)
         if not async_op:
             handle.wait()
             return _Done()

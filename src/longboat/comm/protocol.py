@@ -66,11 +66,12 @@ class Comm(Protocol):
         """Wait until every rank of the group arrives."""
         ...
 
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle:
-        """Send ``tensor`` to group rank ``dst`` (which must ``recv`` it)."""
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: str = "") -> Handle:
+        """Send ``tensor`` to group rank ``dst`` (which must ``recv`` it); ``tag`` names what
+        it is (hang reports show it)."""
         ...
 
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle:
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: str = "") -> Handle:
         """Receive into ``tensor`` what group rank ``src`` sends."""
         ...
 

@@ -227,6 +227,20 @@ class CommConfig(_Section):
     log_verbose: bool = Field(False, description="with log: also one line per collective")
 
 
+class PipelineConfig(_Section):
+    """How pipeline stages (``mesh.pp > 1``) run a step's micro-batches (the micro-batches are
+    ``batch.gradient_accumulation_steps``, as in DeepSpeed)."""
+
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = Field(
+        "1f1b", description="gpipe, 1f1b (PipeDream-Flush) or interleaved (virtual stages)"
+    )
+    virtual_stages: int = Field(1, ge=1, description="stages per rank; > 1 with interleaved")
+    partition: str | list[int] | None = Field(
+        None,
+        description="parameters, uniform, type:REGEX or boundaries; default: the model's own",
+    )
+
+
 class Config(_Section):
     """The whole configuration of a run."""
 
@@ -248,6 +262,7 @@ class Config(_Section):
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel ranks at ``world_size``: ``mesh.dp``, or what ``mesh.pp`` and

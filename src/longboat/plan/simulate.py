@@ -107,10 +107,10 @@ class MetaCollectives:
     def barrier(self) -> None:
         pass
 
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> _Done:
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: str = "") -> _Done:
         return self._count("send", _nbytes(tensor))
 
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> _Done:
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: str = "") -> _Done:
         return _Done()
 
     def close(self) -> None:

@@ -1,0 +1,51 @@
+"""Pipeline parallelism: a model's layers split into stages over the mesh's ``pp`` axis, and the
+schedules (GPipe, 1F1B, interleaved) that run a step's micro-batches through them."""
+
+from __future__ import annotations
+
+import torch
+
+from longboat.config import ConfigError, PipelineConfig
+from longboat.pipeline.module import LayerSpec, PipelineModule, StageInfo
+from longboat.pipeline.partition import PartitionError
+from longboat.pipeline.runtime import Pipeline
+from longboat.pipeline.schedules import Action, PipelineSchedule, ScheduleError, bubble_theory
+from longboat.pipeline.schedules import build as build_pipeline_schedule
+from longboat.schedule import Schedule, Sequential
+from longboat.topology import Topology
+
+
+def build_schedule(config: PipelineConfig, topology: Topology, device: torch.device) -> Schedule:
+    """The engine's schedule: :class:`~longboat.schedule.Sequential` without pipeline stages,
+    else a :class:`Pipeline` over the ``pp`` axis. Schedule errors name the config keys."""
+    if topology.mesh.pp == 1:
+        if config.virtual_stages != 1:
+            raise ConfigError(
+                f"key 'pipeline.virtual_stages' = {config.virtual_stages} needs pipeline "
+                "stages: set mesh.pp > 1, or leave it at 1"
+            )
+        return Sequential()
+    pipe = Pipeline(
+        config.schedule,
+        config.virtual_stages,
+        config.partition,
+        topology.data("pp"),
+        topology.control("pp"),
+        device,
+    )
+    return pipe
+
+
+__all__ = [
+    "Action",
+    "LayerSpec",
+    "PartitionError",
+    "Pipeline",
+    "PipelineModule",
+    "PipelineSchedule",
+    "ScheduleError",
+    "StageInfo",
+    "bubble_theory",
+    "build_pipeline_schedule",
+    "build_schedule",
+]

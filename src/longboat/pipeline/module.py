@@ -1,0 +1,213 @@
+"""A model as a list of layers that pipeline stages split between them.
+
+:class:`PipelineModule` holds layers (modules, :class:`LayerSpec` to build later, or plain
+functions without parameters) run one after another. Its children are named by layer index, as
+an ``nn.Sequential``'s are, so parameter names (``"3.weight"``) do not depend on the number of
+stages, and a checkpoint's names are the same whether one rank or four wrote it.
+
+Until :meth:`PipelineModule.bind` it is an ordinary model of all its built layers. ``bind``
+(called by ``longboat.initialize`` from the ``[mesh]`` and ``[pipeline]`` config) chooses the
+stages' boundaries (:mod:`longboat.pipeline.partition`), keeps only this rank's layers and
+builds only the specs among them: a rank never builds another stage's layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from longboat.pipeline import partition as partitions
+
+
+class LayerSpec:
+    """A layer to build later, on the stage that holds it: ``LayerSpec(nn.Linear, 512, 512)``."""
+
+    def __init__(self, cls: type[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"LayerSpec needs an nn.Module class, got {cls!r}")
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+
+    @property
+    def class_name(self) -> str:
+        return self.cls.__name__
+
+    def build(self) -> nn.Module:
+        return self.cls(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({self.class_name})"
+
+
+Layer = nn.Module | LayerSpec | Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Which layers a stage holds and its trainable parameter count (for logs and explain)."""
+
+    stage: int
+    first: int
+    last: int  # inclusive
+    classes: tuple[str, ...]
+    parameters: int
+
+    def describe(self) -> str:
+        kinds: dict[str, int] = {}
+        for c in self.classes:
+            kinds[c] = kinds.get(c, 0) + 1
+        what = ", ".join(f"{n} {c}" if n > 1 else c for c, n in kinds.items())
+        return (
+            f"stage {self.stage}: layers {self.first}-{self.last} ({what}), "
+            f"{self.parameters:,} trainable parameters"
+        )
+
+
+class PipelineModule(nn.Module):
+    """Layers run in order, split into pipeline stages by ``partition`` (``"parameters"``,
+    ``"uniform"``, ``"type:REGEX"`` or a list of boundaries; see
+    :mod:`longboat.pipeline.partition`).
+
+    Args:
+        layers: modules, :class:`LayerSpec` s, or functions without parameters
+            (``lambda x: x.flatten(1)``), applied in order.
+        partition: how to split them (DeepSpeed's ``partition_method``); the config's
+            ``pipeline.partition`` overrides it when set.
+    """
+
+    def __init__(self, layers: Sequence[Layer], partition: str | Sequence[int] = "parameters"):
+        super().__init__()
+        if not layers:
+            raise ValueError("PipelineModule needs at least one layer")
+        for i, layer in enumerate(layers):
+            if not (isinstance(layer, (nn.Module, LayerSpec)) or callable(layer)):
+                raise TypeError(
+                    f"PipelineModule layer {i} is a {type(layer).__name__}; give an nn.Module, "
+                    "a LayerSpec or a function"
+                )
+        self._layers: list[Layer] = list(layers)
+        self.partition = partition
+        self.bounds: list[int] = [0, len(layers)]
+        self.held: list[int] = [0]  # stages this rank holds, in model order
+        self._bound = False
+        for i, layer in enumerate(self._layers):
+            if isinstance(layer, nn.Module):
+                self.add_module(str(i), layer)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    # -- partitioning --------------------------------------------------------------------------
+
+    def layer_parameters(self) -> list[int]:
+        """Trainable parameters of each layer (specs built on the meta device to count)."""
+        out = []
+        for layer in self._layers:
+            if isinstance(layer, LayerSpec):
+                with torch.device("meta"):
+                    layer = layer.build()
+            if isinstance(layer, nn.Module):
+                out.append(sum(p.numel() for p in layer.parameters() if p.requires_grad))
+            else:
+                out.append(0)
+        return out
+
+    def layer_classes(self) -> list[str]:
+        return [
+            layer.class_name
+            if isinstance(layer, LayerSpec)
+            else type(layer).__name__
+            if isinstance(layer, nn.Module)
+            else getattr(layer, "__name__", type(layer).__name__)
+            for layer in self._layers
+        ]
+
+    def boundaries(self, stages: int, method: str | Sequence[int] | None = None) -> list[int]:
+        """The ``stages + 1`` boundaries ``method`` (default: this module's) chooses."""
+        return partitions.partition(
+            self.partition if method is None else method,
+            stages,
+            parameters=self.layer_parameters(),
+            class_names=self.layer_classes(),
+        )
+
+    def stage_info(self, bounds: Sequence[int]) -> list[StageInfo]:
+        params = self.layer_parameters()
+        classes = self.layer_classes()
+        return [
+            StageInfo(
+                s,
+                bounds[s],
+                bounds[s + 1] - 1,
+                tuple(classes[bounds[s] : bounds[s + 1]]),
+                sum(params[bounds[s] : bounds[s + 1]]),
+            )
+            for s in range(len(bounds) - 1)
+        ]
+
+    def bind(self, bounds: Sequence[int], held: Sequence[int]) -> None:
+        """Keep the layers of stages ``held`` (of those ``bounds`` delimit), build their
+        specs, and drop every other layer. Once only."""
+        if self._bound:
+            raise RuntimeError("PipelineModule.bind() was already called")
+        self._bound = True
+        self.bounds = list(bounds)
+        self.held = sorted(held)
+        mine = {i for s in self.held for i in range(self.bounds[s], self.bounds[s + 1])}
+        self._check_no_parameter_crosses_stages()
+        for i, layer in enumerate(self._layers):
+            if i not in mine:
+                if str(i) in self._modules:
+                    del self._modules[str(i)]
+                continue
+            if isinstance(layer, LayerSpec):
+                built = layer.build()
+                self._layers[i] = built
+                self.add_module(str(i), built)
+
+    def _check_no_parameter_crosses_stages(self) -> None:
+        # A parameter shared by layers of two stages would be two parameters after the split,
+        # each stepped on its own: refuse it (on every rank alike) rather than let the copies
+        # drift apart.
+        stage_of = {
+            i: s
+            for s in range(len(self.bounds) - 1)
+            for i in range(self.bounds[s], self.bounds[s + 1])
+        }
+        owner: dict[int, int] = {}
+        for i, layer in enumerate(self._layers):
+            if not isinstance(layer, nn.Module):
+                continue
+            for p in layer.parameters():
+                j = owner.setdefault(id(p), i)
+                if stage_of[j] != stage_of[i]:
+                    raise ValueError(
+                        f"layers {j} and {i} share a parameter but land on different pipeline "
+                        "stages; move the boundary so one stage holds both"
+                    )
+
+    # -- running -------------------------------------------------------------------------------
+
+    def stage_layers(self, stage: int) -> list[Layer]:
+        if stage not in self.held:
+            raise ValueError(f"this rank holds stages {self.held}, not stage {stage}")
+        return self._layers[self.bounds[stage] : self.bounds[stage + 1]]
+
+    def forward(self, x: Any, stage: int | None = None) -> Any:
+        """Run stage ``stage``'s layers on ``x`` (all layers when the module is not split)."""
+        if stage is None:
+            if len(self.held) != 1 or self.bounds != [0, len(self._layers)]:
+                raise RuntimeError(
+                    "this PipelineModule is split into stages: name the stage to run"
+                )
+            stage = self.held[0]
+        for layer in self.stage_layers(stage):
+            if isinstance(layer, LayerSpec):
+                raise RuntimeError(f"{layer!r} is not built: call bind() first")
+            x = layer(x)
+        return x

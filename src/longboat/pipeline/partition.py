@@ -1,0 +1,144 @@
+"""Which layers each pipeline stage holds: contiguous runs of the layer list, chosen by a method
+with DeepSpeed's ``partition_method`` meanings. Pure arithmetic on per-layer weights; nothing
+here builds a layer or touches a process group.
+
+- ``uniform``: balance the number of layers (the first ``n % stages`` stages take one more);
+- ``parameters``: balance the trainable parameters (DeepSpeed's default);
+- ``type:REGEX``: balance the layers whose class name matches ``REGEX`` (case-insensitive, as in
+  DeepSpeed), e.g. ``type:Block``; an error if no layer matches;
+- explicit boundaries: ``[0, 3, 8]`` gives stage 0 layers 0-2 and stage 1 layers 3-7 (the last
+  boundary, the number of layers, may be left out).
+
+A partition is a list of ``stages + 1`` increasing boundaries: stage ``s`` holds layers
+``bounds[s]`` to ``bounds[s + 1] - 1``. Every stage holds at least one layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+
+
+class PartitionError(ValueError):
+    """A partition that cannot be made; the message names the method and the sizes."""
+
+
+def uniform(n_layers: int, stages: int) -> list[int]:
+    """Boundaries giving every stage ``n_layers // stages`` layers, the first ones one more."""
+    _check_counts(n_layers, stages, "uniform")
+    base, extra = divmod(n_layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return bounds
+
+
+def balanced(weights: Sequence[int], stages: int) -> list[int]:
+    """Boundaries of ``stages`` contiguous, non-empty runs of ``weights`` whose largest sum is
+    as small as it can be (the pipeline's slowest stage sets its pace). Among partitions with
+    that bottleneck, earlier stages take as much as they can."""
+    _check_counts(len(weights), stages, "balanced")
+    if any(w < 0 for w in weights):
+        raise PartitionError(f"layer weights must not be negative: {list(weights)}")
+    lo, hi = max(weights, default=0), sum(weights)
+    while lo < hi:  # the smallest bottleneck that a greedy packing reaches
+        mid = (lo + hi) // 2
+        if _pack(weights, stages, mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    bounds = _pack(weights, stages, lo)
+    assert bounds is not None
+    return bounds
+
+
+def _pack(weights: Sequence[int], stages: int, limit: int) -> list[int] | None:
+    """Greedy left-to-right packing under ``limit`` that leaves at least one layer for every
+    later stage; None if the layers do not fit in ``stages`` runs."""
+    n = len(weights)
+    bounds = [0]
+    i = 0
+    for s in range(stages):
+        must_leave = stages - s - 1  # one layer for each later stage
+        if i >= n - must_leave or weights[i] > limit:
+            return None
+        total = weights[i]
+        i += 1
+        while i < n - must_leave and total + weights[i] <= limit:
+            total += weights[i]
+            i += 1
+        bounds.append(i)
+    return bounds if i == n else None
+
+
+def by_type(class_names: Sequence[str], pattern: str, stages: int) -> list[int]:
+    """Balance the layers whose class name matches ``pattern``."""
+    try:
+        regex = re.compile(pattern, re.IGNORECASE)
+    except re.error as e:
+        raise PartitionError(
+            f"partition 'type:{pattern}': not a regular expression ({e})"
+        ) from None
+    weights = [1 if regex.search(name) else 0 for name in class_names]
+    if not any(weights):
+        raise PartitionError(
+            f"partition 'type:{pattern}' matches no layer; the layers' classes are "
+            f"{sorted(set(class_names))}"
+        )
+    return balanced(weights, stages)
+
+
+def explicit(bounds: Sequence[int], n_layers: int, stages: int) -> list[int]:
+    """Boundaries given by hand, checked: ``stages + 1`` of them (or ``stages``, the number of
+    layers then added), from 0, strictly increasing, ending at ``n_layers``."""
+    out = list(bounds)
+    if len(out) == stages:
+        out.append(n_layers)
+    if (
+        len(out) != stages + 1
+        or out[0] != 0
+        or out[-1] != n_layers
+        or any(b <= a for a, b in itertools.pairwise(out))
+    ):
+        raise PartitionError(
+            f"partition boundaries {list(bounds)}: {stages} stage(s) of {n_layers} layers need "
+            f"{stages + 1} strictly increasing boundaries from 0 to {n_layers}, e.g. "
+            f"{uniform(n_layers, stages) if n_layers >= stages else '(too few layers)'}"
+        )
+    return out
+
+
+def partition(
+    method: str | Sequence[int],
+    stages: int,
+    *,
+    parameters: Sequence[int],
+    class_names: Sequence[str],
+) -> list[int]:
+    """Boundaries by ``method`` (see the module docstring), given each layer's trainable
+    parameter count and class name."""
+    n = len(parameters)
+    if not isinstance(method, str):
+        return explicit(method, n, stages)
+    m = method.strip()
+    if m.lower() == "uniform":
+        return uniform(n, stages)
+    if m.lower() == "parameters":
+        return balanced(parameters, stages)
+    if m.lower().startswith("type:"):
+        return by_type(class_names, m[len("type:") :], stages)
+    raise PartitionError(
+        f"partition method {method!r} is unknown; choose 'parameters', 'uniform', "
+        "'type:REGEX' or a list of boundaries"
+    )
+
+
+def _check_counts(n_layers: int, stages: int, method: str) -> None:
+    if stages < 1:
+        raise PartitionError(f"partition {method}: {stages} stages; need at least 1")
+    if n_layers < stages:
+        raise PartitionError(
+            f"partition {method}: {n_layers} layer(s) cannot fill {stages} pipeline stages "
+            "(every stage needs at least one); use fewer stages (mesh.pp) or more layers"
+        )

@@ -1,0 +1,192 @@
+"""Running a pipeline schedule (:mod:`longboat.pipeline.schedules`) on this rank's stages.
+
+:class:`Pipeline` is the engine's schedule when ``mesh.pp > 1``: it splits the model
+(:meth:`prepare`), then for each optimizer step walks this rank's action list. A forward of
+stage ``s`` takes its input from the micro-batch (first stage) or from the rank of stage
+``s - 1``, and sends its output to the rank of stage ``s + 1`` unless it is the last stage,
+where ``loss_fn`` makes the loss. A backward of the last stage is the engine's
+``backward(loss)`` (the accumulation's ``1 / m`` and the fp16 loss scale are applied there);
+any other stage's backward receives its output's gradient, runs autograd from it, and sends
+its input's gradient back. Everything that depends on how a stage's parameters are held
+(replicate, ZeRO) stays with the data-parallel strategy, which the engine tells when the
+step's last backward begins.
+
+The losses exist on the last stage; they are broadcast over the pipeline's control plane at
+the step's end so that every rank reports the same step loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from longboat.comm.protocol import Comm, Handle
+from longboat.config import ConfigError
+from longboat.pipeline import p2p, schedules
+from longboat.pipeline.module import PipelineModule
+from longboat.schedule import LossFn, Steps
+
+
+class Pipeline:
+    """The schedule of ``kind`` over the ``pp`` axis of ``topology``."""
+
+    def __init__(
+        self,
+        kind: str,
+        virtual: int,
+        partition: str | Sequence[int] | None,
+        data: Comm,
+        control: Comm,
+        device: torch.device,
+    ) -> None:
+        self.kind = kind
+        self.stages_per_rank = virtual
+        self.partition = partition
+        self.data = data
+        self.control = control
+        self.rank = data.rank
+        self.ranks = data.world_size
+        self.device = device
+        self._plans: dict[int, schedules.PipelineSchedule] = {}
+        self.log = logging.getLogger("longboat")
+
+    # -- setting up ----------------------------------------------------------------------------
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Split ``model`` (a :class:`PipelineModule` or an ``nn.Sequential``) into
+        ``pp x virtual_stages`` stages and keep this rank's: the module the engine trains."""
+        if isinstance(model, nn.Sequential):
+            model = PipelineModule(list(model), partition=self.partition or "parameters")
+        if not isinstance(model, PipelineModule):
+            raise TypeError(
+                f"mesh.pp = {self.ranks} needs a model made of layers in order: a "
+                f"longboat.pipeline.PipelineModule or an nn.Sequential, not a "
+                f"{type(model).__name__}"
+            )
+        stages = self.ranks * self.stages_per_rank
+        bounds = model.boundaries(stages, self.partition)
+        held = [c * self.ranks + self.rank for c in range(self.stages_per_rank)]
+        info = model.stage_info(bounds)
+        if self.rank == 0:
+            for s in info:
+                self.log.info("pipeline %s", s.describe())
+        model.bind(bounds, held)
+        return model
+
+    def restrict(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        """Keep in ``optimizer`` only the parameters of this rank's stages (the user built it
+        over the whole model; the other stages' copies are not trained here)."""
+        mine = {id(p) for p in model.parameters()}
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in mine]
+
+    def norm_groups(self) -> list[Comm]:
+        """Stages hold disjoint parameters: the gradient norm sums over the pipeline."""
+        return [self.data]
+
+    def check(self, micro_batches: int) -> None:
+        """Refuse, before any step, a schedule that cannot run ``micro_batches``."""
+        try:
+            plan = self.plan(micro_batches)
+        except schedules.ScheduleError as e:
+            raise ConfigError(
+                f"key 'pipeline.schedule' = {self.kind!r} with {micro_batches} micro-batches "
+                f"(batch.gradient_accumulation_steps): {e}"
+            ) from None
+        if self.rank == 0:
+            bubble = schedules.bubble_theory(self.ranks, micro_batches, self.stages_per_rank)
+            self.log.info(
+                "pipeline schedule %s, %d micro-batches per step: idle fraction %.0f%% with "
+                "equal stages",
+                self.kind,
+                micro_batches,
+                100 * bubble,
+            )
+            self.log.debug("%s", plan.describe())
+
+    def plan(self, micro_batches: int) -> schedules.PipelineSchedule:
+        if micro_batches not in self._plans:
+            self._plans[micro_batches] = schedules.build(
+                self.kind, self.ranks, micro_batches, self.stages_per_rank
+            )
+        return self._plans[micro_batches]
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        steps: Steps,
+        micro_batches: Sequence[Any],
+        loss_fn: LossFn,
+        inputs: Callable[[Any], tuple[Any, ...]],
+    ) -> list[float]:
+        plan = self.plan(len(micro_batches))
+        last = plan.stages - 1
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        sends: list[Handle] = []
+        losses: list[float] = []
+        for a in plan.actions[self.rank]:
+            mb, s = a.micro_batch, a.stage
+            if a.op == "F":
+                if s == 0:
+                    x: torch.Tensor | None = None
+                    out = steps.forward(*inputs(micro_batches[mb]), stage=s)
+                else:
+                    x = p2p.recv(
+                        self.data,
+                        self.control,
+                        plan.rank_of(s - 1),
+                        self.device,
+                        f"activation of micro-batch {mb} from stage {s - 1}",
+                    )
+                    if x.is_floating_point():
+                        x.requires_grad_(True)
+                    out = steps.forward(x, stage=s)
+                if s == last:
+                    out = loss_fn(out, micro_batches[mb])
+                else:
+                    sends += p2p.send(
+                        self.data,
+                        self.control,
+                        out,
+                        plan.rank_of(s + 1),
+                        f"activation of micro-batch {mb} to stage {s + 1}",
+                    )
+                saved[(mb, s)] = (x, out)
+            else:
+                x, out = saved.pop((mb, s))
+                if s == last:
+                    steps.backward(out)
+                    losses.append(float(out.detach()))
+                else:
+                    grad = p2p.recv(
+                        self.data,
+                        self.control,
+                        plan.rank_of(s + 1),
+                        self.device,
+                        f"gradient of micro-batch {mb} from stage {s + 1}",
+                    )
+                    steps.backward_from(out, grad)
+                if s > 0:
+                    assert x is not None
+                    g = x.grad if x.grad is not None else torch.zeros_like(x)
+                    sends += p2p.send(
+                        self.data,
+                        self.control,
+                        g,
+                        plan.rank_of(s - 1),
+                        f"gradient of micro-batch {mb} to stage {s - 1}",
+                    )
+        for h in sends:
+            h.wait()
+        return self._share_losses(losses, len(micro_batches))
+
+    def _share_losses(self, losses: list[float], m: int) -> list[float]:
+        # The last stage's losses, on every rank of the pipeline (one small CPU broadcast).
+        t = torch.tensor(losses if losses else [0.0] * m, dtype=torch.float64)
+        self.control.broadcast(t, src=self.ranks - 1)
+        return t.tolist()

@@ -1,0 +1,407 @@
+"""Pipeline parallelism: partitions and schedules as data (no processes), and training through
+stages against the plain PyTorch loop of ``reference.py`` (every micro-batch's loss, every
+step's loss, parameters and optimizer state)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import harness
+import pytest
+import reference
+import torch
+from torch import nn
+
+import longboat
+from longboat.config import ConfigError
+from longboat.pipeline import LayerSpec, PipelineModule, partition, schedules
+from longboat.pipeline.schedules import Action, PipelineSchedule, ScheduleError
+
+# -- partitions --------------------------------------------------------------------------------
+
+
+def _brute_bottleneck(weights: list[int], stages: int) -> int:
+    n = len(weights)
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        b = [0, *cuts, n]
+        best = min(best, max(sum(weights[b[i] : b[i + 1]]) for i in range(stages)))
+    return int(best)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_balanced_partition_has_the_smallest_bottleneck(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 9, (1,), generator=g))
+    stages = int(torch.randint(1, n + 1, (1,), generator=g))
+    weights = torch.randint(0, 50, (n,), generator=g).tolist()
+    bounds = partition.balanced(weights, stages)
+    assert len(bounds) == stages + 1 and bounds[0] == 0 and bounds[-1] == n
+    assert all(b > a for a, b in itertools.pairwise(bounds)), "every stage holds a layer"
+    got = max(sum(weights[bounds[i] : bounds[i + 1]]) for i in range(stages))
+    assert got == _brute_bottleneck(weights, stages)
+
+
+def test_partition_methods_have_deepspeeds_meanings():
+    params = [100, 0, 10, 10, 10, 10, 0, 100]
+    names = ["Embedding", "Dropout", "Block", "Block", "Block", "Block", "LayerNorm", "Linear"]
+    kw = {"parameters": params, "class_names": names}
+    assert partition.partition("uniform", 3, **kw) == [0, 3, 6, 8]
+    assert partition.partition("parameters", 2, **kw) == [0, 4, 8]
+    # two Blocks per stage, whatever the other layers weigh
+    bounds = partition.partition("type:block", 2, **kw)
+    assert [names[bounds[s] : bounds[s + 1]].count("Block") for s in range(2)] == [2, 2]
+    assert partition.partition([0, 5], 2, **kw) == [0, 5, 8]
+    assert partition.partition([0, 5, 8], 2, **kw) == [0, 5, 8]
+
+
+@pytest.mark.parametrize(
+    ("method", "stages", "words"),
+    [
+        ("type:Attention", 2, ["matches no layer", "Block", "Embedding"]),
+        ("type:(", 2, ["not a regular expression"]),
+        ("balanced", 2, ["unknown", "parameters", "uniform", "type:REGEX"]),
+        ("uniform", 9, ["8 layer(s)", "9 pipeline stages", "mesh.pp"]),
+        ([0, 5, 4], 2, ["boundaries [0, 5, 4]", "strictly increasing", "[0, 4, 8]"]),
+        ([1, 8], 2, ["from 0 to 8"]),
+    ],
+)
+def test_partition_refusals_say_what_to_change(method, stages, words):
+    names = ["Embedding", "Dropout", "Block", "Block", "Block", "Block", "LayerNorm", "Linear"]
+    with pytest.raises(partition.PartitionError) as e:
+        partition.partition(method, stages, parameters=[1] * 8, class_names=names)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_a_rank_builds_only_its_own_layers():
+    built: list[int] = []
+
+    class Counted(nn.Linear):
+        def __init__(self, i: int) -> None:
+            super().__init__(4, 4)
+            if self.weight.device.type != "meta":
+                built.append(i)
+
+    module = PipelineModule([LayerSpec(Counted, i) for i in range(6)], partition="uniform")
+    assert list(module.parameters()) == [] and built == []  # counted on the meta device
+    module.bind(module.boundaries(3), held=[1])
+    assert built == [2, 3]
+    # the names of a plain nn.Sequential of the same layers, whichever stage holds them
+    assert [n for n, _ in module.named_parameters()] == [
+        "2.weight",
+        "2.bias",
+        "3.weight",
+        "3.bias",
+    ]
+    assert "stage 1: layers 2-3 (2 Counted), 40 trainable parameters" in [
+        s.describe() for s in module.stage_info(module.bounds)
+    ]
+    with pytest.raises(ValueError, match="holds stages \\[1\\], not stage 0"):
+        module(torch.zeros(1, 4), stage=0)
+
+
+def test_a_parameter_shared_across_stages_is_refused():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    module = PipelineModule([a, nn.Tanh(), b], partition="uniform")
+    with pytest.raises(ValueError, match="layers 0 and 2 share a parameter"):
+        module.bind([0, 2, 3], held=[0])
+
+
+def test_an_unsplit_pipeline_module_is_the_sequential_model():
+    torch.manual_seed(0)
+    seq = reference.chain_net()
+    module = PipelineModule(list(seq))
+    x = torch.randn(3, 12)
+    assert torch.equal(module(x), seq(x))
+    assert [n for n, _ in module.named_parameters()] == [n for n, _ in seq.named_parameters()]
+
+
+# -- schedules ---------------------------------------------------------------------------------
+
+SIZES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 8, 12)]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), SIZES)
+def test_one_stage_per_rank_schedules_meet_the_theory(kind, p, m):
+    if kind == "1f1b" and m < p:
+        with pytest.raises(ScheduleError, match=f"{m} micro-batch\\(es\\) cannot fill {p}"):
+            schedules.build(kind, p, m)
+        return
+    sched = schedules.build(kind, p, m)  # validates: complete, on the right ranks, no deadlock
+    for cost_b in (1.0, 2.0):
+        t = sched.simulate(backward_cost=cost_b)
+        for bubble in t.bubble:
+            assert bubble == pytest.approx(schedules.bubble_theory(p, m))
+    peak = sched.simulate().peak_in_flight
+    if kind == "gpipe":
+        assert peak == (m,) * p
+    else:  # 1F1B holds at most p - r micro-batches' activations on rank r
+        assert peak == tuple(min(p - r, m) for r in range(p))
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (4, 8, 2), (2, 6, 3), (3, 9, 2)])
+def test_interleaved_shrinks_the_bubble_by_the_virtual_stages(p, m, v):
+    sched = schedules.build("interleaved", p, m, v)
+    assert sched.stages_of(0) == [c * p for c in range(v)]
+    for bubble in sched.simulate().bubble:
+        assert bubble == pytest.approx(schedules.bubble_theory(p, m, v))
+        assert bubble < schedules.bubble_theory(p, m)
+
+
+@pytest.mark.parametrize(
+    ("kind", "p", "m", "v", "words"),
+    [
+        ("interleaved", 2, 3, 2, ["3 micro-batch(es)", "groups of 2", "multiple of 2"]),
+        ("interleaved", 1, 2, 2, ["at least 2 pipeline ranks"]),
+        ("gpipe", 2, 4, 2, ["virtual stages", "interleaved"]),
+        ("zigzag", 2, 4, 1, ["'zigzag' is unknown", "gpipe", "1f1b", "interleaved"]),
+    ],
+)
+def test_schedule_refusals(kind, p, m, v, words):
+    with pytest.raises(ScheduleError) as e:
+        schedules.build(kind, p, m, v)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_validation_catches_a_deadlock_and_messages_out_of_order():
+    good = schedules.build("1f1b", 2, 2)
+    # rank 1 waits for the gradient of micro-batch 0 before it has run its forward
+    swapped = list(good.actions)
+    swapped[0] = (Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0))
+    swapped[1] = (Action("B", 0, 1), Action("F", 0, 1), Action("F", 1, 1), Action("B", 1, 1))
+    bad = PipelineSchedule("1f1b", 2, 2, 1, tuple(swapped))
+    with pytest.raises(ScheduleError, match="would deadlock: rank 0 waits in B0; rank 1 waits"):
+        bad.validate()
+    # rank 1 runs micro-batch 1 first: what rank 0 sends first is not what rank 1 expects first
+    order = (Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("B", 1, 0))
+    late = (Action("F", 1, 1), Action("F", 0, 1), Action("B", 1, 1), Action("B", 0, 1))
+    with pytest.raises(ScheduleError, match="rank 0 sends rank 1 \\('act', 0, 0\\)"):
+        PipelineSchedule("gpipe", 2, 2, 1, (order, late)).validate()
+    print(good.describe())
+    assert good.describe().splitlines() == [
+        "1f1b: 2 rank(s), 2 micro-batches",
+        "  rank 0: F0 F1 B0 B1",
+        "  rank 1: F0 B0 F1 B1",
+    ]
+
+
+# -- training through stages, against the plain loop ------------------------------------------
+
+STEPS = 6
+GLOBAL_BATCH = 16
+
+
+def _train(recipe: reference.Recipe, cfg: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Train ``recipe`` with ``engine.train_step`` on this rank; record what the comparison
+    needs (the sample ids of each micro-batch, the last stage's micro-batch losses, every
+    step's loss on every rank, this stage's state)."""
+    model, opt, sched = recipe.build()
+    dp = torch.distributed.get_world_size() // cfg["mesh"]["pp"]
+    if torch.distributed.get_rank() % dp:
+        with torch.no_grad():  # the data-parallel strategy must start from its root's weights
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+    engine = longboat.initialize(model, opt, cfg, scheduler=sched)
+    mesh, coords = engine.topology.mesh, engine.topology.coords
+    micro, accum = engine.batch.micro_batch_size, engine.accumulation_steps
+    data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
+    out: dict[str, Any] = {"ids": [], "losses": [], "step_losses": [], "pp": coords["pp"]}
+    out["dp"], out["last"] = coords["dp"], coords["pp"] == mesh.pp - 1
+    for batch in engine.loader(data, per_step=True):
+        ids = batch[0]
+        micro_losses: list[float] = []
+
+        def loss_fn(
+            output: torch.Tensor, mb: Any, into: list[float] = micro_losses
+        ) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(output.float(), mb[2])
+            into.append(float(loss.detach()))
+            return loss
+
+        out["step_losses"].append(engine.train_step(batch, loss_fn, inputs=lambda mb: (mb[1],)))
+        out["ids"].append([ids[i * micro : (i + 1) * micro].tolist() for i in range(accum)])
+        out["losses"].append(micro_losses)
+        if engine.global_step == steps:
+            break
+    out["state"] = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    out["optim"] = harness.optimizer_pieces(engine)
+    out["lrs"] = opt.param_groups[0]["lr"]
+    engine.close()
+    return out
+
+
+def _run(ranks, world: int, extra: dict[str, Any], accum: int, optimizer: str = "adamw"):
+    recipe = reference.Recipe(model="chain", optimizer=optimizer, clip=0.5, scheduler=True)
+    dp = world // extra["mesh"]["pp"]
+    micro = GLOBAL_BATCH // (dp * accum)
+    strategy = {k: extra.pop(k) for k in ("strategy", "zero") if k in extra}
+    cfg = harness.config(strategy, recipe, GLOBAL_BATCH, micro, **extra)
+    results = ranks(world, _train, recipe, cfg, STEPS)
+    first = sorted((r for r in results if r["pp"] == 0), key=lambda r: r["dp"])
+    order = [[[r["ids"][s][t] for r in first] for t in range(accum)] for s in range(STEPS)]
+    for r in results:  # every stage of a data-parallel rank saw the same samples
+        assert r["ids"] == first[r["dp"]]["ids"]
+    plain = reference.plain_train(recipe, harness.data_for(recipe, GLOBAL_BATCH * STEPS), order)
+    tol = 1e-5
+    for r in results:
+        for s in range(STEPS):
+            want = plain.losses[s]  # [micro][dp rank]
+            mean = sum(want[t][r["dp"]] for t in range(accum)) / accum
+            assert r["step_losses"][s] == pytest.approx(mean, rel=tol), f"step {s + 1}"
+            if r["last"]:
+                got = r["losses"][s]
+                assert got == pytest.approx([want[t][r["dp"]] for t in range(accum)], rel=tol)
+            else:
+                assert r["losses"][s] == [], "only the last stage computes a loss"
+    state: dict[str, torch.Tensor] = {}
+    for r in results:
+        for k, v in r["state"].items():
+            if k in state:
+                assert torch.equal(state[k], v), f"data-parallel ranks disagree on {k}"
+            state[k] = v
+    assert reference.max_rel_diff(state, plain.state) <= tol
+    optim = harness.assemble(results)
+    assert optim.keys() == plain.optim.keys()
+    for name, want in plain.optim.items():
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert reference.max_rel_diff({k: optim[name][k]}, {k: v}) <= tol, (name, k)
+            else:
+                assert optim[name][k] == (v.item() if isinstance(v, torch.Tensor) else v)
+    # what the model is for: a never-used parameter (no state), a layer used on some
+    # micro-batches and not on others, a frozen one
+    assert "2.unused" not in plain.optim and "6.weight" not in plain.optim
+    gate = [("2.extra.weight" in u) for step in plain.used for micro in step for u in micro]
+    assert any(gate) and not all(gate)
+    return results, plain
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_pipeline_equals_plain_pytorch(ranks, kind, stages):
+    _run(ranks, stages, {"mesh": {"pp": stages}, "pipeline": {"schedule": kind}}, accum=4)
+
+
+def test_interleaved_equals_plain_pytorch(ranks):
+    extra = {"mesh": {"pp": 2}, "pipeline": {"schedule": "interleaved", "virtual_stages": 2}}
+    _run(ranks, 2, extra, accum=4)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "schedule"),
+    [
+        ("replicate", "1f1b"),
+        ("zero1", "1f1b"),
+        ("zero2", "1f1b"),
+        ("zero3", "1f1b"),
+        # two stages per rank: the sync waits for the step's last backward of either
+        ("replicate", "interleaved"),
+        ("zero2", "interleaved"),
+    ],
+)
+def test_pipeline_with_data_parallel_equals_plain_pytorch(ranks, strategy, schedule):
+    # 2 stages x 2 data-parallel ranks: each stage's strategy runs over its own dp group
+    extra: dict[str, Any] = {"mesh": {"pp": 2}, "strategy": strategy.rstrip("123")}
+    extra["pipeline"] = {
+        "schedule": schedule,
+        "virtual_stages": 2 if schedule == "interleaved" else 1,
+    }
+    if strategy.startswith("zero"):
+        extra["zero"] = {"stage": int(strategy[-1]), "bucket_mb": 0.001}
+    _run(ranks, 4, extra, accum=2, optimizer="sgd")
+
+
+def test_pipeline_schedule_that_cannot_run_is_refused_by_key():
+    cfg = {
+        **harness.QUIET,
+        "mesh": {"pp": 1},
+        "pipeline": {"virtual_stages": 2},
+    }
+    with pytest.raises(ConfigError, match=r"pipeline\.virtual_stages"):
+        longboat.initialize(
+            reference.chain_net(),
+            None,
+            {**cfg, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+        )
+
+
+# -- checkpoints: layers as pieces with stage-independent names --------------------------------
+
+
+def _checkpoint(cfg: dict[str, Any], directory: str, save_after: int) -> dict[str, Any]:
+    """Train ``save_after`` steps and save, or (0) load the latest checkpoint; what this rank
+    then holds."""
+    recipe = reference.Recipe(model="chain", optimizer="adamw", clip=0.5)
+    model, opt, _ = recipe.build()
+    engine = longboat.initialize(model, opt, cfg)
+    if save_after:
+        data = harness.data_for(recipe, engine.batch.train_batch_size * save_after)
+        for batch in engine.loader(data, per_step=True):
+            engine.train_step(
+                batch,
+                lambda out, mb: nn.functional.cross_entropy(out, mb[2]),
+                inputs=lambda mb: (mb[1],),
+            )
+            if engine.global_step == save_after:
+                break
+        engine.save_checkpoint(directory)
+    else:
+        engine.load_checkpoint(directory)
+    out = {
+        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
+        "optim": harness.optimizer_pieces(engine),
+        "step": engine.global_step,
+    }
+    engine.close()
+    return out
+
+
+def _whole(results: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    state: dict[str, torch.Tensor] = {}
+    for r in results:
+        state.update(r["state"])
+    return state, harness.assemble(results)
+
+
+@pytest.mark.parametrize(
+    ("save", "load"),
+    [
+        ((2, {"mesh": {"pp": 2}}), (1, {})),
+        ((2, {"mesh": {"pp": 2}}), (4, {"mesh": {"pp": 4}})),
+        ((1, {}), (4, {"mesh": {"pp": 2}, "strategy": "zero", "zero": {"stage": 2}})),
+    ],
+    ids=["pp2-to-single", "pp2-to-pp4", "single-to-pp2xzero2"],
+)
+def test_pipeline_checkpoints_reshard(ranks, tmp_path, save, load):
+    def cfg(world: int, extra: dict[str, Any]) -> dict[str, Any]:
+        pp = extra.get("mesh", {}).get("pp", 1)
+        micro = GLOBAL_BATCH // (world // pp * 4)
+        return harness.config(
+            {k: extra[k] for k in ("strategy", "zero") if k in extra},
+            reference.Recipe(model="chain"),
+            GLOBAL_BATCH,
+            micro,
+            **{k: v for k, v in extra.items() if k not in ("strategy", "zero")},
+        )
+
+    saved = ranks(save[0], _checkpoint, cfg(*save), str(tmp_path), 3)
+    loaded = ranks(load[0], _checkpoint, cfg(*load), str(tmp_path), 0)
+    assert {r["step"] for r in loaded} == {3}
+    want_state, want_optim = _whole(saved)
+    got_state, got_optim = _whole(loaded)
+    assert reference.max_rel_diff(got_state, want_state) == 0.0
+    assert got_optim.keys() == want_optim.keys()
+    for name, st in want_optim.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got_optim[name][k], v), (name, k)
+            else:
+                assert got_optim[name][k] == v, (name, k)
+    fresh = reference.Recipe(model="chain").build()[0]  # what loading must have replaced
+    assert any(not torch.equal(fresh.state_dict()[k], v) for k, v in got_state.items())
