@@ -9,13 +9,16 @@ warm-up, the sides' order reversed every other repeat (ABBA), ``--repeats`` time
 (the reference GPT), batch and settings as the two benchmarks.
 
 Reported: per side the median step over all its measured steps; per pair of sides the ratio of
-those medians and the median of the per-repeat ratios (each repeat's pairs ran minutes apart at
-most, so that one cancels slow drifts of the machine).
+those medians, the median of the per-repeat ratios (each repeat's pairs ran minutes apart at
+most, so that one cancels slow drifts of the machine), and the ratio of each side's fastest
+step (what each side does when the machine is quiet: on a shared machine another tenant's load
+can slow a whole fresh pair by half, which interleaving cancels and running alone does not).
 
 Usage::
 
     python benchmarks/alone.py                   # 2 repeats x 8 sides x 10 steps, ~15 minutes
     python benchmarks/alone.py --steps 5 --repeats 1 --sides replicate,ddp   # a smoke run
+    python benchmarks/alone.py --summarize benchmarks/results/alone.json     # readings again
 
 Writes ``benchmarks/results/alone.json`` (``--out`` to change) with config, versions and machine.
 """
@@ -31,7 +34,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from common import machine, versions
 
@@ -68,6 +70,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured steps per run")
     p.add_argument("--repeats", type=int, default=2, help="fresh pairs per side")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument(
+        "--summarize", type=Path, help="recompute the readings of a results file, run nothing"
+    )
     args = p.parse_args(argv)
     args.sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in args.sides if s not in SCRIPT_OF]
@@ -100,8 +105,46 @@ def _run_alone(side: str, steps: int, tmp: Path, index: int) -> list[float] | st
     return [float(x) for x in data["samples_s"][side]]
 
 
+def _summary(
+    samples: dict[str, list[list[float]]],
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Per side the median step; per pair three readings: the ratio of the medians, the median
+    of the per-repeat ratios, and the ratio of the fastest steps (the machine's quiet moments:
+    on a shared machine the load of the moment can slow a whole run by half, see the README)."""
+    ran = [s for s in samples if samples[s]]
+    medians = {s: statistics.median(x for run in samples[s] for x in run) for s in ran}
+    ratios: dict[str, dict[str, float]] = {}
+    for a, b in PAIRS:
+        if a in medians and b in medians:
+            per_repeat = [
+                statistics.median(ra) / statistics.median(rb)
+                for ra, rb in zip(samples[a], samples[b], strict=False)
+            ]
+            ratios[f"{a}/{b}"] = {
+                "ratio_of_medians": medians[a] / medians[b],
+                "median_of_repeat_ratios": statistics.median(per_repeat),
+                "ratio_of_minima": min(map(min, samples[a])) / min(map(min, samples[b])),
+            }
+    return medians, ratios
+
+
+def _print_ratios(ratios: dict[str, dict[str, float]]) -> None:
+    for k, v in ratios.items():
+        print(
+            f"ratio {k:<34} {v['ratio_of_medians']:.3f} "
+            f"(median of per-repeat ratios {v['median_of_repeat_ratios']:.3f}, "
+            f"of minima {v['ratio_of_minima']:.3f})"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    if args.summarize is not None:  # the readings again from a results file's samples
+        data = json.loads(args.summarize.read_text())
+        data["medians_s"], data["ratios"] = _summary(data["samples_s"])
+        args.summarize.write_text(json.dumps(data, indent=2) + "\n")
+        _print_ratios(data["ratios"])
+        return
     samples: dict[str, list[list[float]]] = {s: [] for s in args.sides}
     failed: dict[str, str] = {}
     order_log: list[list[str]] = []
@@ -125,18 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
     ran = [s for s in args.sides if samples[s]]
-    medians = {s: statistics.median(x for run in samples[s] for x in run) for s in ran}
-    ratios: dict[str, Any] = {}
-    for a, b in PAIRS:
-        if a in medians and b in medians:
-            per_repeat = [
-                statistics.median(ra) / statistics.median(rb)
-                for ra, rb in zip(samples[a], samples[b], strict=False)
-            ]
-            ratios[f"{a}/{b}"] = {
-                "ratio_of_medians": medians[a] / medians[b],
-                "median_of_repeat_ratios": statistics.median(per_repeat),
-            }
+    medians, ratios = _summary(samples)
     result = {
         "benchmark": "alone",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -163,11 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for s in ran:
         print(f"{s:<16} median {medians[s]:.4f} s over {sum(map(len, samples[s]))} steps")
-    for k, v in ratios.items():
-        print(
-            f"ratio {k:<34} {v['ratio_of_medians']:.3f} "
-            f"(median of per-repeat ratios {v['median_of_repeat_ratios']:.3f})"
-        )
+    _print_ratios(ratios)
     print(f"wrote {args.out}")
 
 

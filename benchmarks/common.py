@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import platform
 import socket
+import subprocess
 import sys
 from datetime import timedelta
 
@@ -55,12 +56,34 @@ def package_version(dist_name: str) -> str | None:
         return None
 
 
+def commit() -> str | None:
+    """The commit the benchmark ran at, with ``+dirty`` when the work tree had changes (a
+    result measured on uncommitted code cannot be traced back to one)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def versions(*extra: str) -> dict[str, str | None]:
-    """Python, torch, longboat and platform versions, plus those of ``extra`` distributions."""
+    """Python, torch, longboat and platform versions, the commit, plus the versions of ``extra``
+    distributions."""
     out: dict[str, str | None] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "longboat": package_version("longboat"),
+        "commit": commit(),
     }
     out.update({name: package_version(name) for name in extra})
     out["platform"] = platform.platform()

@@ -26,6 +26,7 @@ LAYERS = [
         "longboat.grads",
         "longboat.schedule",
         "longboat.pipeline",
+        "longboat.recompute",
     },
     {"longboat.engine"},
     {

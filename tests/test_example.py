@@ -63,3 +63,42 @@ def test_digits_as_a_plain_script():
     assert proc.returncode == 0, out[-3000:]
     assert "strategy single on 1 rank(s)" in out
     assert _accuracy(out) >= 0.95
+
+
+def _gpt(config: str) -> tuple[float, str]:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longboat.cli",
+            "run",
+            "-n",
+            "2",
+            str(ROOT / "examples" / "gpt.py"),
+            "--config",
+            str(ROOT / "examples" / config),
+            "--steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    m = re.search(r"steps=3 final_loss=([0-9.]+)", out)
+    assert m, f"no final_loss line in output:\n{out[-3000:]}"
+    assert out.count("final_loss=") == 1, "only rank 0 prints the result"
+    return float(m.group(1)), out
+
+
+def test_gpt_in_two_pipeline_stages_by_config_only():
+    # The same script and samples: data parallel over 2 ranks, then 2 pipeline stages.
+    dp_loss, dp_out = _gpt("gpt.toml")
+    pp_loss, pp_out = _gpt("gpt_pp2.toml")
+    assert "strategy replicate on 2 rank(s)" in dp_out
+    assert "mesh pp 2 x dp 1 x tp 1" in pp_out
+    assert "pipeline stage 0: layers 0-2 (Embedding, 2 _Block)" in pp_out
+    assert "pipeline stage 1: layers 3-5 (2 _Block, LayerNorm)" in pp_out
+    assert pp_loss == pytest.approx(dp_loss, rel=1e-4)

@@ -5,12 +5,15 @@ step's loss, parameters and optimizer state)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import time
 from typing import Any
 
 import harness
 import pytest
 import reference
+import test_launcher
 import torch
 from torch import nn
 
@@ -288,6 +291,11 @@ def test_pipeline_equals_plain_pytorch(ranks, kind, stages):
     _run(ranks, stages, {"mesh": {"pp": stages}, "pipeline": {"schedule": kind}}, accum=4)
 
 
+def test_pipeline_with_activation_checkpointing_equals_plain_pytorch(ranks):
+    extra = {"mesh": {"pp": 2}, "activation_checkpointing": {"classes": ["Linear", "Gate"]}}
+    _run(ranks, 2, extra, accum=4)
+
+
 def test_interleaved_equals_plain_pytorch(ranks):
     extra = {"mesh": {"pp": 2}, "pipeline": {"schedule": "interleaved", "virtual_stages": 2}}
     _run(ranks, 2, extra, accum=4)
@@ -405,3 +413,111 @@ def test_pipeline_checkpoints_reshard(ranks, tmp_path, save, load):
                 assert got_optim[name][k] == v, (name, k)
     fresh = reference.Recipe(model="chain").build()[0]  # what loading must have replaced
     assert any(not torch.equal(fresh.state_dict()[k], v) for k, v in got_state.items())
+
+
+# -- a model that lists its own layers ----------------------------------------------------------
+
+
+def _small_gpt(tie: bool = False) -> nn.Module:
+    from longboat.models import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab_size=64, d_model=32, n_layers=3, n_heads=2, seq_len=8, tie_weights=tie)
+
+
+def _gpt_batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from longboat.models import synthetic_tokens
+
+    g = torch.Generator().manual_seed(3)
+    return [synthetic_tokens(batch, 8, 64, g) for _ in range(steps)]
+
+
+def _gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _train_gpt(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
+    model = _small_gpt()
+    names = [n for n, _ in model.named_parameters()]
+    engine = longboat.initialize(model, None, cfg)
+    losses = [
+        engine.train_step(b, lambda out, mb: _gpt_loss(out, mb[1])) for b in _gpt_batches(steps, 8)
+    ]
+    state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    return {"losses": losses, "state": state, "names": names}
+
+
+def test_a_model_listing_its_layers_keeps_its_names_in_stages(ranks):
+    cfg = {
+        **harness.QUIET,
+        "mesh": {"pp": 2},
+        "gradient_clipping": 1.0,
+        "batch": {"train_batch_size": 8, "gradient_accumulation_steps": 4},
+        # SGD: Adam would turn the rounding noise of gradients that are zero in exact
+        # arithmetic (a key bias: softmax ignores it) into steps of the full learning rate
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+    }
+    results = ranks(2, _train_gpt, cfg, 4)
+    # the plain loop: the whole model, micro-batches of 2, loss averaged over them
+    model = _small_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain = []
+    for x, y in _gpt_batches(4, 8):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for xm, ym in zip(x.split(2), y.split(2), strict=True):
+            loss = _gpt_loss(model(xm), ym)
+            (loss / 4).backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        plain.append(total / 4)
+    for r in results:
+        assert r["losses"] == pytest.approx(plain, rel=1e-5)
+    state = {**results[0]["state"], **results[1]["state"]}
+    assert not set(results[0]["state"]) & set(results[1]["state"]), "each stage its own layers"
+    assert reference.max_rel_diff(state, model.state_dict()) <= 1e-5  # the user's own names
+
+
+def test_a_weight_tied_across_stages_is_refused():
+    from longboat.pipeline import layered
+
+    model = _small_gpt(tie=True)
+    bounds = layered.boundaries(model, 2, "uniform")
+    with pytest.raises(ValueError, match="share a parameter but land on stages 0 and 1"):
+        layered.split(model, bounds, [0])
+
+
+# -- a stage that stops ------------------------------------------------------------------------
+
+
+def test_a_stopped_stage_is_named_by_its_neighbour(tmp_path):
+    timeout_s = 3.0
+    logs = tmp_path / "logs"
+    proc = test_launcher._run(
+        test_launcher._cli(
+            "run",
+            "-n",
+            "2",
+            "--log-dir",
+            str(logs),
+            str(test_launcher.SCRIPTS / "pipeline_stop.py"),
+            str(timeout_s),
+            str(tmp_path),
+        )
+    )
+    err = proc.stderr
+    assert proc.returncode != 0, err
+    path = logs / "hang_reports" / "rank1.json"
+    rep = json.loads(path.read_text())
+    assert rep["kind"] == "timeout" and rep["not_arrived"] == [0], rep
+    assert rep["collective"]["op"] == "recv", rep
+    assert "activation of micro-batch 0 from stage 0, from rank 0" in rep["collective"]["tag"], rep
+    entered = float((tmp_path / "entered1").read_text())
+    assert path.stat().st_mtime - entered <= timeout_s + 1.0
+    assert "[rank1]: longboat: collective timed out after 3 s on rank 1 of 2" in proc.stdout + err
+    time.sleep(0.2)
+    for r in (0, 1):
+        pid = int((tmp_path / f"pid{r}").read_text())
+        assert not test_launcher._alive(pid), f"rank {r} still runs"

@@ -36,6 +36,7 @@ from longboat.observe.monitor import Monitor
 from longboat.optim import build_optimizer, build_scheduler, check_parameters
 from longboat.pipeline import build_schedule
 from longboat.precision import Precision, SkippedStep
+from longboat.recompute import apply_activation_checkpointing
 from longboat.schedule import LossFn, Schedule, Sequential, default_inputs, split
 from longboat.strategies import build_strategy
 from longboat.topology import DoorwayOptions, Topology
@@ -426,6 +427,7 @@ def initialize(
     schedule = build_schedule(cfg.pipeline, topology, device_for(world))
     # With pipeline stages, this rank's stages only, from here on (specs built here).
     model = schedule.prepare(model)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if torch.cuda.is_available():
         model.to(device_for(world))
     if optimizer is None:

@@ -14,6 +14,7 @@ import it without cycles.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -138,14 +139,33 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Map token ids ``[B, T]`` (``T <= seq_len``) to logits ``[B, T, vocab_size]``."""
+        x = self._embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self._head(x)
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len={self.seq_len}")
         pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+    def pipeline_layers(
+        self,
+    ) -> list[tuple[tuple[str, ...], Callable[[torch.Tensor], torch.Tensor]]]:
+        """:meth:`forward` as layers run in order, each with the submodules it uses, so that
+        pipeline stages can split the model and keep its parameter names: the embeddings, each
+        block, the final LayerNorm with the head. (With tied weights the embedding and the head
+        share a parameter, so they must land on one stage.)"""
+        return [
+            (("tok_emb", "pos_emb", "drop"), self._embed),
+            *(((f"blocks.{i}",), block) for i, block in enumerate(self.blocks)),
+            (("ln_f", "lm_head"), self._head),
+        ]
 
 
 def gpt_param_count(

@@ -11,6 +11,7 @@ from longboat.config.batch import ResolvedBatch, resolve_batch
 from longboat.config.errors import ConfigError
 from longboat.config.loading import LoadedConfig, explain, flatten, load, load_config, read_mapping
 from longboat.config.sections import (
+    ActivationCheckpointingConfig,
     BatchConfig,
     CheckpointConfig,
     CommConfig,
@@ -31,6 +32,7 @@ from longboat.config.sections import (
 )
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "BatchConfig",
     "CheckpointConfig",
     "CommConfig",

@@ -241,6 +241,16 @@ class PipelineConfig(_Section):
     )
 
 
+class ActivationCheckpointingConfig(_Section):
+    """Modules whose activations are recomputed in backward instead of kept
+    (``longboat.recompute``)."""
+
+    classes: list[str] = Field(
+        default_factory=list, description="module class names to recompute, e.g. ['Block']"
+    )
+    every: int = Field(1, ge=1, description="recompute every k-th matching module (1: all)")
+
+
 class Config(_Section):
     """The whole configuration of a run."""
 
@@ -263,6 +273,9 @@ class Config(_Section):
     comm: CommConfig = Field(default_factory=CommConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel ranks at ``world_size``: ``mesh.dp``, or what ``mesh.pp`` and

@@ -26,8 +26,8 @@ from torch import nn
 
 from longboat.comm.protocol import Comm, Handle
 from longboat.config import ConfigError
-from longboat.pipeline import p2p, schedules
-from longboat.pipeline.module import PipelineModule
+from longboat.pipeline import layered, p2p, schedules
+from longboat.pipeline.module import PipelineModule, StageInfo
 from longboat.schedule import LossFn, Steps
 
 
@@ -57,25 +57,32 @@ class Pipeline:
     # -- setting up ----------------------------------------------------------------------------
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Split ``model`` (a :class:`PipelineModule` or an ``nn.Sequential``) into
-        ``pp x virtual_stages`` stages and keep this rank's: the module the engine trains."""
+        """Split ``model`` into ``pp x virtual_stages`` stages and keep this rank's: the module
+        the engine trains. ``model`` is a :class:`PipelineModule`, an ``nn.Sequential``, or a
+        model with ``pipeline_layers()`` (:mod:`longboat.pipeline.layered`)."""
+        stages = self.ranks * self.stages_per_rank
+        held = [c * self.ranks + self.rank for c in range(self.stages_per_rank)]
         if isinstance(model, nn.Sequential):
             model = PipelineModule(list(model), partition=self.partition or "parameters")
-        if not isinstance(model, PipelineModule):
-            raise TypeError(
-                f"mesh.pp = {self.ranks} needs a model made of layers in order: a "
-                f"longboat.pipeline.PipelineModule or an nn.Sequential, not a "
-                f"{type(model).__name__}"
-            )
-        stages = self.ranks * self.stages_per_rank
-        bounds = model.boundaries(stages, self.partition)
-        held = [c * self.ranks + self.rank for c in range(self.stages_per_rank)]
-        info = model.stage_info(bounds)
+        if isinstance(model, PipelineModule):
+            bounds = model.boundaries(stages, self.partition)
+            self._announce(model.stage_info(bounds))
+            model.bind(bounds, held)
+            return model
+        if layered.lists_layers(model):
+            bounds = layered.boundaries(model, stages, self.partition or "parameters")
+            self._announce(layered.stage_info(model, bounds))
+            return layered.split(model, bounds, held)
+        raise TypeError(
+            f"mesh.pp = {self.ranks} needs a model made of layers in order: a "
+            "longboat.pipeline.PipelineModule, an nn.Sequential, or a model with a "
+            f"pipeline_layers() method; {type(model).__name__} is none of them"
+        )
+
+    def _announce(self, info: list[StageInfo]) -> None:
         if self.rank == 0:
             for s in info:
                 self.log.info("pipeline %s", s.describe())
-        model.bind(bounds, held)
-        return model
 
     def restrict(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         """Keep in ``optimizer`` only the parameters of this rank's stages (the user built it

@@ -1,0 +1,288 @@
+"""Pipeline stages on the reference GPT: the bubble per schedule against theory, the activations
+each stage holds, and the step time of 2 stages against ``replicate`` on the same 2 ranks.
+
+Every side trains the reference GPT (:func:`longboat.models.reference_gpt`, 21,064,704
+parameters, AdamW, clipping 1.0, sequence 128) on 16 samples per optimizer step, with
+``engine.train_step``, the defaults a user gets otherwise:
+
+- ``replicate``: 2 data-parallel ranks, 8 samples each, no accumulation (how one would run it);
+- ``<schedule>-m<M>``: ``[mesh] pp = 2`` (one stage per rank, split by parameters: embeddings
+  and 2 blocks, then 2 blocks and the head), ``M`` micro-batches of ``16 / M`` samples.
+
+Each side runs alone in a fresh pair of processes (``--warmup`` steps, then ``--steps``
+measured), the sides' order reversed every other repeat (ABBA). Per step and rank it records the
+step time (the MAX over ranks is the step time) and the seconds that rank spent blocked in the
+pipeline's doorways (receiving an activation or a gradient its neighbour has not sent yet): the
+*measured idle fraction*, against the theory ``(p - 1) / (m + p - 1)``. Transfers count as idle
+too (they are loopback copies here). Activations: during one step, the bytes of tensors autograd
+saved for backward that are alive at once (parameters excluded, each storage once), per stage;
+divided by GPipe's peak over ``m`` (GPipe holds every micro-batch's), that gives the peak in
+micro-batches' worth, which 1F1B bounds by ``p - stage``.
+
+Usage::
+
+    python benchmarks/pipeline.py                          # ~10 minutes
+    python benchmarks/pipeline.py --micro-batches 2,4 --steps 3 --repeats 1   # a smoke run
+
+Writes ``benchmarks/results/pipeline.json`` (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from common import free_port, join_loopback, machine, versions
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "pipeline.json"
+GLOBAL_BATCH = 16
+
+
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--micro-batches", default="2,4,8", help="pipeline micro-batch counts")
+    ap.add_argument("--schedules", default="gpipe,1f1b")
+    ap.add_argument("--steps", type=int, default=6, help="measured steps per side and repeat")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side, write --out
+    return ap.parse_args(argv)
+
+
+class SavedBytes:
+    """Bytes of the tensors autograd saved for backward that are alive now, and their peak;
+    parameters are left out, a storage saved twice counts once."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.skip or storage.nbytes() == 0:
+            return t
+        if self.refs.get(ptr, 0) == 0:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[ptr] = self.refs.get(ptr, 0) + 1
+        return _Held(self, t, ptr, storage.nbytes())
+
+    @staticmethod
+    def unpack(held: Any) -> torch.Tensor:
+        return held.t if isinstance(held, _Held) else held
+
+    def release(self, ptr: int, nbytes: int) -> None:
+        self.refs[ptr] -= 1
+        if self.refs[ptr] == 0:
+            del self.refs[ptr]
+            self.live -= nbytes
+
+
+class _Held:
+    __slots__ = ("n", "owner", "ptr", "t")
+
+    def __init__(self, owner: SavedBytes, t: torch.Tensor, ptr: int, n: int) -> None:
+        self.owner, self.t, self.ptr, self.n = owner, t, ptr, n
+
+    def __del__(self) -> None:
+        self.owner.release(self.ptr, self.n)
+
+
+def _config(side: str) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "log": {"progress": False, "level": "WARNING"},
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+    }
+    if side == "replicate":
+        return {**base, "batch": {"train_batch_size": GLOBAL_BATCH, "micro_batch_size": 8}}
+    schedule, m = side.rsplit("-m", 1)
+    return {
+        **base,
+        "mesh": {"pp": 2},
+        "pipeline": {"schedule": schedule},
+        "batch": {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": int(m)},
+    }
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    join_loopback(rank, 2, port, args.threads)
+    try:
+        _run_side(rank, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_side(rank: int, args: argparse.Namespace) -> None:
+    import longboat
+    from longboat.models import gpt_loss, reference_gpt, synthetic_tokens
+
+    torch.manual_seed(0)
+    model = reference_gpt()
+    engine = longboat.initialize(model, None, _config(args.side))
+    per_rank = engine.batch.micro_batch_size * engine.accumulation_steps
+    g = torch.Generator().manual_seed(1000 + engine.topology.coords["dp"])
+    pp = [engine.topology.data("pp"), engine.topology.control("pp")]
+    saved = SavedBytes(list(engine.model.parameters()))
+    steps, idle, peaks, losses = [], [], [], []
+    for i in range(args.warmup + args.steps):
+        batch = synthetic_tokens(per_rank, model.seq_len, model.vocab_size, g)
+        blocked0 = sum(d.blocked_seconds for d in pp)
+        saved.peak = saved.live
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            loss = engine.train_step(batch, lambda out, mb: gpt_loss(out, mb[1]))
+        dt = time.perf_counter() - t0
+        blocked = sum(d.blocked_seconds for d in pp) - blocked0
+        t = torch.tensor([dt])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step time a synchronous job sees
+        if i >= args.warmup:
+            steps.append(float(t))
+            idle.append(blocked / dt)
+            peaks.append(saved.peak)
+            losses.append(loss)
+    stage = engine.topology.coords["pp"]
+    mine = {"stage": stage, "idle": idle, "peak_saved_bytes": max(peaks), "losses": losses}
+    engine.close()
+    # Each rank writes its own record; the parent puts them together.
+    args.out.with_suffix(f".rank{rank}.json").write_text(json.dumps({"step_s": steps, **mine}))
+
+
+def _one_side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any] | str:
+    import subprocess
+
+    out = tmp / f"{side}.json"
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--side",
+        side,
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    files = [out.with_suffix(f".rank{r}.json") for r in range(2)]
+    if proc.returncode != 0 or not all(f.exists() for f in files):
+        return f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"
+    ranks = [json.loads(f.read_text()) for f in files]
+    return {"step_s": ranks[0]["step_s"], "ranks": ranks}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    if args.side:
+        mp.spawn(_worker, args=(args, free_port()), nprocs=2, join=True)
+        return
+    from longboat.pipeline import bubble_theory
+
+    ms = [int(m) for m in args.micro_batches.split(",")]
+    sides = ["replicate"] + [f"{s}-m{m}" for s in args.schedules.split(",") for m in ms]
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    failed: dict[str, str] = {}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for side in sides if r % 2 == 0 else list(reversed(sides)):
+                if side in failed:
+                    continue
+                res = _one_side(side, args, Path(tmp))
+                if isinstance(res, str):
+                    failed[side] = res
+                    print(f"{side}: FAILED {res}", flush=True)
+                    continue
+                runs[side].append(res)
+                print(f"{side}: median {statistics.median(res['step_s']):.3f} s", flush=True)
+    rep = statistics.median(s for run in runs["replicate"] for s in run["step_s"])
+    table: dict[str, Any] = {}
+    for side in sides[1:]:
+        if not runs[side]:
+            continue
+        schedule, m = side.rsplit("-m", 1)
+        step = statistics.median(s for run in runs[side] for s in run["step_s"])
+        stages: dict[int, dict[str, Any]] = {}
+        for run in runs[side]:
+            for rk in run["ranks"]:
+                st = stages.setdefault(rk["stage"], {"idle": [], "peak_saved_bytes": 0})
+                st["idle"] += rk["idle"]
+                st["peak_saved_bytes"] = max(st["peak_saved_bytes"], rk["peak_saved_bytes"])
+        table[side] = {
+            "schedule": schedule,
+            "micro_batches": int(m),
+            "median_step_s": step,
+            "vs_replicate": step / rep,
+            "idle_theory": bubble_theory(2, int(m)),
+            "idle_measured": {s: statistics.median(v["idle"]) for s, v in stages.items()},
+            "peak_saved_bytes": {s: v["peak_saved_bytes"] for s, v in stages.items()},
+        }
+    for row in table.values():  # peaks in micro-batches' worth, from GPipe at the same m
+        g = table.get(f"gpipe-m{row['micro_batches']}")
+        if g:
+            row["peak_micro_batches"] = {
+                s: row["peak_saved_bytes"][s] / (g["peak_saved_bytes"][s] / row["micro_batches"])
+                for s in row["peak_saved_bytes"]
+            }
+    result = {
+        "benchmark": "pipeline",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "replicate_median_step_s": rep,
+        "sides": table,
+        "failed": failed,
+        "raw": runs,
+        "config": {
+            "model": "reference_gpt (21,064,704 parameters)",
+            "global_batch": GLOBAL_BATCH,
+            "seq_len": 128,
+            "optimizer": "AdamW lr 3e-4 wd 0.1, clipping 1.0",
+            "replicate": "2 data-parallel ranks, micro-batch 8, no accumulation",
+            "pipeline": "mesh.pp = 2, partition by parameters, m micro-batches of 16/m",
+            "world_size": 2,
+            "threads_per_rank": args.threads,
+            "warmup_steps": args.warmup,
+            "measured_steps_per_repeat": args.steps,
+            "repeats": args.repeats,
+            "order": "each side alone in a fresh process pair, ABBA over repeats",
+            "idle": "seconds blocked in the pp doorways (data + control) / step time, per rank",
+            "activations": "peak bytes of tensors saved for backward (parameters excluded)",
+        },
+        "versions": versions(),
+        "machine": machine(),
+        "wall_s": time.perf_counter() - t0,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"replicate: {rep:.3f} s")
+    for side, row in table.items():
+        idle = ", ".join(f"stage {s} {v:.2f}" for s, v in row["idle_measured"].items())
+        peak = row.get("peak_micro_batches", {})
+        peaks = ", ".join(f"stage {s} {v:.2f}" for s, v in peak.items())
+        print(
+            f"{side}: {row['median_step_s']:.3f} s ({row['vs_replicate']:.2f} x replicate); idle "
+            f"{idle} (theory {row['idle_theory']:.2f}); peak activations (micro-batches) {peaks}"
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

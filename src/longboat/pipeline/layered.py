@@ -1,0 +1,146 @@
+"""Pipeline stages of a model that lists its own layers, keeping the model's parameter names.
+
+A model opts in with one method, ``pipeline_layers()``: its forward as layers run in order, each
+given as ``(submodule paths it uses, callable)``, e.g. the reference GPT's
+``(("tok_emb", "pos_emb", "drop"), self._embed)``, then ``(("blocks.0",), block)``, ... No
+longboat import is needed in the model's file. Splitting keeps the user's module itself: the
+submodules of other stages' layers are replaced by a parameter-free placeholder, and its
+forward runs this rank's layers, so ``state_dict()`` keys stay ``"blocks.2.attn.qkv.weight"``
+whatever the number of stages, and checkpoints load across stage counts and strategies.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from longboat.pipeline import partition as partitions
+from longboat.pipeline.module import StageInfo
+
+Entry = tuple[tuple[str, ...], Callable[[Any], Any]]
+
+
+class Elsewhere(nn.Module):
+    """Where a submodule held by another pipeline stage was: no parameters, not callable."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"this layer lives on pipeline stage {self.stage}, not on this rank")
+
+    def extra_repr(self) -> str:
+        return f"on stage {self.stage}"
+
+
+def lists_layers(model: nn.Module) -> bool:
+    return callable(getattr(model, "pipeline_layers", None))
+
+
+def _entries(model: nn.Module) -> list[Entry]:
+    entries = list(model.pipeline_layers())  # type: ignore[operator]
+    if not entries:
+        raise ValueError(f"{type(model).__name__}.pipeline_layers() returned no layers")
+    for i, (paths, fn) in enumerate(entries):
+        if not callable(fn) or isinstance(paths, str):
+            raise TypeError(
+                f"{type(model).__name__}.pipeline_layers()[{i}] must be (tuple of submodule "
+                "paths, callable)"
+            )
+        for path in paths:
+            model.get_submodule(path)  # an unknown path fails here, naming it
+    return entries
+
+
+def layer_parameters(model: nn.Module, entries: Sequence[Entry]) -> list[int]:
+    out = []
+    for paths, _ in entries:
+        params = {
+            id(p): p.numel()
+            for path in paths
+            for p in model.get_submodule(path).parameters()
+            if p.requires_grad
+        }
+        out.append(sum(params.values()))
+    return out
+
+
+def layer_classes(model: nn.Module, entries: Sequence[Entry]) -> list[str]:
+    out = []
+    for paths, fn in entries:
+        name = type(model.get_submodule(paths[0])).__name__ if paths else ""
+        out.append(name or getattr(fn, "__name__", type(fn).__name__))
+    return out
+
+
+def boundaries(model: nn.Module, stages: int, method: str | Sequence[int]) -> list[int]:
+    entries = _entries(model)
+    return partitions.partition(
+        method,
+        stages,
+        parameters=layer_parameters(model, entries),
+        class_names=layer_classes(model, entries),
+    )
+
+
+def stage_info(model: nn.Module, bounds: Sequence[int]) -> list[StageInfo]:
+    entries = _entries(model)
+    params = layer_parameters(model, entries)
+    classes = layer_classes(model, entries)
+    return [
+        StageInfo(
+            s,
+            bounds[s],
+            bounds[s + 1] - 1,
+            tuple(classes[bounds[s] : bounds[s + 1]]),
+            sum(params[bounds[s] : bounds[s + 1]]),
+        )
+        for s in range(len(bounds) - 1)
+    ]
+
+
+def split(model: nn.Module, bounds: Sequence[int], held: Sequence[int]) -> nn.Module:
+    """Keep the layers of stages ``held``: other stages' submodules become placeholders and the
+    model's forward becomes ``forward(x, stage)`` over this rank's layers. Returns ``model``."""
+    entries = _entries(model)
+    stage_of = [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
+    # A parameter two stages' layers use would become two parameters stepped apart: refuse it.
+    owner: dict[int, tuple[int, int]] = {}
+    for i, (paths, _) in enumerate(entries):
+        for path in paths:
+            for p in model.get_submodule(path).parameters():
+                j, s = owner.setdefault(id(p), (i, stage_of[i]))
+                if s != stage_of[i]:
+                    raise ValueError(
+                        f"layers {j} and {i} of {type(model).__name__}.pipeline_layers() share "
+                        f"a parameter but land on stages {s} and {stage_of[i]}; move the "
+                        "boundary (pipeline.partition) so that one stage holds both, or untie it"
+                    )
+    mine = {i for i in range(len(entries)) if stage_of[i] in held}
+    kept = {path for i in mine for path in entries[i][0]}
+    for i, (paths, _) in enumerate(entries):
+        if i in mine:
+            continue
+        for path in paths:
+            if path in kept:  # a submodule a held layer also uses (e.g. a shared dropout)
+                continue
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, Elsewhere(stage_of[i]))
+    layers = {s: [entries[i][1] for i in range(bounds[s], bounds[s + 1])] for s in held}
+
+    def forward(self: nn.Module, x: Any, stage: int | None = None) -> Any:
+        if stage is None or stage not in layers:
+            raise RuntimeError(
+                f"this rank holds pipeline stages {sorted(layers)} of {type(self).__name__}; "
+                "train it with engine.train_step(batch, loss_fn)"
+            )
+        for fn in layers[stage]:
+            x = fn(x)
+        return x
+
+    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+    return model

@@ -1,0 +1,67 @@
+"""Activation checkpointing by config: chosen modules keep only their inputs during the forward
+and run again in the backward to rebuild what it needs (``torch.utils.checkpoint``,
+non-reentrant), trading compute for activation memory, under every strategy and schedule.
+
+``[activation_checkpointing] classes = ["Block"]`` checkpoints every module of those classes
+(``every = k``: every k-th of them, in model order), not the modules inside one already chosen.
+The module keeps its parameters and names; only its ``forward`` is wrapped, and only while
+gradients are on (evaluation under ``no_grad`` runs it plainly). A module that holds BatchNorm
+is refused: the recomputation would update its running statistics a second time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from longboat.config import ActivationCheckpointingConfig, ConfigError
+
+
+def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointingConfig) -> int:
+    """Wrap the forward of the modules ``cfg`` names; returns how many. Call it before a
+    strategy installs its hooks (``initialize`` does)."""
+    if not cfg.classes:
+        return 0
+    wanted = set(cfg.classes)
+    matches = [(name, m) for name, m in model.named_modules() if type(m).__name__ in wanted]
+    if not matches:
+        have = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigError(
+            f"key 'activation_checkpointing.classes' = {cfg.classes}: the model (on this rank) "
+            f"has no module of these classes; it has {have}"
+        )
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, m in matches[:: cfg.every]:
+        if any(name.startswith(f"{c}.") for c, _ in chosen):
+            continue  # inside a module already recomputed as a whole
+        if any(isinstance(sub, nn.modules.batchnorm._BatchNorm) for sub in m.modules()):
+            raise ConfigError(
+                f"key 'activation_checkpointing.classes': {name or 'the model'} "
+                f"({type(m).__name__}) holds BatchNorm, whose running statistics the "
+                "recomputation would update twice; choose modules without it"
+            )
+        _wrap(m)
+        chosen.append((name, m))
+    logging.getLogger("longboat").info(
+        "activation checkpointing: %d module(s) of %s recomputed in backward",
+        len(chosen),
+        ", ".join(sorted(wanted)),
+    )
+    return len(chosen)
+
+
+def _wrap(module: nn.Module) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = recomputed  # type: ignore[method-assign]
