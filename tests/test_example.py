@@ -19,22 +19,11 @@ def _accuracy(out: str) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.parametrize(
-    ("config", "strategy"), [(None, "replicate"), ("digits_zero3.toml", "zero-3")]
-)
-def test_digits_under_longboat_run_two_ranks(config, strategy):
-    extra = ["--config", str(ROOT / "examples" / config)] if config else []
+def _two_ranks(script: str, *args: str) -> str:
+    """``longboat run -n 2 examples/<script> <args>``; its output, after checking it succeeded."""
+    cmd = [sys.executable, "-m", "longboat.cli", "run", "-n", "2", str(ROOT / "examples" / script)]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "longboat.cli",
-            "run",
-            "-n",
-            "2",
-            str(ROOT / "examples" / "digits.py"),
-            *extra,
-        ],
+        [*cmd, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -42,6 +31,15 @@ def test_digits_under_longboat_run_two_ranks(config, strategy):
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("config", "strategy"), [(None, "replicate"), ("digits_zero3.toml", "zero-3")]
+)
+def test_digits_under_longboat_run_two_ranks(config, strategy):
+    extra = ["--config", str(ROOT / "examples" / config)] if config else []
+    out = _two_ranks("digits.py", *extra)
     assert f"strategy {strategy} on 2 rank(s)" in out
     assert _accuracy(out) >= 0.95
     assert out.count("accuracy=") == 1, "only rank 0 prints the result"
@@ -66,27 +64,7 @@ def test_digits_as_a_plain_script():
 
 
 def _gpt(config: str) -> tuple[float, str]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "longboat.cli",
-            "run",
-            "-n",
-            "2",
-            str(ROOT / "examples" / "gpt.py"),
-            "--config",
-            str(ROOT / "examples" / config),
-            "--steps",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    out = _two_ranks("gpt.py", "--config", str(ROOT / "examples" / config), "--steps", "3")
     m = re.search(r"steps=3 final_loss=([0-9.]+)", out)
     assert m, f"no final_loss line in output:\n{out[-3000:]}"
     assert out.count("final_loss=") == 1, "only rank 0 prints the result"
