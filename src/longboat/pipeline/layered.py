@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from longboat.pipeline import partition as partitions
-from longboat.pipeline.module import StageInfo
+from longboat.pipeline.module import StageInfo, describe_stages
 
 Entry = tuple[tuple[str, ...], Callable[[Any], Any]]
 
@@ -77,30 +77,19 @@ def layer_classes(model: nn.Module, entries: Sequence[Entry]) -> list[str]:
     return out
 
 
+def plan(
+    model: nn.Module, stages: int, method: str | Sequence[int]
+) -> tuple[list[int], list[StageInfo]]:
+    """The boundaries ``method`` chooses for ``model``'s layers and what each stage then
+    holds (the layers counted once)."""
+    entries = _entries(model)
+    params, classes = layer_parameters(model, entries), layer_classes(model, entries)
+    bounds = partitions.partition(method, stages, parameters=params, class_names=classes)
+    return bounds, describe_stages(params, classes, bounds)
+
+
 def boundaries(model: nn.Module, stages: int, method: str | Sequence[int]) -> list[int]:
-    entries = _entries(model)
-    return partitions.partition(
-        method,
-        stages,
-        parameters=layer_parameters(model, entries),
-        class_names=layer_classes(model, entries),
-    )
-
-
-def stage_info(model: nn.Module, bounds: Sequence[int]) -> list[StageInfo]:
-    entries = _entries(model)
-    params = layer_parameters(model, entries)
-    classes = layer_classes(model, entries)
-    return [
-        StageInfo(
-            s,
-            bounds[s],
-            bounds[s + 1] - 1,
-            tuple(classes[bounds[s] : bounds[s + 1]]),
-            sum(params[bounds[s] : bounds[s + 1]]),
-        )
-        for s in range(len(bounds) - 1)
-    ]
+    return plan(model, stages, method)[0]
 
 
 def split(model: nn.Module, bounds: Sequence[int], held: Sequence[int]) -> nn.Module:

@@ -68,6 +68,22 @@ class StageInfo:
         )
 
 
+def describe_stages(
+    params: Sequence[int], classes: Sequence[str], bounds: Sequence[int]
+) -> list[StageInfo]:
+    """What each stage holds, from each layer's trainable parameters and class name."""
+    return [
+        StageInfo(
+            s,
+            bounds[s],
+            bounds[s + 1] - 1,
+            tuple(classes[bounds[s] : bounds[s + 1]]),
+            sum(params[bounds[s] : bounds[s + 1]]),
+        )
+        for s in range(len(bounds) - 1)
+    ]
+
+
 class PipelineModule(nn.Module):
     """Layers run in order, split into pipeline stages by ``partition`` (``"parameters"``,
     ``"uniform"``, ``"type:REGEX"`` or a list of boundaries; see
@@ -129,26 +145,24 @@ class PipelineModule(nn.Module):
 
     def boundaries(self, stages: int, method: str | Sequence[int] | None = None) -> list[int]:
         """The ``stages + 1`` boundaries ``method`` (default: this module's) chooses."""
-        return partitions.partition(
-            self.partition if method is None else method,
-            stages,
-            parameters=self.layer_parameters(),
-            class_names=self.layer_classes(),
-        )
+        return self.plan(stages, method)[0]
 
     def stage_info(self, bounds: Sequence[int]) -> list[StageInfo]:
-        params = self.layer_parameters()
-        classes = self.layer_classes()
-        return [
-            StageInfo(
-                s,
-                bounds[s],
-                bounds[s + 1] - 1,
-                tuple(classes[bounds[s] : bounds[s + 1]]),
-                sum(params[bounds[s] : bounds[s + 1]]),
-            )
-            for s in range(len(bounds) - 1)
-        ]
+        return describe_stages(self.layer_parameters(), self.layer_classes(), bounds)
+
+    def plan(
+        self, stages: int, method: str | Sequence[int] | None = None
+    ) -> tuple[list[int], list[StageInfo]]:
+        """The boundaries ``method`` chooses and what each stage then holds (the layers
+        counted once)."""
+        params, classes = self.layer_parameters(), self.layer_classes()
+        bounds = partitions.partition(
+            self.partition if method is None else method,
+            stages,
+            parameters=params,
+            class_names=classes,
+        )
+        return bounds, describe_stages(params, classes, bounds)
 
     def bind(self, bounds: Sequence[int], held: Sequence[int]) -> None:
         """Keep the layers of stages ``held`` (of those ``bounds`` delimit), build their

@@ -65,13 +65,13 @@ class Pipeline:
         if isinstance(model, nn.Sequential):
             model = PipelineModule(list(model), partition=self.partition or "parameters")
         if isinstance(model, PipelineModule):
-            bounds = model.boundaries(stages, self.partition)
-            self._announce(model.stage_info(bounds))
+            bounds, info = model.plan(stages, self.partition)
+            self._announce(info)
             model.bind(bounds, held)
             return model
         if layered.lists_layers(model):
-            bounds = layered.boundaries(model, stages, self.partition or "parameters")
-            self._announce(layered.stage_info(model, bounds))
+            bounds, info = layered.plan(model, stages, self.partition or "parameters")
+            self._announce(info)
             return layered.split(model, bounds, held)
         raise TypeError(
             f"mesh.pp = {self.ranks} needs a model made of layers in order: a "
