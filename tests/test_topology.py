@@ -3,6 +3,8 @@ ranks, point-to-point between pipeline neighbours, the control plane, and the NC
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -138,3 +140,60 @@ def test_alone_is_the_identity():
     assert torch.equal(t, torch.ones(2)) and solo.global_rank(0) == 3
     with pytest.raises(RuntimeError, match="no peer"):
         solo.send(t, dst=0)
+
+
+def _gloo_threads() -> int:
+    """This process's gloo worker threads (one pair per live gloo group)."""
+    task = Path("/proc/self/task")
+    return sum((t / "comm").read_text().strip() == "pt_gloo_runloop" for t in task.iterdir())
+
+
+def _threads_around_close() -> dict:
+    import longboat
+    from tests import reference
+
+    before = _gloo_threads()
+    topo = _build(Mesh(dp_replicate=2, dp_shard=2))  # its own groups, and a desync check
+    built = _gloo_threads()
+    doorway = topo.data("dp_shard")
+    topo.close()
+    closed = _gloo_threads()
+    try:
+        doorway.all_reduce(torch.ones(1))
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    # an engine with gathers right before close (ZeRO-3: close gathers every unit back)
+    torch.manual_seed(0)
+    model = reference.TinyNet()
+    cfg = {
+        "strategy": "zero",
+        "zero": {"stage": 3, "unit_classes": ["Linear"]},
+        "mesh": {"dp_replicate": 2, "dp_shard": 2},
+        "batch": {"micro_batch_size": 2},
+        "log": {"progress": False, "level": "WARNING"},
+    }
+    engine = longboat.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    engine.backward(engine(torch.randn(2, 12)).square().mean())
+    engine.step()
+    with_engine = _gloo_threads()
+    engine.close()
+    return {
+        "before": before,
+        "built": built,
+        "closed": closed,
+        "refused": refused,
+        "with_engine": with_engine,
+        "engine_closed": _gloo_threads(),
+    }
+
+
+def test_close_joins_the_threads_of_the_groups_it_made(ranks):
+    # [Note: teardown] in comm/collectives.py: a group still referenced after
+    # destroy_process_group keeps its gloo threads, which can abort the process at exit.
+    for got in ranks(4, _threads_around_close):
+        assert got["built"] > got["before"], got
+        assert got["closed"] == got["before"], got
+        assert "closed (engine.close() was called)" in got["refused"]
+        assert got["with_engine"] > got["before"], got
+        assert got["engine_closed"] == got["before"], got

@@ -174,3 +174,4 @@ class Topology:
         if dist.is_initialized():
             for g in self._owned:
                 dist.destroy_process_group(g)
+        self._owned = []  # the last references: their threads are joined now ([Note: teardown])

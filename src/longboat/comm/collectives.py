@@ -177,6 +177,7 @@ class Collectives:
         name: str | None = None,
     ) -> None:
         self.group = group
+        self._closed = False
         self.active = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.active else 1
         self.rank = dist.get_rank(group) if self.active else 0
@@ -233,11 +234,32 @@ class Collectives:
 
     def close(self) -> None:
         """Release the desync check's group if the doorway made it (every rank calls it, like
-        the constructor)."""
+        the constructor), and let go of the process group.
+
+        [Note: teardown] ``dist.destroy_process_group`` unregisters a group, but a gloo group's
+        worker threads live until the last Python reference to it is gone. A worker that
+        finishes a collective drops the tensors it holds a moment after ``wait`` returned; if
+        that moment falls during interpreter shutdown, freeing a tensor whose Python object has
+        already been released takes the GIL there and aborts the process ("terminate called
+        without an active exception", rank killed by SIGABRT after a finished run). Dropping
+        every reference at close joins those threads while the interpreter is alive."""
         if self._check is not None and self._owns_check_group and dist.is_initialized():
             dist.destroy_process_group(self._check.group)
+        if self._check is not None:
+            self._check.group = None
         self._check = None
         self.desync_check = False
+        self.group = None
+        self._closed = True
+
+    def _live(self) -> dist.ProcessGroup | None:
+        """The group to issue on; refused once the doorway is closed (a closed engine)."""
+        if self._closed:
+            raise RuntimeError(
+                f"the collectives doorway '{self._group_name}' is closed (engine.close() was "
+                "called): build a new engine to communicate again"
+            )
+        return self.group
 
     def _record(
         self,
@@ -283,7 +305,7 @@ class Collectives:
     def _issue(self, fn: Any, *args: Any, async_op: bool, **kwargs: Any) -> Handle:
         t0 = time.perf_counter()
         try:
-            work = fn(*args, group=self.group, async_op=async_op, **kwargs)
+            work = fn(*args, group=self._live(), async_op=async_op, **kwargs)
         except RuntimeError as e:
             self._failed(e, None)
             raise
@@ -317,7 +339,7 @@ class Collectives:
                 else:
                     self._check.exchange(rec, check_src)
             t1 = time.perf_counter()
-            work = fn(*args, group=self.group, async_op=async_op, **kwargs)
+            work = fn(*args, group=self._live(), async_op=async_op, **kwargs)
         except RuntimeError as e:
             self.blocked_seconds += time.perf_counter() - t0
             self._failed(e, rec)
@@ -482,7 +504,7 @@ class Collectives:
         rec = self._record(name, tensor, None, "", f"{tag}, {where}" if tag else where)
         t0 = time.perf_counter()
         try:
-            work = fn(tensor, self.global_rank(peer), group=self.group)
+            work = fn(tensor, self.global_rank(peer), group=self._live())
         except RuntimeError as e:
             self._failed(e, rec)
             raise
