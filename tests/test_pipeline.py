@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import harness
@@ -21,6 +22,8 @@ import longboat
 from longboat.config import ConfigError
 from longboat.pipeline import LayerSpec, PipelineModule, partition, schedules
 from longboat.pipeline.schedules import Action, PipelineSchedule, ScheduleError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # -- partitions --------------------------------------------------------------------------------
 
@@ -487,6 +490,46 @@ def test_a_weight_tied_across_stages_is_refused():
     bounds = layered.boundaries(model, 2, "uniform")
     with pytest.raises(ValueError, match="share a parameter but land on stages 0 and 1"):
         layered.split(model, bounds, [0])
+
+
+def _explain(*args: str):
+    from typer.testing import CliRunner
+
+    from longboat.cli.app import app
+
+    return CliRunner().invoke(app, ["config", "explain", *args])
+
+
+def test_config_explain_shows_the_layers_each_stage_will_hold():
+    from longboat.models import reference_gpt
+    from longboat.pipeline import layered
+
+    cfg = str(EXAMPLES / "gpt_pp2.toml")
+    result = _explain(cfg, "--world-size", "2", "--model", "reference-gpt")
+    assert result.exit_code == 0, result.output
+    lines = [ln.strip() for ln in result.output.splitlines() if ln.strip().startswith("stage ")]
+    assert len(lines) == 2
+    # what each rank really holds once the engine splits the model
+    for stage, line in enumerate(lines):
+        model = reference_gpt()
+        layered.split(model, layered.boundaries(model, 2, "parameters"), [stage])
+        held = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert line.startswith(f"stage {stage}: layers ")
+        assert f"{held:,} trainable parameters" in line, (line, held)
+
+
+@pytest.mark.parametrize(
+    ("config", "model", "code", "words"),
+    [
+        ("gpt.toml", "reference-gpt", 0, "mesh.pp = 1, no stages"),
+        ("gpt_pp2.toml", "digits-cnn", 2, "--model digits-cnn: pipeline stages need a model"),
+        ("gpt_pp2.toml", "no_such_module:f", 2, "cannot import 'no_such_module'"),
+    ],
+)
+def test_config_explain_stages_without_a_pipeline_or_a_splittable_model(config, model, code, words):
+    result = _explain(str(EXAMPLES / config), "--world-size", "2", "--model", model)
+    assert result.exit_code == code, result.output
+    assert words in result.output
 
 
 # -- a stage that stops ------------------------------------------------------------------------

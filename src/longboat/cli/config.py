@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
+from longboat.cli import options
 from longboat.cli.app import config_app, usage_error
 
 
@@ -15,8 +17,18 @@ def config_explain(
         ..., metavar="FILE", help="a longboat TOML/JSON/YAML or DeepSpeed JSON config"
     ),
     world_size: int = typer.Option(1, "--world-size", help="number of ranks to explain it for"),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="with mesh.pp > 1: show the layers each pipeline stage holds of this model "
+        f"({options.MODEL.help})",
+    ),
+    model_args: str | None = typer.Option(
+        None, "--model-args", help="JSON keyword arguments for --model"
+    ),
 ) -> None:
-    """Show the resolved configuration and how derived values (the batch triple) follow."""
+    """Show the resolved configuration and how derived values (the batch triple) follow;
+    with ``--model``, the layers and parameters of each pipeline stage."""
     from longboat import config
 
     if not file.is_file():
@@ -25,6 +37,41 @@ def config_explain(
         raise usage_error(f"--world-size {world_size} is invalid: use 1 or more")
     try:
         text = config.explain(file, world_size)
+        if model is not None:
+            text += "\n" + _stages(file, world_size, model, model_args)
     except config.ConfigError as e:
         raise usage_error(str(e)) from None
     print(text)
+
+
+def _stages(file: Path, world_size: int, spec: str, model_args: str | None) -> str:
+    """The pipeline stages of ``spec`` under the config's mesh and partition (built on the meta
+    device: nothing is allocated)."""
+    import torch
+
+    from longboat import config
+    from longboat.engine import resolve_mesh
+    from longboat.pipeline import PartitionError, stages
+    from longboat.plan.target import PlanInputError, resolve
+
+    cfg = config.load(file).config
+    mesh = resolve_mesh(cfg, world_size)
+    if mesh.pp == 1:
+        return "pipeline: mesh.pp = 1, no stages (every rank holds the whole model)"
+    try:
+        kwargs = json.loads(model_args) if model_args else None
+    except json.JSONDecodeError as e:
+        raise usage_error(f"--model-args is not JSON ({e}): e.g. '{{\"d_model\": 1024}}'") from None
+    n = mesh.pp * cfg.pipeline.virtual_stages
+    try:
+        with torch.device("meta"):
+            built = resolve(spec, kwargs).build()
+        layers = stages.as_layers(built, cfg.pipeline.partition)
+        _, info = stages.plan(layers, n, cfg.pipeline.partition)
+    except (PlanInputError, PartitionError, TypeError) as e:
+        raise usage_error(f"--model {spec}: {e}") from None
+    head = (
+        f"pipeline of {spec}: {n} stages (mesh.pp = {mesh.pp} x pipeline.virtual_stages = "
+        f"{cfg.pipeline.virtual_stages}); stage s runs on pipeline rank s % {mesh.pp}:"
+    )
+    return "\n".join([head, *(f"  {s.describe()}" for s in info)])

@@ -27,6 +27,7 @@ from torch import nn
 from longboat.comm.protocol import Comm, Handle
 from longboat.config import ConfigError
 from longboat.pipeline import layered, p2p, schedules
+from longboat.pipeline import stages as staging
 from longboat.pipeline.module import PipelineModule, StageInfo
 from longboat.schedule import LossFn, Steps
 
@@ -62,22 +63,16 @@ class Pipeline:
         model with ``pipeline_layers()`` (:mod:`longboat.pipeline.layered`)."""
         stages = self.ranks * self.stages_per_rank
         held = [c * self.ranks + self.rank for c in range(self.stages_per_rank)]
-        if isinstance(model, nn.Sequential):
-            model = PipelineModule(list(model), partition=self.partition or "parameters")
+        try:
+            model = staging.as_layers(model, self.partition)
+        except TypeError as e:
+            raise TypeError(f"mesh.pp = {self.ranks}: {e}") from None
+        bounds, info = staging.plan(model, stages, self.partition)
+        self._announce(info)
         if isinstance(model, PipelineModule):
-            bounds, info = model.plan(stages, self.partition)
-            self._announce(info)
             model.bind(bounds, held)
             return model
-        if layered.lists_layers(model):
-            bounds, info = layered.plan(model, stages, self.partition or "parameters")
-            self._announce(info)
-            return layered.split(model, bounds, held)
-        raise TypeError(
-            f"mesh.pp = {self.ranks} needs a model made of layers in order: a "
-            "longboat.pipeline.PipelineModule, an nn.Sequential, or a model with a "
-            f"pipeline_layers() method; {type(model).__name__} is none of them"
-        )
+        return layered.split(model, bounds, held)
 
     def _announce(self, info: list[StageInfo]) -> None:
         if self.rank == 0:
