@@ -165,6 +165,21 @@ def test_deepspeed_dialect_translates():
             ["fp16.enabled", "bf16.enabled"],
         ),
         ({"train_batch_size": 8, "optimizer": {"params": {}}}, ["optimizer", "type"]),
+        ({"train_batch_size": 8, "pipeline": {"stages": 0}}, ["pipeline.stages", "0"]),
+        ({"train_batch_size": 8, "pipeline": {"seed_layers": True}}, ["pipeline.seed_layers"]),
+        (
+            {"train_batch_size": 8, "pipeline": {"activation_checkpoint_interval": 1}},
+            ["pipeline.activation_checkpoint_interval", "[activation_checkpointing] classes"],
+        ),
+        ({"train_batch_size": 8, "pipeline": {"micro_batches": 4}}, ["pipeline.micro_batches"]),
+        (
+            {"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": True}},
+            ["activation_checkpointing.cpu_checkpointing"],
+        ),
+        (
+            {"train_batch_size": 8, "activation_checkpointing": {"partition_activations": True}},
+            ["activation_checkpointing.partition_activations", "tensor-parallel"],
+        ),
     ],
 )
 def test_deepspeed_unsupported_keys_are_named(ds, words):
@@ -219,6 +234,37 @@ def test_deepspeed_zero_stages():
         )
         assert cfg.strategy == "zero" and cfg.zero.stage == stage
         assert cfg.zero.bucket_mb == 4.0  # 2**20 fp32 elements
+
+
+def test_deepspeed_pipeline_and_activation_checkpointing_keys():
+    loaded = load(
+        {
+            "train_batch_size": 16,
+            "gradient_accumulation_steps": 4,
+            "pipeline": {
+                "stages": 2,
+                "partition": "type:_Block",
+                "pipe_partitioned": True,
+                "grad_partitioned": False,
+                "activation_checkpoint_interval": 0,
+            },
+            "activation_checkpointing": {
+                "partition_activations": False,
+                "contiguous_memory_optimization": True,
+                "number_checkpoints": 4,
+                "synchronize_checkpoint_boundary": True,
+                "profile": False,
+            },
+        }
+    )
+    cfg = loaded.config
+    assert cfg.mesh.pp == 2 and cfg.pipeline.partition == "type:_Block"
+    assert "pipeline.stages" in loaded.sources["mesh.pp"]
+    assert cfg.pipeline.schedule == "1f1b"  # DeepSpeed's TrainSchedule is 1F1B
+    assert cfg.activation_checkpointing.classes == []  # DeepSpeed's model code chooses those
+    # DeepSpeed's defaults change nothing
+    auto = load_config({"train_batch_size": 8, "pipeline": {"stages": "auto", "partition": "best"}})
+    assert auto.mesh.pp == 1 and auto.pipeline.partition is None
 
 
 def test_deepspeed_json_file(tmp_path):

@@ -42,6 +42,8 @@ _SUPPORTED = frozenset(
         "wall_clock_breakdown",
         "flops_profiler",
         "comms_logger",
+        "pipeline",
+        "activation_checkpointing",
     }
 )
 
@@ -199,6 +201,11 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
             if k in block:
                 put(key, block[k], f"comms_logger.{k}")
 
+    if "pipeline" in data:
+        _pipeline(data["pipeline"], put)
+    if "activation_checkpointing" in data:
+        _activation_checkpointing(data["activation_checkpointing"])
+
     if "zero_optimization" in data:
         z = data["zero_optimization"]
         if not isinstance(z, Mapping):
@@ -227,3 +234,72 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
                 f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is invalid; use 0, 1, 2 or 3"
             )
     return out, src
+
+
+# DeepSpeed's ``pipeline`` block (runtime/config.py's defaults). ``pipe_partitioned`` and
+# ``grad_partitioned`` split the activations and gradients sent between stages over the
+# tensor-parallel group; with no tensor parallelism (longboat's mesh.tp is 1) there is nothing to
+# split and DeepSpeed sends them whole too, so either value trains the same.
+_PIPELINE_KEYS = {
+    "stages",
+    "partition",
+    "seed_layers",
+    "activation_checkpoint_interval",
+    "pipe_partitioned",
+    "grad_partitioned",
+}
+
+
+def _pipeline(block: Any, put: Any) -> None:
+    b = _block(block, "pipeline", _PIPELINE_KEYS)
+    stages = b.get("stages", "auto")
+    if stages != "auto":
+        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+            raise ConfigError(
+                f"DeepSpeed key 'pipeline.stages' = {stages!r} is invalid; use a number of "
+                "stages (1 or more) or 'auto'"
+            )
+        put("mesh.pp", stages, "pipeline.stages")
+    method = b.get("partition", "best")
+    if method != "best":  # DeepSpeed's placeholder: its PipelineModule balances parameters
+        put("pipeline.partition", method, "pipeline.partition")
+    if b.get("seed_layers", False):
+        raise ConfigError(
+            "DeepSpeed key 'pipeline.seed_layers' = true is not supported (it re-seeds each "
+            "layer's initialisation); build the model with the seed you want and remove it"
+        )
+    interval = b.get("activation_checkpoint_interval", 0)
+    if interval:
+        raise ConfigError(
+            f"DeepSpeed key 'pipeline.activation_checkpoint_interval' = {interval!r} is not "
+            "supported: choose the recomputed layers by class with longboat's "
+            "[activation_checkpointing] classes = [...] and every = k, and remove it"
+        )
+
+
+# DeepSpeed's ``activation_checkpointing`` block tunes how deepspeed.checkpointing stores the
+# checkpoints a model asks for in its own code; which modules are recomputed is longboat's
+# ``[activation_checkpointing]``. Buffer layout, synchronisation and timing do not change what is
+# computed; partitioning over tensor-parallel ranks and CPU copies are not offered.
+_AC_KEYS = {
+    "partition_activations",
+    "contiguous_memory_optimization",
+    "cpu_checkpointing",
+    "number_checkpoints",
+    "synchronize_checkpoint_boundary",
+    "profile",
+}
+
+
+def _activation_checkpointing(block: Any) -> None:
+    b = _block(block, "activation_checkpointing", _AC_KEYS)
+    for key, why in (
+        ("partition_activations", "it splits checkpoints over tensor-parallel ranks"),
+        ("cpu_checkpointing", "it copies checkpoints to CPU memory"),
+    ):
+        if b.get(key, False):
+            raise ConfigError(
+                f"DeepSpeed key 'activation_checkpointing.{key}' = true is not supported ({why}); "
+                "set it to false or remove it, and choose recomputed modules with "
+                "[activation_checkpointing] classes = [...]"
+            )
