@@ -328,6 +328,62 @@ def test_pipeline_with_data_parallel_equals_plain_pytorch(ranks, strategy, sched
     _run(ranks, 4, extra, accum=2, optimizer="sgd")
 
 
+class _InfOnStep(nn.Module):
+    """Multiplies by a weight of 1 whose gradient is inf during optimizer step ``bad`` (counted
+    in training forwards of ``per_step`` micro-batches): an overflow on this layer's stage only."""
+
+    def __init__(self, bad: int, per_step: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.bad, self.per_step, self.calls = bad, per_step, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w * 1.0  # a hook on this graph's copy lasts one backward
+        if self.training and torch.is_grad_enabled():
+            if self.calls // self.per_step == self.bad:
+                w.register_hook(lambda g: g * math.inf)
+            self.calls += 1
+        return x * w
+
+
+def _fp16_overflow_on_the_last_stage() -> dict:
+    torch.manual_seed(0)
+    model = PipelineModule(
+        [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), _InfOnStep(bad=1, per_step=2)],
+        partition=[0, 2, 4],
+    )
+    cfg = {
+        **harness.QUIET,
+        "mesh": {"pp": 2},
+        "precision": {"dtype": "fp16", "initial_scale_power": 8, "hysteresis": 1},
+        "batch": {"train_batch_size": 8, "gradient_accumulation_steps": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    engine = longboat.initialize(model, None, cfg)
+    g = torch.Generator().manual_seed(1)
+    states, scales = [], []
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        engine.train_step((x, y), lambda out, mb: (out.float() - mb[1]).square().mean())
+        states.append({k: v.detach().clone() for k, v in engine.state_dict().items()})
+        scales.append(engine.precision.scaler.scale)
+    out = {"skipped": engine.skipped_steps, "states": states, "scales": scales}
+    engine.close()
+    return out
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(ranks):
+    first, last = ranks(2, _fp16_overflow_on_the_last_stage)
+    # the inf exists on the last stage only; the first stage skips the same step
+    assert first["skipped"] == last["skipped"] == 1
+    assert first["scales"] == last["scales"] == [256.0, 128.0, 128.0]
+    for r in (first, last):
+        s0, s1, s2 = r["states"]
+        assert all(torch.equal(s0[k], s1[k]) for k in s0), "the skipped step moved nothing"
+        assert any(not torch.equal(s1[k], s2[k]) for k in s1), "the next step trains again"
+    assert "0.weight" in first["states"][0] and "3.w" in last["states"][0]
+
+
 def test_pipeline_schedule_that_cannot_run_is_refused_by_key():
     cfg = {
         **harness.QUIET,
