@@ -55,6 +55,7 @@ class FlatUnit:
     flat_param: torch.Tensor | None = None
     flat_grad: torch.Tensor | None = None
     grad_shard: torch.Tensor | None = None
+    shard_empty: bool = True  # no gradient reduced into grad_shard since the last step
     arrived: set[int] = field(default_factory=set)
     gather_handle: object | None = None  # stage 3: an all-gather (prefetch) in flight
     reduce_handle: object | None = None  # a reduce-scatter of this unit's gradients in flight

@@ -267,7 +267,15 @@ class Zero:
         # precision.communication_data_type: gradients travel (and are summed) in that
         # dtype, and land back in the fp32 shard in wait_gradients.
         send = u.flat_grad if self._wire in (None, u.dtype) else u.flat_grad.to(self._wire)
-        u.reduced = torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
+        if self.policy.shard_grads and u.shard_empty and send.dtype == u.dtype:
+            # [Note: reduce in place] The shard holds nothing yet this step: the reduction
+            # lands in it directly, and no shard-size buffer per unit in flight is needed
+            # (with every unit in flight at the end of a backward, 2 bytes per parameter in fp32
+            # at two ranks, the whole difference to DeepSpeed's peak in zero_vs_peers).
+            u.reduced = u.grad_shard
+        else:
+            u.reduced = torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
+        u.shard_empty = False
         u.reduce_handle = self.comm.reduce_scatter(u.reduced, send, async_op=True, tag=u.tag)
 
     def _land(self, u: FlatUnit) -> None:
@@ -278,7 +286,8 @@ class Zero:
         assert u.reduced is not None
         if self.policy.shard_grads:
             assert u.grad_shard is not None
-            u.grad_shard.add_(u.reduced)
+            if u.reduced is not u.grad_shard:  # [Note: reduce in place]
+                u.grad_shard.add_(u.reduced)
             u.flat_grad = None
         else:
             assert u.flat_grad is not None
@@ -345,6 +354,7 @@ class Zero:
             self._step_and_gather(optimizer)
         for u in self.units:
             u.grad_view().zero_()
+            u.shard_empty = True
             u.used.clear()
             for *_, piece in u.pieces:
                 piece.grad = None
