@@ -27,6 +27,7 @@ LAYERS = [
         "longboat.schedule",
         "longboat.pipeline",
         "longboat.recompute",
+        "longboat.tied",
     },
     {"longboat.engine"},
     {

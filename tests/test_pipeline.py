@@ -20,7 +20,7 @@ from torch import nn
 
 import longboat
 from longboat.config import ConfigError
-from longboat.pipeline import LayerSpec, PipelineModule, partition, schedules
+from longboat.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, partition, schedules
 from longboat.pipeline.schedules import Action, PipelineSchedule, ScheduleError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -109,12 +109,14 @@ def test_a_rank_builds_only_its_own_layers():
         module(torch.zeros(1, 4), stage=0)
 
 
-def test_a_parameter_shared_across_stages_is_refused():
+def test_a_parameter_shared_across_stages_is_tied_not_copied():
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
     module = PipelineModule([a, nn.Tanh(), b], partition="uniform")
-    with pytest.raises(ValueError, match="layers 0 and 2 share a parameter"):
-        module.bind([0, 2, 3], held=[0])
+    ((tie, param),) = module.bind([0, 2, 3], held=[1])
+    assert (tie.name, tie.stages, param) == ("0.weight", (0, 1), a.weight)
+    # the second stage holds its own layer and, under its first name, the tied weight
+    assert [n for n, _ in module.named_parameters()] == ["0.weight", "2.bias"]
 
 
 def test_an_unsplit_pipeline_module_is_the_sequential_model():
@@ -495,16 +497,40 @@ def _gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _train_gpt(cfg: dict[str, Any], steps: int) -> dict[str, Any]:
-    model = _small_gpt()
+def _train_gpt(cfg: dict[str, Any], steps: int, tie: bool = False) -> dict[str, Any]:
+    model = _small_gpt(tie)
     names = [n for n, _ in model.named_parameters()]
     engine = longboat.initialize(model, None, cfg)
+    dp = engine.topology.data("dp")  # each data-parallel rank its slice of the step's samples
     losses = [
-        engine.train_step(b, lambda out, mb: _gpt_loss(out, mb[1])) for b in _gpt_batches(steps, 8)
+        engine.train_step(
+            tuple(t.chunk(dp.world_size)[dp.rank] for t in b),
+            lambda out, mb: _gpt_loss(out, mb[1]),
+        )
+        for b in _gpt_batches(steps, 8)
     ]
     state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    held = [n for n, _ in engine.module.named_parameters()]
     engine.close()
-    return {"losses": losses, "state": state, "names": names}
+    return {"losses": losses, "state": state, "names": names, "held": held}
+
+
+def _plain_gpt(steps: int, micro: int, tie: bool = False) -> tuple[list[float], nn.Module]:
+    """The plain loop: the whole model, micro-batches of ``micro``, loss averaged over them."""
+    model = _small_gpt(tie)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain = []
+    for x, y in _gpt_batches(steps, 8):
+        opt.zero_grad(set_to_none=True)
+        total, n = 0.0, 8 // micro
+        for xm, ym in zip(x.split(micro), y.split(micro), strict=True):
+            loss = _gpt_loss(model(xm), ym)
+            (loss / n).backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        plain.append(total / n)
+    return plain, model
 
 
 def test_a_model_listing_its_layers_keeps_its_names_in_stages(ranks):
@@ -539,53 +565,189 @@ def test_a_model_listing_its_layers_keeps_its_names_in_stages(ranks):
     assert reference.max_rel_diff(state, model.state_dict()) <= 1e-5  # the user's own names
 
 
-def test_a_weight_tied_across_stages_is_refused():
-    from longboat.pipeline import layered
+@pytest.mark.parametrize(
+    ("world", "extra"),
+    [
+        (2, {"mesh": {"pp": 2}}),  # embedding on stage 0, head on stage 1
+        (4, {"mesh": {"pp": 4}}),  # stages 0 and 3 hold it, 1 and 2 do not
+        (4, {"mesh": {"pp": 2}, "strategy": "zero", "zero": {"stage": 2}}),  # sharded over dp
+        (4, {"mesh": {"pp": 2}, "strategy": "zero", "zero": {"stage": 3}}),
+        (4, {"mesh": {"pp": 2}, "strategy": "replicate"}),
+    ],
+)
+def test_a_weight_tied_across_stages_equals_plain_pytorch(ranks, world, extra):
+    # [Note: tied weights]: the GPT's embedding and head share one weight, on two stages
+    stages = extra["mesh"]["pp"]
+    cfg = {
+        **harness.QUIET,
+        "gradient_clipping": 1.0,  # the norm counts the tied weight once
+        "batch": {"train_batch_size": 8, "gradient_accumulation_steps": 4},
+        "pipeline": {"partition": "uniform"},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        **extra,
+    }
+    results = ranks(world, _train_gpt, cfg, 4, True)
+    dp = world // stages
+    plain, model = _plain_gpt(4, 8 // (4 * dp), tie=True)
+    for s in range(stages):  # ranks s*dp .. s*dp+dp-1: one stage, each its own samples
+        mine = [results[s * dp + d]["losses"] for d in range(dp)]
+        assert [sum(x) / dp for x in zip(*mine, strict=True)] == pytest.approx(plain, rel=1e-5)
+    want = model.state_dict()
+    holders = [r for r in results if "tok_emb.weight" in r["held"]]
+    # held under the whole model's name by the first stage and the last (and their dp ranks)
+    assert len(holders) == 2 * dp and "head.weight" not in holders[-1]["held"]
+    for r in results:
+        got = {k: v for k, v in r["state"].items() if not k.endswith(("attn.mask", "bias_mask"))}
+        mine = {k: want[k] for k in got if k in r["held"] or k.endswith("head.weight")}
+        assert reference.max_rel_diff({k: got[k] for k in mine}, mine) <= 1e-5
 
+
+def _tied_checkpoint(cfg: dict[str, Any], directory: str, save_after: int) -> dict[str, Any]:
+    """The tied GPT: train ``save_after`` steps and save, or (0) load; what this rank holds."""
     model = _small_gpt(tie=True)
-    bounds = layered.boundaries(model, 2, "uniform")
-    with pytest.raises(ValueError, match="share a parameter but land on stages 0 and 1"):
-        layered.split(model, bounds, [0])
-
-
-def _explain(*args: str):
-    from typer.testing import CliRunner
-
-    from longboat.cli.app import app
-
-    return CliRunner().invoke(app, ["config", "explain", *args])
-
-
-def test_config_explain_shows_the_layers_each_stage_will_hold():
-    from longboat.models import reference_gpt
-    from longboat.pipeline import layered
-
-    cfg = str(EXAMPLES / "gpt_pp2.toml")
-    result = _explain(cfg, "--world-size", "2", "--model", "reference-gpt")
-    assert result.exit_code == 0, result.output
-    lines = [ln.strip() for ln in result.output.splitlines() if ln.strip().startswith("stage ")]
-    assert len(lines) == 2
-    # what each rank really holds once the engine splits the model
-    for stage, line in enumerate(lines):
-        model = reference_gpt()
-        layered.split(model, layered.boundaries(model, 2, "parameters"), [stage])
-        held = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        assert line.startswith(f"stage {stage}: layers ")
-        assert f"{held:,} trainable parameters" in line, (line, held)
+    engine = longboat.initialize(model, None, cfg)
+    dp = engine.topology.data("dp")
+    for b in _gpt_batches(save_after, 8):
+        engine.train_step(
+            tuple(t.chunk(dp.world_size)[dp.rank] for t in b),
+            lambda out, mb: _gpt_loss(out, mb[1]),
+        )
+    if save_after:
+        engine.save_checkpoint(directory)
+    else:
+        engine.load_checkpoint(directory)
+    out = {
+        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
+        "optim": harness.optimizer_pieces(engine),
+        "step": engine.global_step,
+    }
+    engine.close()
+    return out
 
 
 @pytest.mark.parametrize(
-    ("config", "model", "code", "words"),
-    [
-        ("gpt.toml", "reference-gpt", 0, "mesh.pp = 1, no stages"),
-        ("gpt_pp2.toml", "digits-cnn", 2, "--model digits-cnn: pipeline stages need a model"),
-        ("gpt_pp2.toml", "no_such_module:f", 2, "cannot import 'no_such_module'"),
-    ],
+    ("world", "extra"),
+    [(1, {}), (4, {"mesh": {"pp": 2}, "strategy": "zero", "zero": {"stage": 2}})],
+    ids=["to-single", "to-pp2xzero2"],
 )
-def test_config_explain_stages_without_a_pipeline_or_a_splittable_model(config, model, code, words):
-    result = _explain(str(EXAMPLES / config), "--world-size", "2", "--model", model)
-    assert result.exit_code == code, result.output
-    assert words in result.output
+def test_a_checkpoint_with_a_tied_weight_reshards(ranks, tmp_path, world, extra):
+    base = {
+        **harness.QUIET,
+        "batch": {"train_batch_size": 8, "gradient_accumulation_steps": 4},
+        "pipeline": {"partition": "uniform"},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+    }
+    saved = ranks(2, _tied_checkpoint, {**base, "mesh": {"pp": 2}}, str(tmp_path), 2)
+    loaded = ranks(world, _tied_checkpoint, {**base, **extra}, str(tmp_path), 0)
+    want_state, want_optim = _whole(saved)
+    got_state, got_optim = _whole(loaded)
+    assert {r["step"] for r in loaded} == {2}
+    assert set(got_state) == set(want_state)
+    assert reference.max_rel_diff(got_state, want_state) == 0
+    assert got_optim.keys() == want_optim.keys() and "tok_emb.weight" in got_optim
+    for name, st in want_optim.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert torch.equal(got_optim[name][k], v), (name, k)
+
+
+def _tied_specs() -> PipelineModule:
+    return PipelineModule(
+        [
+            TiedLayerSpec("embed", nn.Embedding, 16, 8),
+            LayerSpec(nn.Linear, 8, 8),
+            torch.tanh,
+            LayerSpec(nn.Linear, 8, 8),
+            TiedLayerSpec("embed", nn.Embedding, 16, 8, forward_fn=lambda emb, h: h @ emb.weight.T),
+        ],
+        partition=[0, 2, 5],
+    )
+
+
+def _train_tied_specs(cfg: dict[str, Any], batches: list[Any]) -> dict[str, Any]:
+    torch.manual_seed(torch.distributed.get_rank())  # each rank builds its own copies
+    engine = longboat.initialize(_tied_specs(), None, cfg)
+    init = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    losses = [engine.train_step(b, lambda out, mb: _gpt_loss(out, mb[1])) for b in batches]
+    final = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    engine.close()
+    return {"init": init, "losses": losses, "final": final}
+
+
+def test_tied_layer_specs_equal_plain_pytorch(ranks):
+    g = torch.Generator().manual_seed(5)
+    batches = [tuple(torch.randint(0, 16, (8, 4), generator=g) for _ in "xy") for _ in range(3)]
+    cfg = {
+        **harness.QUIET,
+        "mesh": {"pp": 2},
+        "gradient_clipping": 1.0,
+        "batch": {"train_batch_size": 8, "gradient_accumulation_steps": 4},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
+    }
+    first, last = ranks(2, _train_tied_specs, cfg, batches)
+    # one name on both stages, and the second stage's copy started from the first's
+    assert torch.equal(first["init"]["tied.embed.weight"], last["init"]["tied.embed.weight"])
+    # the plain model, from the same initial values
+    emb, l1, l2 = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    with torch.no_grad():
+        emb.weight.copy_(first["init"]["tied.embed.weight"])
+        l1.load_state_dict({k[2:]: v for k, v in first["init"].items() if k.startswith("1.")})
+        l2.load_state_dict({k[2:]: v for k, v in last["init"].items() if k.startswith("3.")})
+    params = [emb.weight, *l1.parameters(), *l2.parameters()]
+    opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    plain = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for xm, ym in zip(x.split(2), y.split(2), strict=True):
+            logits = l2(torch.tanh(l1(emb(xm)))) @ emb.weight.T
+            loss = _gpt_loss(logits, ym)
+            (loss / 4).backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        plain.append(total / 4)
+    assert first["losses"] == pytest.approx(plain, rel=1e-5)
+    for r in (first, last):
+        assert torch.allclose(r["final"]["tied.embed.weight"], emb.weight, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(first["final"]["1.weight"], l1.weight, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(last["final"]["3.weight"], l2.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_of_specs_trains_without_stages():
+    torch.manual_seed(0)
+    engine = longboat.initialize(
+        _tied_specs(),
+        None,
+        {
+            **harness.QUIET,
+            "batch": {"micro_batch_size": 4},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
+    x = torch.randint(0, 16, (4, 4))
+    engine.train_step((x, x), lambda out, mb: _gpt_loss(out, mb[1]))
+    names = [n for n, _ in engine.module.named_parameters()]
+    engine.close()
+    assert names == ["tied.embed.weight", "1.weight", "1.bias", "3.weight", "3.bias"]
+
+
+def test_ties_are_found_and_named_on_every_stage_that_holds_them():
+    from longboat.pipeline import layered
+
+    model = _small_gpt(tie=True)
+    w = model.tok_emb.weight
+    bounds = layered.boundaries(model, 2, "uniform")
+    _, tied = layered.split(model, bounds, [1])
+    ((tie, param),) = tied
+    assert (tie.name, tie.stages) == ("tok_emb.weight", (0, 1)) and param is w
+    assert next(n for n, p in model.named_parameters() if p is w) == "tok_emb.weight"
+    # a PipelineModule whose first and last layers share a module
+    shared = nn.Linear(4, 4)
+    pm = PipelineModule([shared, nn.Tanh(), nn.Linear(4, 4), shared], partition=[0, 2, 4])
+    tied = pm.bind([0, 2, 4], [1])
+    assert [(t.name, t.stages) for t, _ in tied] == [("0.weight", (0, 1)), ("0.bias", (0, 1))]
+    assert [n for n, _ in pm.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
 # -- a stage that stops ------------------------------------------------------------------------

@@ -83,7 +83,13 @@ class Engine:
         )
         # Names, full shapes and dtypes (the model fingerprint), also before any sharding.
         self.checkpointing = checkpoint.Checkpointing(model, topology.control("pp"))
-        self.strategy = build_strategy(config.resolved_strategy(mesh.dp), world, topology, config)
+        self.strategy = build_strategy(
+            config.resolved_strategy(mesh.dp),
+            world,
+            topology,
+            config,
+            isolated=frozenset(id(p) for p in self.schedule.ties.parameters()),
+        )
         self.module = self.strategy.setup(model, optimizer)
         self.precision = Precision(config.precision, device_for(world))
         self.micro_step = 0
@@ -191,6 +197,10 @@ class Engine:
     def _optimizer_step(self) -> None:
         self.strategy.finish_gradients()
         skip = False
+        ties = self.schedule.ties
+        if ties.parameters():  # [Note: tied weights] in tied.py: holders sum their gradients
+            self.strategy.wait_gradients()
+            ties.reduce(self.strategy.tied_gradient)
         if self.precision.checks_overflow or self.config.gradient_clipping > 0:
             # Both need every gradient; without them the strategy may overlap the optimizer
             # with the communication still in flight.
@@ -204,6 +214,7 @@ class Engine:
                     self.config.gradient_clipping,
                     self.strategy.norm_groups() + self.schedule.norm_groups(),
                     self.device,
+                    not_counted=ties.counted_elsewhere(self.strategy.tied_gradient),
                 )
         # A skipped step still runs the strategy's step bookkeeping ([Note: skipped step]).
         self.strategy.optimizer_step(SkippedStep(self.optimizer) if skip else self.optimizer)

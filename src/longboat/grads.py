@@ -33,10 +33,15 @@ def clip_by_global_norm_(
     max_norm: float,
     groups: list[Comm],
     device: torch.device | str = "cpu",
+    not_counted: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Scale ``grads`` in place so their global norm is at most ``max_norm``; return the norm
-    before clipping. Same rule as ``torch.nn.utils.clip_grad_norm_``."""
-    norm = global_norm(grads, groups, device)
+    before clipping. Same rule as ``torch.nn.utils.clip_grad_norm_``. Tensors of ``grads``
+    sharing storage and offset with one of ``not_counted`` (a copy another rank counts) are
+    scaled but left out of the norm."""
+    skip = {(t.data_ptr(), t.numel()) for t in not_counted or []}
+    counted = [g for g in grads if (g.data_ptr(), g.numel()) not in skip]
+    norm = global_norm(counted, groups, device)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
+from longboat.tied import TiedWeights
 
 #: ``loss_fn(output, micro_batch)``: the micro-batch's loss from the model's output.
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -46,6 +47,7 @@ class Schedule(Protocol):
     over which ranks hold disjoint parameters (beside the strategy's)."""
 
     stages_per_rank: int
+    ties: TiedWeights  # weights whose copies on other ranks must stay equal to this rank's
 
     def prepare(self, model: nn.Module) -> nn.Module: ...
 
@@ -71,7 +73,13 @@ class Sequential:
 
     stages_per_rank = 1
 
+    def __init__(self) -> None:
+        self.ties = TiedWeights()  # nothing is tied across ranks without stages
+
     def prepare(self, model: nn.Module) -> nn.Module:
+        build = getattr(model, "build_all", None)  # a PipelineModule: build its layer specs
+        if callable(build):
+            build()
         return model
 
     def restrict(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,11 @@ class Topology:
         self._data = data
         self._control = control
         self._owned = owned or []
+        self._extra: list[Comm] = []  # doorways subgroup() made
         self._closed = False
+        # What build() made its doorways with, for subgroup() (None: no process group)
+        self._options: DoorwayOptions | None = None
+        self._rules: tuple[bool, torch.device] = (False, torch.device("cpu"))
 
     # -- building ------------------------------------------------------------------------------
 
@@ -126,7 +131,42 @@ class Topology:
                     ),
                 )
             data[axis], control[axis] = doorways[mine]
-        return cls(mesh, rank, data, control, owned)
+        topo = cls(mesh, rank, data, control, owned)
+        if active:
+            topo._options, topo._rules = options, (rules, device)
+        return topo
+
+    def subgroup(self, axis: Axis, positions: Sequence[int], name: str) -> Comm:
+        """A data-plane doorway over the members at group ranks ``positions`` of this rank's
+        group along ``axis`` (e.g. the pipeline stages that hold a tied weight). Collective over
+        the whole world, like :meth:`build` ([Note: group creation]): every rank creates the
+        subgroup of every group along ``axis``, in order. A rank outside it, or a subgroup of one
+        rank, gets a doorway of one."""
+        positions = sorted(set(positions))
+        alone = Collectives.alone(self.rank, name=f"{name} (one rank)")
+        if len(positions) < 2 or self._options is None:
+            return alone
+        options, (rules, device) = self._options, self._rules
+        timeout = datetime.timedelta(seconds=options.timeout_s)
+        mine: Comm = alone
+        for ranks in self.mesh.groups(axis):
+            members = [ranks[i] for i in positions]
+            g_data = dist.new_group(members, timeout=timeout)
+            g_ctrl = dist.new_group(members, backend="gloo", timeout=timeout)
+            self._owned += [g_data, g_ctrl]
+            if self.rank in members:
+                mine = Collectives(
+                    g_data,
+                    desync_check=options.desync_check,
+                    check_group=g_ctrl,
+                    log=options.log,
+                    log_verbose=options.log_verbose,
+                    timeout_s=options.timeout_s,
+                    name=f"{name} {members}",
+                    rules=Rules(device=device) if rules else None,
+                )
+                self._extra.append(mine)
+        return mine
 
     @classmethod
     def of(cls, mesh: Mesh, rank: int, doorway: Any) -> Topology:
@@ -160,7 +200,7 @@ class Topology:
     def doorways(self) -> list[Comm]:
         """Every distinct doorway, data planes first."""
         seen: dict[int, Comm] = {}
-        for d in (*self._data.values(), *self._control.values()):
+        for d in (*self._data.values(), *self._control.values(), *self._extra):
             seen.setdefault(id(d), d)
         return list(seen.values())
 

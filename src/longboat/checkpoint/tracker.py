@@ -35,8 +35,11 @@ class Checkpointing:
         checkpoint's names and fingerprint do not depend on how many stages wrote it."""
         spec = ModelSpec.of(model)
         if stages is not None and stages.world_size > 1:
-            rows = [r for part in gather_json(stages, spec.rows()) for r in part]
-            spec = ModelSpec.from_rows(rows)
+            rows: dict[str, list[object]] = {}
+            for part in gather_json(stages, spec.rows()):
+                for r in part:  # a weight tied across stages is on each of its holders, alike
+                    rows.setdefault(str(r[0]), r)
+            spec = ModelSpec.from_rows(list(rows.values()))
         self.spec = spec
         self.stop = StopSignals()
         self._loaders: list[weakref.ref[Any]] = []

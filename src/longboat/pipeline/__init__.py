@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from longboat.config import ConfigError, PipelineConfig
-from longboat.pipeline.module import LayerSpec, PipelineModule, StageInfo
+from longboat.pipeline.module import LayerSpec, PipelineModule, StageInfo, TiedLayerSpec
 from longboat.pipeline.partition import PartitionError
 from longboat.pipeline.runtime import Pipeline
 from longboat.pipeline.schedules import Action, PipelineSchedule, ScheduleError, bubble_theory
@@ -29,8 +29,7 @@ def build_schedule(config: PipelineConfig, topology: Topology, device: torch.dev
         config.schedule,
         config.virtual_stages,
         config.partition,
-        topology.data("pp"),
-        topology.control("pp"),
+        topology,
         device,
     )
     return pipe
@@ -45,6 +44,7 @@ __all__ = [
     "PipelineSchedule",
     "ScheduleError",
     "StageInfo",
+    "TiedLayerSpec",
     "bubble_theory",
     "build_pipeline_schedule",
     "build_schedule",

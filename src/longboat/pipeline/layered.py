@@ -18,7 +18,9 @@ from typing import Any
 from torch import nn
 
 from longboat.pipeline import partition as partitions
+from longboat.pipeline import ties
 from longboat.pipeline.module import StageInfo, describe_stages
+from longboat.tied import Tie
 
 Entry = tuple[tuple[str, ...], Callable[[Any], Any]]
 
@@ -35,6 +37,10 @@ class Elsewhere(nn.Module):
 
     def extra_repr(self) -> str:
         return f"on stage {self.stage}"
+
+
+class _Holder(nn.Module):
+    """Where a placeholder path needs a submodule to hold a tied weight under its name."""
 
 
 def lists_layers(model: nn.Module) -> bool:
@@ -92,23 +98,22 @@ def boundaries(model: nn.Module, stages: int, method: str | Sequence[int]) -> li
     return plan(model, stages, method)[0]
 
 
-def split(model: nn.Module, bounds: Sequence[int], held: Sequence[int]) -> nn.Module:
+def split(
+    model: nn.Module, bounds: Sequence[int], held: Sequence[int]
+) -> tuple[nn.Module, list[tuple[Tie, nn.Parameter | None]]]:
     """Keep the layers of stages ``held``: other stages' submodules become placeholders and the
-    model's forward becomes ``forward(x, stage)`` over this rank's layers. Returns ``model``."""
+    model's forward becomes ``forward(x, stage)`` over this rank's layers. Returns ``model``
+    and every weight tied across stages ([Note: tied weights] in ``longboat/tied.py``), with this
+    rank's parameter for those it holds (None for the others)."""
     entries = _entries(model)
     stage_of = [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
-    # A parameter two stages' layers use would become two parameters stepped apart: refuse it.
-    owner: dict[int, tuple[int, int]] = {}
-    for i, (paths, _) in enumerate(entries):
-        for path in paths:
-            for p in model.get_submodule(path).parameters():
-                j, s = owner.setdefault(id(p), (i, stage_of[i]))
-                if s != stage_of[i]:
-                    raise ValueError(
-                        f"layers {j} and {i} of {type(model).__name__}.pipeline_layers() share "
-                        f"a parameter but land on stages {s} and {stage_of[i]}; move the "
-                        "boundary (pipeline.partition) so that one stage holds both, or untie it"
-                    )
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = {id(p): p for p in model.parameters()}
+    layer_params = [
+        [p for path in paths for p in model.get_submodule(path).parameters()]
+        for paths, _ in entries
+    ]
+    tied = ties.find(layer_params, stage_of, names)
     mine = {i for i in range(len(entries)) if stage_of[i] in held}
     kept = {path for i in mine for path in entries[i][0]}
     for i, (paths, _) in enumerate(entries):
@@ -119,6 +124,14 @@ def split(model: nn.Module, bounds: Sequence[int], held: Sequence[int]) -> nn.Mo
                 continue
             parent, _, leaf = path.rpartition(".")
             setattr(model.get_submodule(parent), leaf, Elsewhere(stage_of[i]))
+    out: list[tuple[Tie, nn.Parameter | None]] = []
+    # in the whole model's order (every rank alike), as it registers them
+    order = list(names)
+    for pid, tie in sorted(tied.items(), key=lambda kv: order.index(kv[0])):
+        holds = any(s in held for s in tie.stages)
+        if holds:  # under its whole-model name, whichever stage's layer uses it
+            ties.keep_name(model, tie.name, params[pid], _Holder)
+        out.append((tie, params[pid] if holds else None))
     layers = {s: [entries[i][1] for i in range(bounds[s], bounds[s + 1])] for s in held}
 
     def forward(self: nn.Module, x: Any, stage: int | None = None) -> Any:
@@ -132,4 +145,4 @@ def split(model: nn.Module, bounds: Sequence[int], held: Sequence[int]) -> nn.Mo
         return x
 
     model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
-    return model
+    return model, out

@@ -13,6 +13,7 @@ builds only the specs among them: a rank never builds another stage's layers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ import torch
 from torch import nn
 
 from longboat.pipeline import partition as partitions
+from longboat.pipeline import ties
+from longboat.tied import Tie
 
 
 class LayerSpec:
@@ -42,6 +45,30 @@ class LayerSpec:
 
     def __repr__(self) -> str:
         return f"LayerSpec({self.class_name})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose module every layer of the same ``key`` shares, on any stage (DeepSpeed's
+    ``TiedLayerSpec``): built once on each rank that holds one of them, named
+    ``tied.<key>.<parameter>`` there, and kept equal across stages ([Note: tied weights] in
+    ``longboat/tied.py``). ``forward_fn(module, x)`` runs it where ``module(x)`` is not what
+    the layer does, e.g. an output head ``lambda emb, x: x @ emb.weight.T``. Every parameter of
+    the module is tied (DeepSpeed ties only ``tied_weight_attr`` and lets the others drift)."""
+
+    def __init__(
+        self,
+        key: str,
+        cls: type[nn.Module],
+        *args: Any,
+        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(cls, *args, **kwargs)
+        self.key = key
+        self.forward_fn = forward_fn
+
+    def __repr__(self) -> str:
+        return f"TiedLayerSpec({self.key!r}, {self.class_name})"
 
 
 Layer = nn.Module | LayerSpec | Callable[[Any], Any]
@@ -84,6 +111,10 @@ def describe_stages(
     ]
 
 
+class _Holder(nn.Module):
+    """Where another stage's layer was, holding a weight tied to one of this rank's layers."""
+
+
 class PipelineModule(nn.Module):
     """Layers run in order, split into pipeline stages by ``partition`` (``"parameters"``,
     ``"uniform"``, ``"type:REGEX"`` or a list of boundaries; see
@@ -107,10 +138,16 @@ class PipelineModule(nn.Module):
                     "a LayerSpec or a function"
                 )
         self._layers: list[Layer] = list(layers)
+        self._specs: list[Layer] = list(layers)  # as given (bind replaces specs by modules)
         self.partition = partition
         self.bounds: list[int] = [0, len(layers)]
         self.held: list[int] = [0]  # stages this rank holds, in model order
         self._bound = False
+        self._tied_keys = list(
+            dict.fromkeys(x.key for x in self._layers if isinstance(x, TiedLayerSpec))
+        )
+        if self._tied_keys:  # first, so its weights take their names from it on every stage
+            self.tied = nn.ModuleDict()
         for i, layer in enumerate(self._layers):
             if isinstance(layer, nn.Module):
                 self.add_module(str(i), layer)
@@ -164,46 +201,90 @@ class PipelineModule(nn.Module):
         )
         return bounds, describe_stages(params, classes, bounds)
 
-    def bind(self, bounds: Sequence[int], held: Sequence[int]) -> None:
+    def bind(
+        self, bounds: Sequence[int], held: Sequence[int]
+    ) -> list[tuple[Tie, nn.Parameter | None]]:
         """Keep the layers of stages ``held`` (of those ``bounds`` delimit), build their
-        specs, and drop every other layer. Once only."""
+        specs, and drop every other layer. Once only. Returns the weights tied across stages
+        ([Note: tied weights] in ``longboat/tied.py``), with this rank's parameter for those
+        it holds."""
         if self._bound:
             raise RuntimeError("PipelineModule.bind() was already called")
         self._bound = True
         self.bounds = list(bounds)
         self.held = sorted(held)
+        stage_of = [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
+        names = {id(p): n for n, p in self.named_parameters()}
+        params = {id(p): p for p in self.parameters()}
+        tied = ties.find(
+            [
+                list(layer.parameters()) if isinstance(layer, nn.Module) else []
+                for layer in self._layers
+            ],
+            stage_of,
+            names,
+        )
         mine = {i for s in self.held for i in range(self.bounds[s], self.bounds[s + 1])}
-        self._check_no_parameter_crosses_stages()
+        # where a tied weight this rank holds is named: kept in place (names follow order)
+        homes = {
+            tie.name.split(".")[0]
+            for tie in tied.values()
+            if any(s in self.held for s in tie.stages)
+        }
         for i, layer in enumerate(self._layers):
             if i not in mine:
-                if str(i) in self._modules:
+                if str(i) in homes:
+                    self._modules[str(i)] = _Holder()
+                elif str(i) in self._modules:
                     del self._modules[str(i)]
                 continue
-            if isinstance(layer, LayerSpec):
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied:
+                    self.tied[layer.key] = layer.build()
+                module = self.tied[layer.key]
+                fn = layer.forward_fn
+                self._layers[i] = module if fn is None else functools.partial(fn, module)
+            elif isinstance(layer, LayerSpec):
                 built = layer.build()
                 self._layers[i] = built
                 self.add_module(str(i), built)
+        out = self._spec_ties(stage_of)
+        # in the whole model's order (every rank alike), as it registers them
+        order = list(names)
+        for pid, tie in sorted(tied.items(), key=lambda kv: order.index(kv[0])):
+            holds = any(s in self.held for s in tie.stages)
+            if holds:
+                ties.keep_name(self, tie.name, params[pid], _Holder)
+            out.append((tie, params[pid] if holds else None))
+        return out
 
-    def _check_no_parameter_crosses_stages(self) -> None:
-        # A parameter shared by layers of two stages would be two parameters after the split,
-        # each stepped on its own: refuse it (on every rank alike) rather than let the copies
-        # drift apart.
-        stage_of = {
-            i: s
-            for s in range(len(self.bounds) - 1)
-            for i in range(self.bounds[s], self.bounds[s + 1])
-        }
-        owner: dict[int, int] = {}
-        for i, layer in enumerate(self._layers):
-            if not isinstance(layer, nn.Module):
+    def build_all(self) -> None:
+        """Build every spec: the whole model as one stage (without pipeline stages)."""
+        if not self._bound:
+            self.bind([0, len(self._layers)], [0])
+
+    def _spec_ties(self, stage_of: Sequence[int]) -> list[tuple[Tie, nn.Parameter | None]]:
+        """The ties of :class:`TiedLayerSpec` keys used on several stages: every parameter of
+        the key's module, on every rank alike (a rank that holds none builds it on the meta
+        device for the names)."""
+        out: list[tuple[Tie, nn.Parameter | None]] = []
+        for key in self._tied_keys:
+            uses = [i for i, x in enumerate(self._specs) if getattr(x, "key", None) == key]
+            stages = tuple(sorted({stage_of[i] for i in uses}))
+            if len(stages) < 2:
                 continue
-            for p in layer.parameters():
-                j = owner.setdefault(id(p), i)
-                if stage_of[j] != stage_of[i]:
-                    raise ValueError(
-                        f"layers {j} and {i} share a parameter but land on different pipeline "
-                        "stages; move the boundary so one stage holds both"
-                    )
+            if key in self.tied:
+                params = dict(self.tied[key].named_parameters())
+                names = list(params)
+            else:
+                spec = self._specs[uses[0]]
+                assert isinstance(spec, TiedLayerSpec)
+                with torch.device("meta"):
+                    names = [n for n, _ in spec.build().named_parameters()]
+                params = {}
+            for n in names:
+                out.append((Tie(f"tied.{key}.{n}", stages), params.get(n)))
+        return out
 
     # -- running -------------------------------------------------------------------------------
 

@@ -30,6 +30,8 @@ from longboat.pipeline import layered, p2p, schedules
 from longboat.pipeline import stages as staging
 from longboat.pipeline.module import PipelineModule, StageInfo
 from longboat.schedule import LossFn, Steps
+from longboat.tied import Tie, TiedWeights
+from longboat.topology import Topology
 
 
 class Pipeline:
@@ -40,17 +42,18 @@ class Pipeline:
         kind: str,
         virtual: int,
         partition: str | Sequence[int] | None,
-        data: Comm,
-        control: Comm,
+        topology: Topology,
         device: torch.device,
     ) -> None:
         self.kind = kind
         self.stages_per_rank = virtual
         self.partition = partition
-        self.data = data
-        self.control = control
-        self.rank = data.rank
-        self.ranks = data.world_size
+        self.topology = topology
+        self.data = topology.data("pp")
+        self.control = topology.control("pp")
+        self.ties = TiedWeights()  # [Note: tied weights], found by prepare()
+        self.rank = self.data.rank
+        self.ranks = self.data.world_size
         self.device = device
         self._plans: dict[int, schedules.PipelineSchedule] = {}
         self.log = logging.getLogger("longboat")
@@ -70,9 +73,29 @@ class Pipeline:
         bounds, info = staging.plan(model, stages, self.partition)
         self._announce(info)
         if isinstance(model, PipelineModule):
-            model.bind(bounds, held)
-            return model
-        return layered.split(model, bounds, held)
+            tied = model.bind(bounds, held)
+        else:
+            model, tied = layered.split(model, bounds, held)
+        self._tie(tied)
+        return model
+
+    def _tie(self, tied: list[tuple[Tie, nn.Parameter | None]]) -> None:
+        """A doorway per tied weight over the pipeline ranks whose stages hold it (created by
+        every rank, for every weight, in name order: collective), and equal starting values."""
+        for tie, param in tied:
+            ranks = sorted({s % self.ranks for s in tie.stages})
+            comm = self.topology.subgroup("pp", ranks, f"tied weight {tie.name}")
+            if param is not None:
+                self.ties.held.append((tie, param, comm))
+            if self.rank == 0:
+                self.log.info(
+                    "pipeline: %s is tied across stages %s (kept equal by a gradient sum over "
+                    "pipeline ranks %s)",
+                    tie.name,
+                    list(tie.stages),
+                    ranks,
+                )
+        self.ties.broadcast_initial()
 
     def _announce(self, info: list[StageInfo]) -> None:
         if self.rank == 0:

@@ -21,7 +21,13 @@ REGISTRY: dict[str, Callable[[StrategyContext], Strategy]] = {
 }
 
 
-def build_strategy(name: str, world: World, topology: Topology, config: Config) -> Strategy:
+def build_strategy(
+    name: str,
+    world: World,
+    topology: Topology,
+    config: Config,
+    isolated: frozenset[int] = frozenset(),
+) -> Strategy:
     """Instantiate the strategy called ``name`` with its own config section (the section of
     the config named like the strategy, if there is one)."""
     if name not in REGISTRY:
@@ -29,7 +35,7 @@ def build_strategy(name: str, world: World, topology: Topology, config: Config) 
             f"key 'strategy' has unknown value {name!r}; choose one of {sorted(REGISTRY)}"
         )
     section = name if name in type(config).model_fields else None
-    return REGISTRY[name](StrategyContext.of(world, topology, config, section))
+    return REGISTRY[name](StrategyContext.of(world, topology, config, section, isolated))
 
 
 def zero_stage(name: str) -> int | None:

@@ -30,10 +30,18 @@ class StrategyContext:
     topology: Topology
     section: Any  # the strategy's own config section (e.g. ReplicateConfig), or None
     wire_dtype: torch.dtype | None = None
+    #: ids of parameters tied across pipeline stages ([Note: tied weights] in ``tied.py``):
+    #: a sharding strategy gives each a flat unit of its own, laid out alike on every holder
+    isolated: frozenset[int] = frozenset()
 
     @classmethod
     def of(
-        cls, world: World, topology: Topology, config: Config, section: str | None = None
+        cls,
+        world: World,
+        topology: Topology,
+        config: Config,
+        section: str | None = None,
+        isolated: frozenset[int] = frozenset(),
     ) -> StrategyContext:
         wire = config.precision.communication_data_type
         return cls(
@@ -41,7 +49,16 @@ class StrategyContext:
             topology,
             getattr(config, section) if section else None,
             DTYPES[wire] if wire else None,
+            isolated,
         )
+
+
+def full_gradient(param: nn.Parameter) -> torch.Tensor:
+    """``param.grad``, made zeros if this rank's backward did not reach it (its copy on another
+    pipeline stage may have a gradient to share: [Note: tied weights] in ``tied.py``)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
 
 
 class Strategy(Protocol):
@@ -89,6 +106,12 @@ class Strategy(Protocol):
 
         The engine unscales, checks and clips these in place.
         """
+        ...
+
+    def tied_gradient(self, param: nn.Parameter) -> torch.Tensor:
+        """After :meth:`wait_gradients`: the tensor holding this rank's reduced gradient of
+        ``param`` (a parameter of ``StrategyContext.isolated``), to be summed in place with its
+        copies on other pipeline stages ([Note: tied weights] in ``tied.py``)."""
         ...
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

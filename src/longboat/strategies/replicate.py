@@ -44,7 +44,7 @@ from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim import has_step_hooks, is_elementwise
-from longboat.strategies.base import StrategyContext
+from longboat.strategies.base import StrategyContext, full_gradient
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.pieces import PieceSource, RankState, members
 from longboat.strategies.whole_state import load_whole_state, whole_state
@@ -202,6 +202,9 @@ class Replicate:
 
     def local_gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
+
+    def tied_gradient(self, param: nn.Parameter) -> torch.Tensor:
+        return full_gradient(param)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         pending = any(b.handle is not None for b in self._buckets)

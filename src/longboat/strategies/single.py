@@ -11,7 +11,7 @@ from torch import nn
 
 from longboat.comm.protocol import Comm
 from longboat.observe.memory import optimizer_state_tensors
-from longboat.strategies.base import StrategyContext
+from longboat.strategies.base import StrategyContext, full_gradient
 from longboat.strategies.pieces import PieceSource, RankState
 from longboat.strategies.whole_state import load_whole_state, whole_state
 
@@ -49,6 +49,9 @@ class Single:
 
     def local_gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
+
+    def tied_gradient(self, param: nn.Parameter) -> torch.Tensor:
+        return full_gradient(param)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()

@@ -141,6 +141,9 @@ class Zero:
             pieces = [pc for pc in reversed(pieces) if pc[0] is not model] + root
         else:
             pieces = [(None, ps) for ps in bucket_units(params, group_of, self.cfg.bucket_mb)]
+        # [Note: tied weights] in tied.py: a weight tied across pipeline stages gets a unit of
+        # its own, so its shards line up rank for rank on every stage that holds it.
+        pieces = [(m, chunk) for m, ps in pieces for chunk in _isolate(ps, self.ctx.isolated)]
         module_names = {id(m): n or "root" for n, m in model.named_modules()}
         param_names = {id(p): n for n, p in model.named_parameters()}
         for module, ps in pieces:
@@ -338,6 +341,11 @@ class Zero:
     def local_gradients(self) -> list[torch.Tensor]:
         return [u.grad_view() for u in self.units]
 
+    def tied_gradient(self, param: nn.Parameter) -> torch.Tensor:
+        u, _ = self.where[id(param)]
+        assert len(u.params) == 1, "a tied parameter has a unit of its own (see setup)"
+        return u.grad_view()
+
     # -- the step ------------------------------------------------------------------------------
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -448,6 +456,12 @@ class Zero:
 def _completed(handle: object) -> bool:
     done = getattr(handle, "is_completed", None)
     return bool(done()) if done is not None else False
+
+
+def _isolate(params: list[nn.Parameter], isolated: frozenset[int]) -> list[list[nn.Parameter]]:
+    """``params`` as units: each isolated parameter alone, then the others together."""
+    rest = [p for p in params if id(p) not in isolated]
+    return [[p] for p in params if id(p) in isolated] + ([rest] if rest else [])
 
 
 def _split(params: list[nn.Parameter], group_of: dict[int, int]) -> list[list[nn.Parameter]]:
