@@ -638,6 +638,10 @@ def test_a_checkpoint_with_a_tied_weight_reshards(ranks, tmp_path, world, extra)
         "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
     }
     saved = ranks(2, _tied_checkpoint, {**base, "mesh": {"pp": 2}}, str(tmp_path), 2)
+    # both stages hold the tied weight; the checkpoint has it once
+    manifest = json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())
+    for key in ("model", "optim.momentum_buffer"):
+        assert len(manifest["tensors"]["tok_emb.weight"][key]["shards"]) == 1, key
     loaded = ranks(world, _tied_checkpoint, {**base, **extra}, str(tmp_path), 0)
     want_state, want_optim = _whole(saved)
     got_state, got_optim = _whole(loaded)

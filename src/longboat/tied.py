@@ -14,6 +14,7 @@ of it line up rank for rank and their gradient shards are summed the same way.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
+from longboat.mesh import Mesh
+from longboat.strategies.pieces import Piece
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,23 @@ class TiedWeights:
     (a doorway of one when this rank's stages hold every copy)."""
 
     held: list[tuple[Tie, nn.Parameter, Comm]] = field(default_factory=list)
+    #: per held tie's name, the pipeline ranks holding it (when more than one)
+    holders: dict[str, list[int]] = field(default_factory=dict)
+
+    def write_once(self, pieces: list[Piece], mesh: Mesh, rank: int) -> None:
+        """Widen the ``replicas`` of this rank's checkpoint pieces of tied weights to the
+        ranks holding the same piece on the other holding stages (the same data-parallel and
+        tensor-parallel coordinates), so that a checkpoint writes each once."""
+        for i, p in enumerate(pieces):
+            stages = self.holders.get(p.name)
+            if stages is None:
+                continue
+            mine = p.replicas or (rank,)
+            wide = set()
+            for r in mine:
+                at = {a: c for a, c in mesh.coords(r).items() if a != "dp"}
+                wide |= {mesh.rank_of(**{**at, "pp": q}) for q in stages}
+            pieces[i] = dataclasses.replace(p, replicas=tuple(sorted(wide)))
 
     def parameters(self) -> list[nn.Parameter]:
         """Tied parameters whose copies live on other ranks too."""

@@ -144,6 +144,8 @@ def _write_rank_files(engine: Trained, tmp: Path, client_state: Any) -> dict[str
     comm = engine.control  # the world: one tensor file and one JSON file per rank
     tmp.mkdir(parents=True, exist_ok=True)
     state = engine.strategy.checkpoint_state(engine.model, engine.optimizer)
+    # [Note: tied weights] in tied.py: a weight on several stages is written once
+    engine.schedule.ties.write_once(state.pieces, engine.topology.mesh, engine.topology.rank)
     owner = assign_replicated(state.pieces)
     mine = [
         p for p in state.pieces if not p.replicated or owner[(p.name, p.key, p.start)] == comm.rank

@@ -87,6 +87,8 @@ class Pipeline:
             comm = self.topology.subgroup("pp", ranks, f"tied weight {tie.name}")
             if param is not None:
                 self.ties.held.append((tie, param, comm))
+                if len(ranks) > 1:
+                    self.ties.holders[tie.name] = ranks
             if self.rank == 0:
                 self.log.info(
                     "pipeline: %s is tied across stages %s (kept equal by a gradient sum over "
