@@ -419,6 +419,12 @@ def _checkpoint(cfg: dict[str, Any], directory: str, save_after: int) -> dict[st
             )
             if engine.global_step == save_after:
                 break
+    return _save_or_load(engine, directory, save_after)
+
+
+def _save_or_load(engine: longboat.Engine, directory: str, save_after: int) -> dict[str, Any]:
+    """Save after training (``save_after`` > 0) or load; what this rank then holds."""
+    if save_after:
         engine.save_checkpoint(directory)
     else:
         engine.load_checkpoint(directory)
@@ -612,17 +618,7 @@ def _tied_checkpoint(cfg: dict[str, Any], directory: str, save_after: int) -> di
             tuple(t.chunk(dp.world_size)[dp.rank] for t in b),
             lambda out, mb: _gpt_loss(out, mb[1]),
         )
-    if save_after:
-        engine.save_checkpoint(directory)
-    else:
-        engine.load_checkpoint(directory)
-    out = {
-        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
-        "optim": harness.optimizer_pieces(engine),
-        "step": engine.global_step,
-    }
-    engine.close()
-    return out
+    return _save_or_load(engine, directory, save_after)
 
 
 @pytest.mark.parametrize(

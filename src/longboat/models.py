@@ -160,7 +160,8 @@ class GPT(nn.Module):
         """:meth:`forward` as layers run in order, each with the submodules it uses, so that
         pipeline stages can split the model and keep its parameter names: the embeddings, each
         block, the final LayerNorm with the head. (With tied weights the embedding and the head
-        share a parameter, so they must land on one stage.)"""
+        share a parameter; on different stages both hold it and keep it equal, see
+        ``longboat/tied.py``.)"""
         return [
             (("tok_emb", "pos_emb", "drop"), self._embed),
             *(((f"blocks.{i}",), block) for i, block in enumerate(self.blocks)),

@@ -111,16 +111,7 @@ class Topology:
                 g_data, g_ctrl = created[mine]
                 name = "world" if len(mine) == world else f"{axis} {list(mine)}"
                 doorways[mine] = (
-                    Collectives(
-                        g_data,
-                        desync_check=options.desync_check,
-                        check_group=g_ctrl,
-                        log=options.log,
-                        log_verbose=options.log_verbose,
-                        timeout_s=options.timeout_s,
-                        name=name,
-                        rules=Rules(device=device) if rules else None,
-                    ),
+                    _data_doorway(g_data, g_ctrl, options, name, device if rules else None),
                     Collectives(
                         g_ctrl,
                         desync_check=options.desync_check,
@@ -155,15 +146,8 @@ class Topology:
             g_ctrl = dist.new_group(members, backend="gloo", timeout=timeout)
             self._owned += [g_data, g_ctrl]
             if self.rank in members:
-                mine = Collectives(
-                    g_data,
-                    desync_check=options.desync_check,
-                    check_group=g_ctrl,
-                    log=options.log,
-                    log_verbose=options.log_verbose,
-                    timeout_s=options.timeout_s,
-                    name=f"{name} {members}",
-                    rules=Rules(device=device) if rules else None,
+                mine = _data_doorway(
+                    g_data, g_ctrl, options, f"{name} {members}", device if rules else None
                 )
                 self._extra.append(mine)
         return mine
@@ -215,3 +199,24 @@ class Topology:
             for g in self._owned:
                 dist.destroy_process_group(g)
         self._owned = []  # the last references: their threads are joined now ([Note: teardown])
+
+
+def _data_doorway(
+    group: Any,
+    check_group: Any,
+    options: DoorwayOptions,
+    name: str,
+    rules_device: torch.device | None,
+) -> Collectives:
+    """A data-plane doorway over ``group``, its desync check on the gloo ``check_group``;
+    ``rules_device``: the device NCCL's rules hold tensors to (None: no rules)."""
+    return Collectives(
+        group,
+        desync_check=options.desync_check,
+        check_group=check_group,
+        log=options.log,
+        log_verbose=options.log_verbose,
+        timeout_s=options.timeout_s,
+        name=name,
+        rules=Rules(device=rules_device) if rules_device is not None else None,
+    )
