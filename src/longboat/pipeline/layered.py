@@ -39,10 +39,6 @@ class Elsewhere(nn.Module):
         return f"on stage {self.stage}"
 
 
-class _Holder(nn.Module):
-    """Where a placeholder path needs a submodule to hold a tied weight under its name."""
-
-
 def lists_layers(model: nn.Module) -> bool:
     return callable(getattr(model, "pipeline_layers", None))
 
@@ -124,14 +120,7 @@ def split(
                 continue
             parent, _, leaf = path.rpartition(".")
             setattr(model.get_submodule(parent), leaf, Elsewhere(stage_of[i]))
-    out: list[tuple[Tie, nn.Parameter | None]] = []
-    # in the whole model's order (every rank alike), as it registers them
-    order = list(names)
-    for pid, tie in sorted(tied.items(), key=lambda kv: order.index(kv[0])):
-        holds = any(s in held for s in tie.stages)
-        if holds:  # under its whole-model name, whichever stage's layer uses it
-            ties.keep_name(model, tie.name, params[pid], _Holder)
-        out.append((tie, params[pid] if holds else None))
+    out = ties.place(model, tied, params, list(names), held)
     layers = {s: [entries[i][1] for i in range(bounds[s], bounds[s + 1])] for s in held}
 
     def forward(self: nn.Module, x: Any, stage: int | None = None) -> Any:

@@ -111,10 +111,6 @@ def describe_stages(
     ]
 
 
-class _Holder(nn.Module):
-    """Where another stage's layer was, holding a weight tied to one of this rank's layers."""
-
-
 class PipelineModule(nn.Module):
     """Layers run in order, split into pipeline stages by ``partition`` (``"parameters"``,
     ``"uniform"``, ``"type:REGEX"`` or a list of boundaries; see
@@ -234,7 +230,7 @@ class PipelineModule(nn.Module):
         for i, layer in enumerate(self._layers):
             if i not in mine:
                 if str(i) in homes:
-                    self._modules[str(i)] = _Holder()
+                    self._modules[str(i)] = ties.Holder()
                 elif str(i) in self._modules:
                     del self._modules[str(i)]
                 continue
@@ -248,15 +244,7 @@ class PipelineModule(nn.Module):
                 built = layer.build()
                 self._layers[i] = built
                 self.add_module(str(i), built)
-        out = self._spec_ties(stage_of)
-        # in the whole model's order (every rank alike), as it registers them
-        order = list(names)
-        for pid, tie in sorted(tied.items(), key=lambda kv: order.index(kv[0])):
-            holds = any(s in self.held for s in tie.stages)
-            if holds:
-                ties.keep_name(self, tie.name, params[pid], _Holder)
-            out.append((tie, params[pid] if holds else None))
-        return out
+        return self._spec_ties(stage_of) + ties.place(self, tied, params, list(names), self.held)
 
     def build_all(self) -> None:
         """Build every spec: the whole model as one stage (without pipeline stages)."""
