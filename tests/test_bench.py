@@ -15,8 +15,12 @@ from typer.testing import CliRunner
 from longboat.cli import app
 from longboat.models import GPT, gpt_param_count
 
-SIDES = ("replicate", "zero2", "ddp")
+SIDES = ("replicate", "zero2", "pipeline", "ddp")
 SIZES = (1, 2)
+
+
+def _exists(side: str, n: int) -> bool:
+    return side != "pipeline" or n > 1  # a pipeline needs two stages
 FIELDS = (
     "side",
     "world_size",
@@ -56,7 +60,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]
         "--model",
         "tiny-gpt",
         "--strategies",
-        "replicate,zero2",
+        "replicate,zero2,pipeline",
         "--peers",
         "ddp",
         "--world-sizes",
@@ -82,7 +86,7 @@ def _row(result: dict[str, Any], side: str, n: int) -> dict[str, Any]:
 def test_json_has_every_side_and_world_size(run: tuple[Path, dict[str, Any]]) -> None:
     _, result = run
     assert sorted((r["side"], r["world_size"]) for r in result["rows"]) == sorted(
-        (s, n) for s in SIDES for n in SIZES
+        (s, n) for s in SIDES for n in SIZES if _exists(s, n)
     )
     for r in result["rows"]:
         assert set(FIELDS) <= set(r), r["side"]
@@ -98,15 +102,20 @@ def test_json_has_every_side_and_world_size(run: tuple[Path, dict[str, Any]]) ->
 def test_derived_figures_follow_from_the_json(run: tuple[Path, dict[str, Any]]) -> None:
     _, result = run
     for side in SIDES:
-        one = _row(result, side, 1)
         for n in SIZES:
+            if not _exists(side, n):
+                continue
             r = _row(result, side, n)
             t = r["step_times_s"]
             assert r["step_time_median_s"] == statistics.median(t)
             assert (r["step_time_min_s"], r["step_time_max_s"]) == (min(t), max(t))
             assert r["samples_per_s"] == pytest.approx(r["global_batch"] / statistics.median(t))
-            assert r["speedup"] == pytest.approx(r["samples_per_s"] / one["samples_per_s"])
-            assert r["efficiency"] == pytest.approx(r["speedup"] / n)
+            if _exists(side, 1):
+                one = _row(result, side, 1)
+                assert r["speedup"] == pytest.approx(r["samples_per_s"] / one["samples_per_s"])
+                assert r["efficiency"] == pytest.approx(r["speedup"] / n)
+            else:
+                assert r["speedup"] is None and r["efficiency"] is None
 
 
 def test_model_state_bytes_per_rank(run: tuple[Path, dict[str, Any]]) -> None:
@@ -123,6 +132,12 @@ def test_model_state_bytes_per_rank(run: tuple[Path, dict[str, Any]]) -> None:
         assert all(16 * a <= b <= 16 * a + 4 * 64 for b in rep)
         # ZeRO-2: 4a + 12a/n, plus step counters and shard padding (< n elements per unit).
         assert all(4 * a + 12 * a // n <= b <= 4 * a + 12 * a // n + 4 * 64 for b in z2), (n, z2)
+    # Pipeline stages hold disjoint parts of the model: together, the whole model's state once;
+    # apart, each less than all of it. With one data-parallel rank a stage trains as `single`,
+    # whose gradients are freed at zero_grad, so its state is 4a + 8a, plus step counters.
+    pipe = _row(result, "pipeline", 2)["state_bytes_per_rank"]
+    assert 12 * a <= sum(pipe) <= 12 * a + 4 * 64, pipe
+    assert all(b < 12 * a for b in pipe), pipe
 
 
 def test_equivalent_sides_train_identically(run: tuple[Path, dict[str, Any]]) -> None:
@@ -130,8 +145,10 @@ def test_equivalent_sides_train_identically(run: tuple[Path, dict[str, Any]]) ->
     for n in SIZES:
         ref = _row(result, "ddp", n)["losses"]
         assert ref[-1] != ref[0]  # the losses are real training losses, not a constant
-        for side in ("replicate", "zero2"):
-            assert _row(result, side, n)["losses"] == pytest.approx(ref, abs=1e-5), (side, n)
+        for side in ("replicate", "zero2", "pipeline"):
+            if _exists(side, n):
+                got = _row(result, side, n)["losses"]
+                assert got == pytest.approx(ref, abs=1e-5), (side, n)
     assert set(result["max_abs_loss_diff"]) == {"1", "2"}
     assert max(result["max_abs_loss_diff"].values()) < 1e-5
 
@@ -196,6 +213,14 @@ def test_strong_scaling_user_model_same_losses_at_every_world_size(tmp_path: Pat
         (
             ["--scaling", "strong", "--world-sizes", "2,3,4", "--micro-batch", "1"],
             ["--scaling strong", "world size 3"],
+        ),
+        (
+            ["--strategies", "pipeline", "--world-sizes", "2", "--pipeline-micro-batches", "3"],
+            ["--pipeline-micro-batches 3", "global batch of 16", "world size 2"],
+        ),
+        (
+            ["--strategies", "pipeline", "--world-sizes", "1,4", "--pipeline-micro-batches", "2"],
+            ["--pipeline-micro-batches 2", "4 stages", "use 4 or more"],
         ),
     ],
 )

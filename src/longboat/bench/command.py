@@ -51,6 +51,7 @@ def settings_from_flags(
     scaling: str,
     threads: int,
     memory: bool,
+    pipeline_micro_batches: int = 4,
 ) -> BenchSettings:
     """Validate the flags into :class:`BenchSettings`; :class:`BenchUsageError` names the flag."""
     try:
@@ -73,6 +74,7 @@ def settings_from_flags(
         ("--warmup", warmup, 1),
         ("--steps", steps, 1),
         ("--threads", threads, 1),
+        ("--pipeline-micro-batches", pipeline_micro_batches, 1),
     ):
         if v < lo:
             raise BenchUsageError(f"{flag} {v} is invalid: use {lo} or more")
@@ -90,7 +92,10 @@ def settings_from_flags(
         scaling=scaling,  # type: ignore[arg-type]
         threads=threads,
         memory=memory,
+        pipeline_micro_batches=pipeline_micro_batches,
     )
+    if "pipeline" in s.strategies:
+        _check_pipeline(s)
     if scaling == "strong":
         gb = s.global_batch(1)
         bad = [n for n in s.world_sizes if gb % n]
@@ -101,6 +106,26 @@ def settings_from_flags(
                 f"by world size {bad[0]}: change --world-sizes"
             )
     return s
+
+
+def _check_pipeline(s: BenchSettings) -> None:
+    """The pipeline side splits each step's global batch into ``--pipeline-micro-batches``
+    equal micro-batches, and 1F1B needs at least as many micro-batches as stages."""
+    m = s.pipeline_micro_batches
+    for n in s.world_sizes:
+        if n < 2:
+            continue
+        gb = s.global_batch(n)
+        if gb % m:
+            raise BenchUsageError(
+                f"--pipeline-micro-batches {m} does not divide the global batch of {gb} "
+                f"samples at world size {n}: choose a divisor of {gb}, or change --micro-batch"
+            )
+        if m < n:
+            raise BenchUsageError(
+                f"--pipeline-micro-batches {m} is fewer than the {n} stages at world size {n}; "
+                f"1F1B needs at least one micro-batch per stage: use {n} or more"
+            )
 
 
 def bench(s: BenchSettings, out: Path, console: Console | None = None) -> dict[str, Path]:

@@ -98,6 +98,9 @@ def finish(raw: dict[str, Any]) -> dict[str, Any]:
             "tensor storages (None / '-': not exposed by the library); the table "
             "shows the largest rank",
             "at_one_rank": AT_ONE_RANK,
+            "pipeline": f"mesh.pp = world size (one stage per rank), 1F1B, the global batch in "
+            f"{s['pipeline_micro_batches']} micro-batches per step; no row at one rank, so no "
+            "speed-up: compare its samples/s with replicate's at the same world size",
         },
         "versions": versions(),
         "machine": machine(),

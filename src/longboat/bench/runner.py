@@ -14,7 +14,8 @@ Each rank times its own step with ``time.perf_counter`` (forward, loss, backward
 zero_grad; no barrier inside, which would hide a straggler); then the ranks all-reduce the MAX,
 the step time a synchronous job sees. That all-reduce and the one averaging the loss are outside
 the timed region. Data is drawn before the clock starts. Every rank draws the same global batch
-from a generator seeded per side and takes its own slice, so all sides see the same samples.
+from a generator seeded per side and takes its own slice (a pipeline's stages take all of it),
+so all sides see the same samples.
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longboat.bench.models import Batch, resolve_model
-from longboat.bench.sides import LONGBOAT_SIDES, build_side, import_deepspeed, library
+from longboat.bench.sides import (
+    LONGBOAT_SIDES,
+    build_side,
+    exists_at,
+    import_deepspeed,
+    library,
+    micro_batch_of,
+)
 
 MEMORY_STEPS = 2
 # What every rank imports anyway (torch.optim's first use imports torch._dynamo: ~1.5 s).
@@ -70,6 +78,7 @@ class BenchSettings:
     seed: int = 0
     threads: int = 1
     memory: bool = True
+    pipeline_micro_batches: int = 4  # the pipeline side's micro-batches per step
     timeout_s: float = 300.0
 
     def global_batch(self, n: int) -> int:
@@ -95,8 +104,8 @@ BenchProgressFn = Callable[[int, str, str, int, int], None]  # (world size, phas
 
 
 def sides_at(names: list[str], n: int) -> list[str]:
-    """The sides that exist at world size ``n`` (``single`` is one process only)."""
-    return [s for s in names if not (s == "single" and n > 1)]
+    """The sides that exist at world size ``n`` (:func:`~longboat.bench.sides.exists_at`)."""
+    return [s for s in names if exists_at(s, n)]
 
 
 # -- inside a rank -----------------------------------------------------------------------------
@@ -150,7 +159,7 @@ def _measure(
         if name in unavailable:
             continue
         try:
-            sides[name] = build_side(name, spec, s.seed, s.lr, gb // n, n)
+            sides[name] = build_side(name, spec, s.seed, s.lr, gb // n, n, s.pipeline_micro_batches)
         except Exception as e:
             if library(name) != "deepspeed":
                 raise
@@ -168,7 +177,9 @@ def _measure(
     def run(name: str, k: int, keep: bool) -> None:
         nonlocal done
         for _ in range(k):
-            batch = _slice(spec.batch(gb, gens[name]), rank, n)
+            batch = spec.batch(gb, gens[name])
+            if not sides[name].shares_batch:
+                batch = _slice(batch, rank, n)
             dt, c, loss = _timed_step(sides[name].step, batch, n)
             losses[name].append(loss)
             if keep:
@@ -328,7 +339,7 @@ def _row(
         "library": library(side),
         "world_size": n,
         "global_batch": gb,
-        "micro_batch": gb // n,
+        "micro_batch": micro_batch_of(side, gb, n, s.pipeline_micro_batches),
         "measured_steps": len(t),
         "step_time_median_s": med,
         "step_time_min_s": min(t),

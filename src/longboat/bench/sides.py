@@ -6,6 +6,11 @@ what is said here. Side names:
 
 ``single``, ``replicate``, ``zero1..3``
     ``longboat.initialize`` with that strategy (ZeRO-3 units: the spec's ``unit_classes``).
+``pipeline``
+    ``longboat.initialize`` with ``mesh.pp`` = the world size (one stage per rank, the model's
+    own partition, the 1F1B schedule): the step's samples (the same global batch the
+    data-parallel sides split) run as ``pipeline_micro_batches`` micro-batches through the
+    stages, so every rank takes the whole batch. Not at one rank.
 ``ddp``
     ``torch.nn.parallel.DistributedDataParallel`` (the peer of ``replicate``).
 ``fsdp2_zero2`` / ``fsdp2_zero3``
@@ -26,7 +31,7 @@ from torch import nn
 
 from longboat.bench.models import Batch, ModelSpec
 
-LONGBOAT_SIDES = ("single", "replicate", "zero1", "zero2", "zero3")
+LONGBOAT_SIDES = ("single", "replicate", "zero1", "zero2", "zero3", "pipeline")
 PEERS = ("ddp", "fsdp2", "deepspeed")
 
 
@@ -34,6 +39,7 @@ class Side(Protocol):
     """One way of training the model: build once, then step."""
 
     name: str
+    shares_batch: bool  # every rank takes the whole global batch (pipeline stages), not a slice
 
     def step(self, batch: Batch) -> torch.Tensor:
         """Forward, loss, backward, optimizer step, zero_grad; returns the detached loss."""
@@ -71,6 +77,11 @@ def library(side: str) -> str:
     return side if side == "ddp" else side.split("_")[0] if "_" in side else "longboat"
 
 
+def exists_at(side: str, n: int) -> bool:
+    """``single`` is one process only; a ``pipeline`` needs two stages or more."""
+    return not ((side == "single" and n > 1) or (side == "pipeline" and n < 2))
+
+
 def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
     from longboat.observe.memory import _storages
 
@@ -97,6 +108,7 @@ class _EngineSide:
 
     spec: ModelSpec
     engine: Any
+    shares_batch = False
 
     def step(self, batch: Batch) -> torch.Tensor:
         loss = self.spec.loss(self.engine(*batch[:-1]), batch[-1])
@@ -135,8 +147,56 @@ class LongboatSide(_EngineSide):
         self.engine.close()
 
 
+class PipelineSide:
+    """longboat's pipeline: one stage per rank over ``mesh.pp``, 1F1B, ``micro_batches``
+    micro-batches per step; ``step`` is ``engine.train_step`` on the whole global batch."""
+
+    shares_batch = True
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model: nn.Module,
+        lr: float,
+        batch: int,
+        stages: int,
+        micro_batches: int,
+    ) -> None:
+        import longboat
+
+        self.name, self.spec = "pipeline", spec
+        config: dict[str, Any] = {
+            "mesh": {"pp": stages},
+            "pipeline": {"schedule": "1f1b"},
+            "batch": {
+                "micro_batch_size": batch // micro_batches,
+                "gradient_accumulation_steps": micro_batches,
+            },
+            "log": {"progress": False, "level": "WARNING"},
+        }
+        self.engine = longboat.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=lr), config=config
+        )
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        loss = self.engine.train_step(
+            batch,
+            lambda out, mb: self.spec.loss(out, mb[-1]),
+            inputs=lambda mb: tuple(mb[:-1]),
+        )
+        return torch.tensor(loss)  # the last stage's, shared with every stage
+
+    def state_bytes(self) -> int | None:
+        return self.engine.memory_report().total
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 class _PlainSide:
     """A wrapped model trained with a plain torch optimizer (DDP, FSDP2)."""
+
+    shares_batch = False
 
     def __init__(
         self, name: str, spec: ModelSpec, model: nn.Module, wrapped: nn.Module, lr: float
@@ -238,13 +298,30 @@ class DeepSpeedSide(_EngineSide):
         pass
 
 
+def micro_batch_of(side: str, global_batch: int, n: int, pipeline_micro_batches: int) -> int:
+    """Samples per forward: a data-parallel rank's share, or a pipeline's micro-batch."""
+    if side == "pipeline":
+        return global_batch // pipeline_micro_batches
+    return global_batch // n
+
+
 def build_side(
-    name: str, spec: ModelSpec, seed: int, lr: float, micro_batch: int, world_size: int
+    name: str,
+    spec: ModelSpec,
+    seed: int,
+    lr: float,
+    micro_batch: int,
+    world_size: int,
+    pipeline_micro_batches: int = 4,
 ) -> Side:
     """Build ``name`` on a model made right after ``torch.manual_seed(seed)``, so every side
-    starts from the same weights."""
+    starts from the same weights. ``micro_batch`` is a data-parallel rank's share of the step."""
     torch.manual_seed(seed)
     model = spec.build()
+    if name == "pipeline":
+        return PipelineSide(
+            spec, model, lr, micro_batch * world_size, world_size, pipeline_micro_batches
+        )
     makers: dict[str, Callable[[], Side]] = {
         "longboat": lambda: LongboatSide(name, spec, model, lr, micro_batch),
         "ddp": lambda: make_ddp(spec, model, lr),

@@ -17,7 +17,7 @@ def bench(
     strategies: str = typer.Option(
         "single,replicate,zero1,zero2,zero3",
         "--strategies",
-        help="longboat strategies, comma-separated",
+        help="longboat strategies, comma-separated (also: pipeline, one stage per rank)",
     ),
     peers: str = typer.Option(
         "ddp,fsdp2,deepspeed", "--peers", help="peers to compare, comma-separated ('' for none)"
@@ -33,6 +33,9 @@ def bench(
     threads: int = typer.Option(1, "--threads", help="torch threads per rank"),
     memory: bool = typer.Option(
         True, "--memory/--no-memory", help="also run each side alone for its peak RSS"
+    ),
+    pipeline_micro_batches: int = typer.Option(
+        4, "--pipeline-micro-batches", help="micro-batches per step of the pipeline side"
     ),
     out: Path = typer.Option(Path("bench-results"), "--out", help="directory for the outputs"),
 ) -> None:
@@ -54,6 +57,7 @@ def bench(
             scaling=scaling,
             threads=threads,
             memory=memory,
+            pipeline_micro_batches=pipeline_micro_batches,
         )
         run_bench(settings, out)
     except BenchUsageError as e:
