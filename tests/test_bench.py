@@ -21,6 +21,8 @@ SIZES = (1, 2)
 
 def _exists(side: str, n: int) -> bool:
     return side != "pipeline" or n > 1  # a pipeline needs two stages
+
+
 FIELDS = (
     "side",
     "world_size",

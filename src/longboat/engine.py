@@ -435,12 +435,31 @@ def initialize(
         ),
         device_for(world),
     )
-    schedule = build_schedule(cfg.pipeline, topology, device_for(world))
+    return assemble(model, optimizer, cfg, world, topology, scheduler, owns_group=owns)
+
+
+def assemble(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    cfg: Config,
+    world: World,
+    topology: Topology,
+    scheduler: LRScheduler | None = None,
+    owns_group: bool = False,
+    device: torch.device | None = None,
+) -> Engine:
+    """The engine of ``model`` on ``topology``: this rank's pipeline stages, activation
+    checkpointing, the optimizer (the user's restricted to the stages held, or the config's)
+    and the strategy, on ``device`` (default: this rank's). :func:`initialize` after joining
+    the group; ``longboat plan`` on its simulated topology, on CPU fake tensors, so a plan is
+    of exactly what a run builds."""
+    device = device or device_for(world)
+    schedule = build_schedule(cfg.pipeline, topology, device)
     # With pipeline stages, this rank's stages only, from here on (specs built here).
     model = schedule.prepare(model)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    if torch.cuda.is_available():
-        model.to(device_for(world))
+    if device.type != "cpu":
+        model.to(device)
     if optimizer is None:
         if cfg.optimizer is None:
             raise ConfigError(
@@ -453,7 +472,7 @@ def initialize(
     if scheduler is None and cfg.scheduler is not None:
         scheduler = build_scheduler(optimizer, cfg.scheduler)
     return Engine(
-        model, optimizer, cfg, world, topology, scheduler, owns_group=owns, schedule=schedule
+        model, optimizer, cfg, world, topology, scheduler, owns_group=owns_group, schedule=schedule
     )
 
 

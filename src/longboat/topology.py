@@ -153,14 +153,15 @@ class Topology:
         return mine
 
     @classmethod
-    def of(cls, mesh: Mesh, rank: int, doorway: Any) -> Topology:
+    def of(cls, mesh: Mesh, rank: int, doorway: Any, control: Any = None) -> Topology:
         """A topology whose doorways ``doorway(group_size, rank_in_group)`` makes, one per axis
-        (the planner's meta run), control planes the same as data planes."""
+        (the planner's meta run); its control planes are ``control()``, or the data planes."""
         data: dict[str, Comm] = {}
         for axis in GROUP_AXES:
             group = mesh.group_of(axis, rank)
             data[axis] = doorway(len(group), group.index(rank))
-        return cls(mesh, rank, data, dict(data))
+        ctrl = {axis: control() for axis in data} if control is not None else dict(data)
+        return cls(mesh, rank, data, ctrl)
 
     # -- what strategies and the engine use ----------------------------------------------------
 

@@ -38,6 +38,20 @@ def plan(
         "a longboat config: bucket sizes, ZeRO units, precision"
     ),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+    pp: int | None = typer.Option(
+        None, "--pp", help="pipeline stages (mesh.pp; default: the config's, else 1)"
+    ),
+    micro_batches: int | None = typer.Option(
+        None,
+        "--micro-batches",
+        help="micro-batches per step with --pp (default: the config's accumulation steps)",
+    ),
+    schedule: str | None = typer.Option(
+        None, "--schedule", help="gpipe, 1f1b or interleaved (default: the config's, else 1f1b)"
+    ),
+    virtual_stages: int | None = typer.Option(
+        None, "--virtual-stages", help="stages per rank with --schedule interleaved"
+    ),
 ) -> None:
     """Predict per-rank memory and communication of each strategy, allocating nothing."""
     from longboat.config import ConfigError
@@ -59,6 +73,10 @@ def plan(
             strategies,
             config_file,
             as_json,
+            pp=pp,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
         )
     except (PlanInputError, ConfigError) as e:
         raise usage_error(str(e)) from None

@@ -8,6 +8,9 @@ on gloo. Sends are asynchronous and never block; receives block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
 from longboat.comm.protocol import Comm, Handle
@@ -60,6 +63,58 @@ def recv(data: Comm, control: Comm, src: int, device: torch.device, what: str = 
     out = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
     data.recv(out, src, tag=what)
     return out
+
+
+@dataclass(frozen=True)
+class Message:
+    """One tensor between neighbouring stages: an activation goes from stage ``s`` to ``s + 1``,
+    its gradient back from ``s + 1`` to ``s``. Either has the shape of stage ``s``'s output
+    (:attr:`boundary`)."""
+
+    kind: Literal["activation", "gradient"]
+    micro_batch: int
+    src: int  # stage
+    dst: int  # stage
+
+    @property
+    def boundary(self) -> int:
+        """The stage whose output this tensor (or its gradient) is."""
+        return min(self.src, self.dst)
+
+    def sending(self) -> str:
+        return f"{self.kind} of micro-batch {self.micro_batch} to stage {self.dst}"
+
+    def receiving(self) -> str:
+        return f"{self.kind} of micro-batch {self.micro_batch} from stage {self.src}"
+
+
+class Link:
+    """What a pipeline rank exchanges with the others: tensors with its neighbours (a header on
+    the control plane, the payload on the data plane) and the step's losses. ``longboat plan``
+    runs the pipeline with a link of its own (:mod:`longboat.plan.stages`)."""
+
+    def __init__(self, data: Comm, control: Comm, device: torch.device) -> None:
+        self.data, self.control, self.device = data, control, device
+
+    def send(self, tensor: torch.Tensor, dst: int, message: Message) -> list[Handle]:
+        """Start sending ``tensor`` to pipeline rank ``dst``; wait the handles at the step's
+        end."""
+        return send(self.data, self.control, tensor, dst, message.sending())
+
+    def recv(self, src: int, message: Message) -> torch.Tensor:
+        """Receive ``message`` from pipeline rank ``src`` (blocking)."""
+        return recv(self.data, self.control, src, self.device, message.receiving())
+
+    def share_losses(self, losses: list[torch.Tensor], m: int, src: int) -> list[float]:
+        """The ``m`` micro-batch losses pipeline rank ``src`` (the last stage's) computed, on
+        every rank: one small CPU broadcast, and one read of their values per step."""
+        t = (
+            torch.stack([x.detach().to("cpu", torch.float64) for x in losses])
+            if losses
+            else torch.zeros(m, dtype=torch.float64)
+        )
+        self.control.broadcast(t, src=src)
+        return t.tolist()
 
 
 class _Keep:

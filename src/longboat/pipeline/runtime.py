@@ -26,9 +26,10 @@ from torch import nn
 
 from longboat.comm.protocol import Comm, Handle
 from longboat.config import ConfigError
-from longboat.pipeline import layered, p2p, schedules
+from longboat.pipeline import layered, schedules
 from longboat.pipeline import stages as staging
 from longboat.pipeline.module import PipelineModule, StageInfo
+from longboat.pipeline.p2p import Link, Message
 from longboat.schedule import LossFn, Steps
 from longboat.tied import Tie, TiedWeights
 from longboat.topology import Topology
@@ -55,6 +56,7 @@ class Pipeline:
         self.rank = self.data.rank
         self.ranks = self.data.world_size
         self.device = device
+        self.link = Link(self.data, self.control, device)
         self._plans: dict[int, schedules.PipelineSchedule] = {}
         self.log = logging.getLogger("longboat")
 
@@ -153,9 +155,10 @@ class Pipeline:
     ) -> list[float]:
         plan = self.plan(len(micro_batches))
         last = plan.stages - 1
+        link = self.link
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         sends: list[Handle] = []
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
         for a in plan.actions[self.rank]:
             mb, s = a.micro_batch, a.stage
             if a.op == "F":
@@ -163,57 +166,30 @@ class Pipeline:
                     x: torch.Tensor | None = None
                     out = steps.forward(*inputs(micro_batches[mb]), stage=s)
                 else:
-                    x = p2p.recv(
-                        self.data,
-                        self.control,
-                        plan.rank_of(s - 1),
-                        self.device,
-                        f"activation of micro-batch {mb} from stage {s - 1}",
-                    )
+                    x = link.recv(plan.rank_of(s - 1), Message("activation", mb, s - 1, s))
                     if x.is_floating_point():
                         x.requires_grad_(True)
                     out = steps.forward(x, stage=s)
                 if s == last:
                     out = loss_fn(out, micro_batches[mb])
                 else:
-                    sends += p2p.send(
-                        self.data,
-                        self.control,
-                        out,
-                        plan.rank_of(s + 1),
-                        f"activation of micro-batch {mb} to stage {s + 1}",
+                    sends += link.send(
+                        out, plan.rank_of(s + 1), Message("activation", mb, s, s + 1)
                     )
                 saved[(mb, s)] = (x, out)
             else:
                 x, out = saved.pop((mb, s))
                 if s == last:
                     steps.backward(out)
-                    losses.append(float(out.detach()))
+                    losses.append(out.detach())
                 else:
-                    grad = p2p.recv(
-                        self.data,
-                        self.control,
-                        plan.rank_of(s + 1),
-                        self.device,
-                        f"gradient of micro-batch {mb} from stage {s + 1}",
-                    )
+                    grad = link.recv(plan.rank_of(s + 1), Message("gradient", mb, s + 1, s))
                     steps.backward_from(out, grad)
                 if s > 0:
                     assert x is not None
                     g = x.grad if x.grad is not None else torch.zeros_like(x)
-                    sends += p2p.send(
-                        self.data,
-                        self.control,
-                        g,
-                        plan.rank_of(s - 1),
-                        f"gradient of micro-batch {mb} to stage {s - 1}",
-                    )
+                    sends += link.send(g, plan.rank_of(s - 1), Message("gradient", mb, s, s - 1))
         for h in sends:
             h.wait()
-        return self._share_losses(losses, len(micro_batches))
-
-    def _share_losses(self, losses: list[float], m: int) -> list[float]:
-        # The last stage's losses, on every rank of the pipeline (one small CPU broadcast).
-        t = torch.tensor(losses if losses else [0.0] * m, dtype=torch.float64)
-        self.control.broadcast(t, src=self.ranks - 1)
-        return t.tolist()
+        # The last stage's losses, on every rank of the pipeline.
+        return link.share_losses(losses, len(micro_batches), src=self.ranks - 1)

@@ -81,6 +81,16 @@ class PipelineSchedule:
         """The stages ``rank`` holds, in model order."""
         return [c * self.ranks + rank for c in range(self.virtual)]
 
+    def peak_held(self, rank: int, size: Callable[[int], int]) -> int:
+        """The most ``rank`` holds at once, in order of its actions, when a forward through
+        stage ``s`` keeps ``size(s)`` until its backward (the activations its micro-batch saved:
+        ``size = lambda s: 1`` counts micro-batches in flight)."""
+        held = peak = 0
+        for a in self.actions[rank]:
+            held += size(a.stage) if a.op == "F" else -size(a.stage)
+            peak = max(peak, held)
+        return peak
+
     def describe(self) -> str:
         """One line per rank: ``rank 0: F0 F1 B0 F2 B1 ...``."""
         head = f"{self.kind}: {self.ranks} rank(s)"

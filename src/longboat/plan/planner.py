@@ -21,9 +21,11 @@ from typing import Any
 import torch
 
 from longboat.config import Config
+from longboat.mesh import Mesh
 from longboat.observe.memory import CATEGORIES
 from longboat.plan.simulate import Simulated, simulate
-from longboat.plan.target import PlanInputError, Target
+from longboat.plan.stages import Shapes, each_stage
+from longboat.plan.target import PlanInputError, Target, whole_model_params
 
 STRATEGIES = ("single", "replicate", "zero-1", "zero-2", "zero-3")
 PREFERENCE = ("replicate", "zero-1", "zero-2", "zero-3")  # see [Note: recommendation]
@@ -37,16 +39,22 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 
 
 def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
-    """``base`` (its bucket sizes, units, precision...) with ``strategy`` and the micro-batch."""
+    """``base`` (its bucket sizes, units, precision, mesh and pipeline...) with ``strategy``
+    and the micro-batch. One micro-batch per step, or with pipeline stages the config's
+    ``batch.gradient_accumulation_steps`` (the schedule's micro-batches); ``single`` is one
+    process with the whole model, for comparison."""
     if strategy not in STRATEGIES:
         raise PlanInputError(
             f"--strategies: unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}"
         )
+    staged = base.mesh.pp > 1 and strategy != "single"
     batch = base.batch.model_copy(
         update={
             "micro_batch_size": micro_batch,
             "train_batch_size": None,
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": (
+                base.batch.gradient_accumulation_steps or 1 if staged else 1
+            ),
         }
     )
     update: dict[str, Any] = {
@@ -54,6 +62,9 @@ def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
         "batch": batch,
         "log": base.log.model_copy(update={"progress": False}),
     }
+    if strategy == "single":
+        update["mesh"] = type(base.mesh)()
+        update["pipeline"] = type(base.pipeline)()
     if strategy.startswith("zero-"):
         update["zero"] = base.zero.model_copy(update={"stage": int(strategy[-1])})
     return base.model_copy(update=update)
@@ -71,6 +82,8 @@ class StrategyPlan:
     peak: int
     comm_bytes: dict[str, int]
     fits: bool | None  # None without a budget
+    stages: tuple[int, ...] = ()  # with pipeline stages: those of this rank (a row per rank)
+    in_flight: int = 0  # with pipeline stages: most micro-batches' activations held at once
 
     @property
     def comm_total(self) -> int:
@@ -88,9 +101,10 @@ class Plan:
     precision: str
     optimizer: str
     budget: int | None
-    strategies: list[StrategyPlan]
+    strategies: list[StrategyPlan]  # with pipeline stages, one row per strategy and pp rank
     recommended: str | None
     reason: str
+    pipeline: dict[str, Any] | None = None  # pp, schedule, micro-batches, idle fraction
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -99,17 +113,43 @@ class Plan:
         return out
 
 
+def _mesh(cfg: Config, n: int) -> Mesh:
+    from longboat.config import ConfigError
+    from longboat.engine import resolve_mesh
+
+    try:
+        return resolve_mesh(cfg, n)
+    except ConfigError as e:
+        raise PlanInputError(f"--world-size {n}: {e}") from None
+
+
+def _pipeline_facts(base: Config, world_size: int) -> dict[str, Any] | None:
+    if base.mesh.pp == 1:
+        return None
+    from longboat.pipeline import bubble_theory
+
+    m = base.batch.gradient_accumulation_steps or 1
+    pp, v = base.mesh.pp, base.pipeline.virtual_stages
+    return {
+        "pp": pp,
+        "dp": _mesh(base, world_size).dp,
+        "schedule": base.pipeline.schedule,
+        "virtual_stages": v,
+        "micro_batches": m,
+        "idle_fraction": bubble_theory(pp, m, v),
+    }
+
+
 def _recommend(
     plans: Sequence[StrategyPlan], world_size: int, budget: int | None
 ) -> tuple[str | None, str]:
-    fitting = [p for p in plans if p.fits is not False]
-    if world_size == 1:
-        single = [p for p in fitting if p.strategy == "single"]
-        if single:
-            return "single", "one rank: nothing to share"
-    by_name = {p.strategy: p for p in fitting}
+    # A strategy fits when every one of its rows (every pipeline rank) does.
+    over = {p.strategy for p in plans if p.fits is False}
+    fitting = {p.strategy for p in plans} - over
+    if world_size == 1 and "single" in fitting:
+        return "single", "one rank: nothing to share"
     for name in PREFERENCE:
-        if name in by_name:
+        if name in fitting:
             why = (
                 "the fastest-communicating strategy that fits "
                 f"(preference: {' > '.join(PREFERENCE)})"
@@ -119,7 +159,7 @@ def _recommend(
             return name, why
     if budget is None:
         return None, "no candidate strategy"
-    names = ", ".join(p.strategy for p in plans)
+    names = ", ".join(dict.fromkeys(p.strategy for p in plans))
     return None, f"none of {names} fits in {budget:,} bytes per rank"
 
 
@@ -148,15 +188,22 @@ def make_plan(
         )
     plans: list[StrategyPlan] = []
     trainable = 0
+    make = OPTIMIZERS[optimizer]
     for name in strategies:
         cfg = strategy_config(base, name, micro_batch)
         # single is one process on its own, whatever the world size (for comparison).
         n = 1 if name == "single" else world_size
-        sim: Simulated = simulate(
-            target, cfg, n, micro_batch, OPTIMIZERS[optimizer], rank=min(rank, n - 1)
-        )
-        trainable = sim.trainable_params
-        plans.append(
+
+        def one(r: int, shapes: Shapes | None = None, cfg: Config = cfg, n: int = n) -> Simulated:
+            return simulate(target, cfg, n, micro_batch, make, rank=r, shapes=shapes)
+
+        mesh = _mesh(cfg, n)
+        if mesh.pp > 1:
+            sims = each_stage(mesh, one)  # a row per pipeline rank: they hold different layers
+        else:
+            sims = [one(min(rank, n - 1))]
+            trainable = sims[0].trainable_params
+        plans += [
             StrategyPlan(
                 strategy=name,
                 world_size=n,
@@ -166,8 +213,13 @@ def make_plan(
                 peak=sim.peak,
                 comm_bytes=sim.comm_bytes,
                 fits=None if budget is None else sim.peak <= budget,
+                stages=sim.stages,
+                in_flight=sim.in_flight,
             )
-        )
+            for sim in sims
+        ]
+    if base.mesh.pp > 1:
+        trainable = whole_model_params(target)
     recommended, reason = _recommend(plans, world_size, budget)
     return Plan(
         model=target.name,
@@ -180,6 +232,7 @@ def make_plan(
         strategies=plans,
         recommended=recommended,
         reason=reason,
+        pipeline=_pipeline_facts(base, world_size),
     )
 
 

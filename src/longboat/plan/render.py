@@ -8,7 +8,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from longboat.plan.planner import Plan
+from longboat.plan.planner import Plan, StrategyPlan
 from longboat.plan.target import PlanInputError
 
 _MIB = 2**20
@@ -28,6 +28,28 @@ def _mib(n: int) -> str:
     return f"{n / _MIB:,.1f}"
 
 
+def _row_name(s: StrategyPlan) -> str:
+    if not s.stages:
+        return s.strategy
+    return f"{s.strategy} stage {','.join(map(str, s.stages))}"
+
+
+def _pipeline_line(plan: Plan) -> str:
+    p = plan.pipeline or {}
+    held = ", ".join(
+        f"stage {','.join(map(str, s.stages))} {s.in_flight}"
+        for s in plan.strategies
+        if s.stages and s.strategy == plan.strategies[-1].strategy
+    )
+    virtual = f" x {p['virtual_stages']} virtual stages" if p["virtual_stages"] > 1 else ""
+    return (
+        f"pipeline: {p['pp']} stage rank(s){virtual} x {p['dp']} data-parallel, {p['schedule']}, "
+        f"{p['micro_batches']} micro-batches of {plan.micro_batch} per step: idle fraction "
+        f"{100 * p['idle_fraction']:.0f}% with equal stages; micro-batches' activations held "
+        f"at most: {held}; 'send' is the activations and gradients to the neighbouring stages"
+    )
+
+
 def render(plan: Plan, width: int = 120) -> str:
     """The plan as text: one row per strategy, then the recommendation."""
     title = (
@@ -36,8 +58,11 @@ def render(plan: Plan, width: int = 120) -> str:
         f"{plan.optimizer}; MiB per rank"
     )
     table = Table(title=title, title_justify="left")
+    staged = any(s.stages for s in plan.strategies)
+    if staged:
+        table.add_column("strategy", justify="left")
     for col in (
-        "strategy",
+        "stage" if staged else "strategy",
         "parameters",
         "gradients",
         "optimizer",
@@ -48,12 +73,13 @@ def render(plan: Plan, width: int = 120) -> str:
         "fits",
         "comm/step",
     ):
-        table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
+        table.add_column(col, justify="right" if col != "fits" and col != "strategy" else "left")
     for s in plan.strategies:
         fits = "-" if s.fits is None else ("yes" if s.fits else "NO")
         ms = s.model_state
+        first = [s.strategy, ",".join(map(str, s.stages)) or "-"] if staged else [s.strategy]
         table.add_row(
-            s.strategy,
+            *first,
             _mib(ms["parameters"]),
             _mib(ms["gradients"]),
             _mib(ms["optimizer_state"]),
@@ -68,15 +94,17 @@ def render(plan: Plan, width: int = 120) -> str:
     console = Console(file=buf, width=width, no_color=True, highlight=False)
     console.print(table)
     lines = [buf.getvalue().rstrip()]
+    if plan.pipeline:
+        lines.append(_pipeline_line(plan))
     if plan.budget is not None:
         lines.append(f"budget: {_mib(plan.budget)} MiB per rank")
-        over = [s.strategy for s in plan.strategies if s.fits is False]
+        over = list(dict.fromkeys(s.strategy for s in plan.strategies if s.fits is False))
         if over:
             lines.append(f"do not fit: {', '.join(over)}")
     lines.append("communication per step and rank (bytes sent, ring algorithms):")
     for s in plan.strategies:
         parts = ", ".join(f"{op} {_mib(b)} MiB" for op, b in sorted(s.comm_bytes.items()))
-        lines.append(f"  {s.strategy:<10} {parts or 'none'}")
+        lines.append(f"  {_row_name(s):<18} {parts or 'none'}")
     if plan.recommended:
         lines.append(f"recommended: {plan.recommended} ({plan.reason})")
     else:

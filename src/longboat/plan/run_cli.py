@@ -25,6 +25,10 @@ def run_plan(
     strategies: str | None,
     config_file: Path | None,
     as_json: bool,
+    pp: int | None = None,
+    micro_batches: int | None = None,
+    schedule: str | None = None,
+    virtual_stages: int | None = None,
 ) -> tuple[str, int]:
     """Plan and format; returns (text, exit status). Raises :class:`PlanInputError` or
     :class:`~longboat.config.ConfigError` for usage errors.
@@ -47,9 +51,22 @@ def run_plan(
             f"config file {str(config_file)!r} does not exist: give the path of a file"
         )
     base = lb_config.load_config(config_file)
-    if precision is not None:  # through validation again: fp16-only keys must still agree
+    for flag, value in (("--pp", pp), ("--micro-batches", micro_batches)):
+        if value is not None and value < 1:
+            raise PlanInputError(f"{flag} {value} is invalid: use 1 or more")
+    overrides = {
+        ("precision", "dtype"): precision,
+        ("mesh", "pp"): pp,
+        ("batch", "gradient_accumulation_steps"): micro_batches,
+        ("pipeline", "schedule"): schedule,
+        ("pipeline", "virtual_stages"): virtual_stages,
+    }
+    if any(v is not None for v in overrides.values()):
+        # Through validation again: fp16-only keys must still agree, schedules be known.
         data = base.model_dump(exclude_unset=True)
-        data.setdefault("precision", {})["dtype"] = precision
+        for (section, key), value in overrides.items():
+            if value is not None:
+                data.setdefault(section, {})[key] = value
         base = lb_config.load_config(data)
     # "zero2" as `longboat bench` spells it is accepted too.
     names = (

@@ -39,8 +39,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from longboat.comm.collectives import _Done
 from longboat.config import Config
-from longboat.mesh import Mesh
 from longboat.observe.memory import CATEGORIES, measure
+from longboat.plan import stages
 from longboat.plan.target import Target
 from longboat.plan.tracker import LiveBytes
 from longboat.topology import Topology
@@ -49,6 +49,22 @@ from longboat.world import World
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class _InFlight(_Done):
+    """An asynchronous operation of the meta run: in flight until waited. A strategy that
+    frees a buffer as soon as its reduction is over (ZeRO's reaping during backward) keeps it
+    until it waits, as on a link too slow to finish early: the plan's peak is the upper one."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.waited
 
 
 @dataclass
@@ -80,7 +96,7 @@ class MetaCollectives:
     def _count(self, op: str, nbytes: float) -> _Done:
         if self.world_size > 1:
             self.sent[op] = self.sent.get(op, 0) + int(nbytes)
-        return _Done()
+        return _InFlight()
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank
@@ -126,9 +142,13 @@ class Simulated:
     trainable_params: int
     model_state: dict[str, int]  # as engine.memory_report().measured, after a step
     peak: int  # highest live tensor bytes since the model was built ([Note: peak model])
-    activations: int  # live after the forward (with the loss) above what was live before it
+    # Live after the forward (with the loss) above what was live before it; with pipeline
+    # stages, the most the schedule keeps at once ([Note: stage activations] in stages.py).
+    activations: int
     transient: int  # the rest of the peak: gradients of backward, buckets, gathered units, ...
     comm_bytes: dict[str, int]  # bytes sent per step by this rank, per collective
+    stages: tuple[int, ...] = ()  # the pipeline stages this rank holds (none without)
+    in_flight: int = 0  # most micro-batches whose backward had not run yet (pipeline)
 
 
 def simulate(
@@ -138,14 +158,22 @@ def simulate(
     micro_batch: int,
     make_optimizer: Any,
     rank: int = 0,
+    shapes: stages.Shapes | None = None,
 ) -> Simulated:
     """Run setup and two steps of ``config``'s strategy on meta tensors at ``world_size``, as
-    rank ``rank`` would."""
-    from longboat.engine import Engine
+    rank ``rank`` would. With pipeline stages (``mesh.pp > 1``) the steps are a schedule's, and
+    ``shapes`` holds what the other stages send ([Note: planning stages] in stages.py)."""
+    from longboat.engine import assemble, resolve_mesh
 
     sent: dict[str, int] = {}
+    mesh = resolve_mesh(config, world_size)
+    # Control planes carry flags, headers and metadata as JSON: a few bytes, whose values fake
+    # tensors do not have. The plan gives them doorways of one (no peer, nothing counted).
     topology = Topology.of(
-        Mesh.resolve(world_size), rank, lambda n, r: MetaCollectives(n, r, sent=sent)
+        mesh,
+        rank,
+        lambda n, r: MetaCollectives(n, r, sent=sent),
+        control=lambda: MetaCollectives(1),
     )
     world = World(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
     tracker = LiveBytes()
@@ -153,23 +181,26 @@ def simulate(
         config = config.model_copy(
             update={"precision": config.precision.model_copy(update={"dtype": "bf16"})}
         )
+    held: tuple[int, ...] = ()
+    in_flight = 0
     with FakeTensorMode(), tracker:
         model = target.build()
         opt = make_optimizer(model.parameters())
-        engine = Engine(model, opt, config, world, topology)
+        engine = assemble(model, opt, config, world, topology, device=torch.device("cpu"))
         try:
-            activations = 0
-            for step in range(2):
-                if step == 1:
-                    sent.clear()  # the first step's are the same; count one step
-                args = target.example_input(model, micro_batch)
-                before = tracker.live
-                loss = target.loss(engine(*args), args)
-                activations = max(activations, tracker.live - before)
-                engine.backward(loss)
-                del loss
-                engine.step()
-                del args
+            if mesh.pp > 1:
+                run = stages.run_steps(
+                    engine,
+                    target,
+                    model,
+                    micro_batch,
+                    tracker,
+                    sent,
+                    {} if shapes is None else shapes,
+                )
+                activations, held, in_flight = run.activations, run.stages, run.in_flight
+            else:
+                activations = _steps(engine, target, model, micro_batch, tracker, sent)
             state = measure(engine.strategy.memory_tensors(opt))
             trainable = engine.trainable_params
             name = engine.strategy.name
@@ -185,4 +216,30 @@ def simulate(
         activations=activations,
         transient=max(tracker.max_peak - state_total - activations, 0),
         comm_bytes=dict(sent),
+        stages=held,
+        in_flight=in_flight,
     )
+
+
+def _steps(
+    engine: Any,
+    target: Target,
+    model: torch.nn.Module,
+    micro_batch: int,
+    tracker: LiveBytes,
+    sent: dict[str, int],
+) -> int:
+    """Two steps of one micro-batch each; the bytes the forward and loss leave live."""
+    activations = 0
+    for step in range(2):
+        if step == 1:
+            sent.clear()  # the first step's are the same; count one step
+        args = target.example_input(model, micro_batch)
+        before = tracker.live
+        loss = target.loss(engine(*args), args)
+        activations = max(activations, tracker.live - before)
+        engine.backward(loss)
+        del loss
+        engine.step()
+        del args
+    return activations

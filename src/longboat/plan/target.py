@@ -120,3 +120,12 @@ def resolve(
             raise PlanInputError("--model digits-cnn takes no --model-args")
         return Target(spec, DigitsCNN, lambda _m, b: (torch.zeros(b, 1, 8, 8),), _cnn_loss)
     return _user(spec, kwargs)
+
+
+def whole_model_params(target: Target) -> int:
+    """The trainable parameters of the whole model (tied ones once), built on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = target.build()
+        return sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad)

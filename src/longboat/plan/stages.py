@@ -1,0 +1,177 @@
+"""``longboat plan`` with pipeline stages: each stage's rank simulated through its schedule.
+
+[Note: planning stages] A pipeline rank's memory depends on its schedule (how many micro-batches'
+activations it holds at once) and its traffic on what its neighbours send, so the planner runs
+the real :class:`~longboat.pipeline.runtime.Pipeline` on fake tensors, one stage's rank at a
+time, with a :class:`PlannedLink` in place of the other ranks. Sends go through the meta
+collectives (which count their bytes) and record the shape and dtype of what they carry;
+a receive answers with an empty tensor of the shape the sending stage recorded. A gradient has
+the shape of the activation it belongs to, which the receiving rank sent itself. An activation
+comes from the stage before: the ranks are simulated in pipeline order, so with one stage per
+rank it is always known; with virtual stages (interleaved) rank 0's stage ``p`` waits for the
+last rank's stage ``p - 1``, so a rank that meets a message not yet recorded stops
+(:class:`Unreached`) and runs again once the others have recorded theirs (at most ``v``
+rounds). Every simulation builds its own engine, as a rank would.
+
+[Note: stage activations] A stage's activations per micro-batch are the bytes its forward
+action leaves live: from before its input arrives (the runtime keeps the received activation
+until the backward) to the start of the rank's next action, when the forward's temporaries are
+gone (on the last stage the logits, once the loss has been taken).
+:meth:`PipelineSchedule.peak_held` then walks the rank's actions to find the most it holds at
+once: ``m`` micro-batches' worth under GPipe,
+at most ``p - r`` on rank ``r`` under 1F1B. The peak the planner reports is measured, not
+derived: it is the live-tensor maximum of the simulated schedule ([Note: peak model]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from longboat.comm.protocol import Comm, Handle
+from longboat.mesh import Mesh
+from longboat.pipeline.p2p import Link, Message
+from longboat.pipeline.runtime import Pipeline
+from longboat.plan.target import Target
+from longboat.plan.tracker import LiveBytes
+from longboat.schedule import split
+
+#: (micro-batch, stage) -> the shape and dtype of that stage's output for that micro-batch.
+Shapes = dict[tuple[int, int], tuple[torch.Size, torch.dtype]]
+
+T = TypeVar("T")
+
+
+class Unreached(Exception):
+    """A stage's rank needs a message whose shape no simulated rank has recorded yet."""
+
+
+class PlannedLink(Link):
+    """The other pipeline ranks, for one simulated rank ([Note: planning stages])."""
+
+    def __init__(self, data: Comm, control: Comm, shapes: Shapes, probe: _Probe) -> None:
+        super().__init__(data, control, torch.device("cpu"))
+        self.shapes = shapes
+        self.probe = probe
+
+    def send(self, tensor: torch.Tensor, dst: int, message: Message) -> list[Handle]:
+        self.shapes[(message.micro_batch, message.boundary)] = (tensor.shape, tensor.dtype)
+        return super().send(tensor, dst, message)  # the meta collectives count the bytes
+
+    def recv(self, src: int, message: Message) -> torch.Tensor:
+        self.probe.arriving()
+        known = self.shapes.get((message.micro_batch, message.boundary))
+        if known is None:
+            raise Unreached(message.receiving())
+        shape, dtype = known
+        return torch.empty(shape, dtype=dtype)
+
+    def share_losses(self, losses: list[torch.Tensor], m: int, src: int) -> list[float]:
+        return [0.0] * m  # fake tensors have no values to share
+
+
+class _Probe:
+    """The engine's forward and backward, as the schedule drives them, and what each stage's
+    forward action leaves live ([Note: stage activations]): from before its input arrives to
+    the start of the rank's next action, when the forward's temporaries are gone."""
+
+    def __init__(self, engine: Any, tracker: LiveBytes) -> None:
+        self.engine, self.tracker = engine, tracker
+        self.size: dict[int, int] = {}
+        self._open: tuple[int, int] | None = None  # (stage, live before) of the last forward
+        self._arrival: int | None = None  # live before the latest receive
+
+    def mark(self) -> None:
+        """An action begins (or the step ends): close the forward before it."""
+        if self._open is not None:
+            stage, before = self._open
+            self.size[stage] = max(self.size.get(stage, 0), self.tracker.live - before)
+            self._open = None
+
+    def arriving(self) -> None:
+        self.mark()
+        self._arrival = self.tracker.live
+
+    def forward(self, *args: Any, stage: int) -> Any:
+        self.mark()
+        before = self._arrival if stage > 0 and self._arrival is not None else self.tracker.live
+        self._arrival = None
+        self._open = (stage, before)
+        return self.engine.forward(*args, stage=stage)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.mark()
+        self._arrival = None
+        self.engine.backward(loss)
+
+    def backward_from(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+        self.mark()
+        self._arrival = None
+        self.engine.backward_from(output, grad)
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """What the simulated schedule kept on one rank."""
+
+    stages: tuple[int, ...]
+    activations: int  # the most held at once
+    in_flight: int  # the most micro-batches held at once
+
+
+def run_steps(
+    engine: Any,
+    target: Target,
+    model: torch.nn.Module,
+    micro_batch: int,
+    tracker: LiveBytes,
+    sent: dict[str, int],
+    shapes: Shapes,
+) -> StageRun:
+    """Two optimizer steps of this rank's schedule (``batch.gradient_accumulation_steps``
+    micro-batches each), as ``engine.train_step`` runs them."""
+    pipe = engine.schedule
+    if not isinstance(pipe, Pipeline):
+        raise TypeError(f"expected a pipeline schedule with mesh.pp > 1, got {type(pipe)}")
+    probe = _Probe(engine, tracker)
+    pipe.link = PlannedLink(pipe.data, pipe.control, shapes, probe)
+    m = engine.accumulation_steps
+    for step in range(2):
+        if step == 1:
+            sent.clear()  # the first step's are the same; count one step
+        batch = target.example_input(model, micro_batch * m)
+        micro_batches = split(batch, micro_batch, m)
+        pipe.run(probe, micro_batches, target.loss, inputs=tuple)
+        probe.mark()
+        engine.step()
+        del batch, micro_batches
+    plan = pipe.plan(m)
+    return StageRun(
+        stages=tuple(plan.stages_of(pipe.rank)),
+        activations=plan.peak_held(pipe.rank, lambda s: probe.size.get(s, 0)),
+        in_flight=plan.peak_held(pipe.rank, lambda _s: 1),
+    )
+
+
+def each_stage(mesh: Mesh, simulate_rank: Callable[[int, Shapes], T]) -> list[T]:
+    """``simulate_rank(global rank, shapes)`` for the first data-parallel rank of every
+    pipeline rank, in pipeline order, with the shapes they send shared
+    ([Note: planning stages])."""
+    shapes: Shapes = {}
+    ranks = [mesh.rank_of(pp=r) for r in range(mesh.pp)]
+    done: dict[int, T] = {}
+    waiting = ""
+    for _ in range(mesh.pp * mesh.pp + 1):  # each round records at least one new stage
+        for rank in ranks:
+            if rank in done:
+                continue
+            try:
+                done[rank] = simulate_rank(rank, shapes)
+            except Unreached as e:
+                waiting = str(e)
+        if len(done) == len(ranks):
+            return [done[r] for r in ranks]
+    raise RuntimeError(f"planning the pipeline stages: no rank sends the {waiting}")
