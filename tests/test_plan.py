@@ -232,19 +232,13 @@ def _invoke(*args: str):
     return CliRunner().invoke(app, ["plan", *args])
 
 
+def _gpt_cli(*more: str) -> list[str]:
+    """``longboat plan`` arguments for the odd-sized GPT at micro-batch 2, then ``more``."""
+    return ["--model", "gpt", "--model-args", json.dumps(GPT_ARGS), "--micro-batch", "2", *more]
+
+
 def test_json_output_parses_and_matches_the_table(tmp_path):
-    args = [
-        "--model",
-        "gpt",
-        "--model-args",
-        json.dumps(GPT_ARGS),
-        "--micro-batch",
-        "2",
-        "--world-size",
-        "2",
-        "--strategies",
-        "replicate,zero3",
-    ]  # bench's spelling too
+    args = _gpt_cli("--world-size", "2", "--strategies", "replicate,zero3")  # bench's spelling
     res = _invoke(*args, "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
@@ -256,16 +250,7 @@ def test_json_output_parses_and_matches_the_table(tmp_path):
 
 
 def test_a_small_budget_names_what_does_not_fit_and_exits_1():
-    args = [
-        "--model",
-        "gpt",
-        "--model-args",
-        json.dumps(GPT_ARGS),
-        "--micro-batch",
-        "2",
-        "--strategies",
-        "replicate,zero-1,zero-2,zero-3",
-    ]
+    args = _gpt_cli("--strategies", "replicate,zero-1,zero-2,zero-3")
     plans = json.loads(_invoke(*args, "--json").output)["strategies"]
     peaks = sorted((s["peak"], s["strategy"]) for s in plans)
     (low, _), (high, largest) = peaks[0], peaks[-1]
@@ -507,24 +492,8 @@ def test_interleaved_stages_are_planned_in_rounds():
 
 
 def test_plan_cli_with_stages(tmp_path):
-    args = [
-        "--model",
-        "gpt",
-        "--model-args",
-        json.dumps(GPT_ARGS),
-        "--micro-batch",
-        "2",
-        "--world-size",
-        "2",
-        "--strategies",
-        "single,replicate",
-        "--pp",
-        "2",
-        "--micro-batches",
-        "4",
-        "--schedule",
-        "gpipe",
-    ]
+    base = _gpt_cli("--world-size", "2", "--strategies", "single,replicate")
+    args = [*base, "--pp", "2", "--micro-batches", "4", "--schedule", "gpipe"]
     res = _invoke(*args, "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
@@ -553,7 +522,7 @@ def test_plan_cli_with_stages(tmp_path):
         (["--schedule", "zigzag"], "pipeline.schedule"),
         (["--micro-batches", "1"], "micro-batches"),
     ):
-        bad = [*args[:-6], "--pp", "2", "--schedule", "1f1b", "--micro-batches", "4", *flags]
+        bad = [*base, "--pp", "2", "--schedule", "1f1b", "--micro-batches", "4", *flags]
         res = _invoke(*bad)
         assert res.exit_code == 2, (flags, res.output)
         assert words in res.output, (flags, res.output)

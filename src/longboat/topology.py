@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,7 +153,13 @@ class Topology:
         return mine
 
     @classmethod
-    def of(cls, mesh: Mesh, rank: int, doorway: Any, control: Any = None) -> Topology:
+    def of(
+        cls,
+        mesh: Mesh,
+        rank: int,
+        doorway: Callable[[int, int], Comm],
+        control: Callable[[], Comm] | None = None,
+    ) -> Topology:
         """A topology whose doorways ``doorway(group_size, rank_in_group)`` makes, one per axis
         (the planner's meta run); its control planes are ``control()``, or the data planes."""
         data: dict[str, Comm] = {}

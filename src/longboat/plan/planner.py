@@ -53,7 +53,7 @@ def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
             "micro_batch_size": micro_batch,
             "train_batch_size": None,
             "gradient_accumulation_steps": (
-                base.batch.gradient_accumulation_steps or 1 if staged else 1
+                (base.batch.gradient_accumulation_steps or 1) if staged else 1
             ),
         }
     )

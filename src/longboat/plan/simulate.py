@@ -181,26 +181,21 @@ def simulate(
         config = config.model_copy(
             update={"precision": config.precision.model_copy(update={"dtype": "bf16"})}
         )
-    held: tuple[int, ...] = ()
-    in_flight = 0
     with FakeTensorMode(), tracker:
         model = target.build()
         opt = make_optimizer(model.parameters())
         engine = assemble(model, opt, config, world, topology, device=torch.device("cpu"))
         try:
+            steps: _Steps | stages.StageSteps
             if mesh.pp > 1:
-                run = stages.run_steps(
-                    engine,
-                    target,
-                    model,
-                    micro_batch,
-                    tracker,
-                    sent,
-                    {} if shapes is None else shapes,
-                )
-                activations, held, in_flight = run.activations, run.stages, run.in_flight
+                shapes = {} if shapes is None else shapes
+                steps = stages.StageSteps(engine, target, model, micro_batch, tracker, shapes)
             else:
-                activations = _steps(engine, target, model, micro_batch, tracker, sent)
+                steps = _Steps(engine, target, model, micro_batch, tracker)
+            for step in range(2):
+                if step == 1:
+                    sent.clear()  # the first step's are the same; count one step
+                steps.step()
             state = measure(engine.strategy.memory_tensors(opt))
             trainable = engine.trainable_params
             name = engine.strategy.name
@@ -213,33 +208,39 @@ def simulate(
         trainable_params=trainable,
         model_state=state,
         peak=tracker.max_peak,
-        activations=activations,
-        transient=max(tracker.max_peak - state_total - activations, 0),
+        activations=steps.activations,
+        transient=max(tracker.max_peak - state_total - steps.activations, 0),
         comm_bytes=dict(sent),
-        stages=held,
-        in_flight=in_flight,
+        stages=steps.stages,
+        in_flight=steps.in_flight,
     )
 
 
-def _steps(
-    engine: Any,
-    target: Target,
-    model: torch.nn.Module,
-    micro_batch: int,
-    tracker: LiveBytes,
-    sent: dict[str, int],
-) -> int:
-    """Two steps of one micro-batch each; the bytes the forward and loss leave live."""
-    activations = 0
-    for step in range(2):
-        if step == 1:
-            sent.clear()  # the first step's are the same; count one step
-        args = target.example_input(model, micro_batch)
-        before = tracker.live
-        loss = target.loss(engine(*args), args)
-        activations = max(activations, tracker.live - before)
-        engine.backward(loss)
+class _Steps:
+    """Without pipeline stages: one micro-batch per optimizer step, and the most its forward
+    and loss leave live."""
+
+    stages: tuple[int, ...] = ()
+    in_flight = 0
+
+    def __init__(
+        self,
+        engine: Any,
+        target: Target,
+        model: torch.nn.Module,
+        micro_batch: int,
+        tracker: LiveBytes,
+    ) -> None:
+        self.engine, self.target, self.model, self.micro_batch = engine, target, model, micro_batch
+        self.tracker = tracker
+        self.activations = 0
+
+    def step(self) -> None:
+        args = self.target.example_input(self.model, self.micro_batch)
+        before = self.tracker.live
+        loss = self.target.loss(self.engine(*args), args)
+        self.activations = max(self.activations, self.tracker.live - before)
+        self.engine.backward(loss)
         del loss
-        engine.step()
+        self.engine.step()
         del args
-    return activations

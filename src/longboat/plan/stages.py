@@ -26,7 +26,6 @@ derived: it is the live-tensor maximum of the simulated schedule ([Note: peak mo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -35,6 +34,7 @@ from longboat.comm.protocol import Comm, Handle
 from longboat.mesh import Mesh
 from longboat.pipeline.p2p import Link, Message
 from longboat.pipeline.runtime import Pipeline
+from longboat.pipeline.schedules import PipelineSchedule
 from longboat.plan.target import Target
 from longboat.plan.tracker import LiveBytes
 from longboat.schedule import split
@@ -113,47 +113,52 @@ class _Probe:
         self.engine.backward_from(output, grad)
 
 
-@dataclass(frozen=True)
-class StageRun:
-    """What the simulated schedule kept on one rank."""
+class StageSteps:
+    """This rank's schedule, one optimizer step (``batch.gradient_accumulation_steps``
+    micro-batches) per :meth:`step`, as ``engine.train_step`` runs it; then what it kept."""
 
-    stages: tuple[int, ...]
-    activations: int  # the most held at once
-    in_flight: int  # the most micro-batches held at once
+    def __init__(
+        self,
+        engine: Any,
+        target: Target,
+        model: torch.nn.Module,
+        micro_batch: int,
+        tracker: LiveBytes,
+        shapes: Shapes,
+    ) -> None:
+        pipe = engine.schedule
+        if not isinstance(pipe, Pipeline):
+            raise TypeError(f"expected a pipeline schedule with mesh.pp > 1, got {type(pipe)}")
+        self.engine, self.target, self.model, self.micro_batch = engine, target, model, micro_batch
+        self.pipe = pipe
+        self.probe = _Probe(engine, tracker)
+        pipe.link = PlannedLink(pipe.data, pipe.control, shapes, self.probe)
 
+    def step(self) -> None:
+        m = self.engine.accumulation_steps
+        batch = self.target.example_input(self.model, self.micro_batch * m)
+        micro_batches = split(batch, self.micro_batch, m)
+        self.pipe.run(self.probe, micro_batches, self.target.loss, inputs=tuple)
+        self.probe.mark()
+        self.engine.step()
 
-def run_steps(
-    engine: Any,
-    target: Target,
-    model: torch.nn.Module,
-    micro_batch: int,
-    tracker: LiveBytes,
-    sent: dict[str, int],
-    shapes: Shapes,
-) -> StageRun:
-    """Two optimizer steps of this rank's schedule (``batch.gradient_accumulation_steps``
-    micro-batches each), as ``engine.train_step`` runs them."""
-    pipe = engine.schedule
-    if not isinstance(pipe, Pipeline):
-        raise TypeError(f"expected a pipeline schedule with mesh.pp > 1, got {type(pipe)}")
-    probe = _Probe(engine, tracker)
-    pipe.link = PlannedLink(pipe.data, pipe.control, shapes, probe)
-    m = engine.accumulation_steps
-    for step in range(2):
-        if step == 1:
-            sent.clear()  # the first step's are the same; count one step
-        batch = target.example_input(model, micro_batch * m)
-        micro_batches = split(batch, micro_batch, m)
-        pipe.run(probe, micro_batches, target.loss, inputs=tuple)
-        probe.mark()
-        engine.step()
-        del batch, micro_batches
-    plan = pipe.plan(m)
-    return StageRun(
-        stages=tuple(plan.stages_of(pipe.rank)),
-        activations=plan.peak_held(pipe.rank, lambda s: probe.size.get(s, 0)),
-        in_flight=plan.peak_held(pipe.rank, lambda _s: 1),
-    )
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(self._schedule().stages_of(self.pipe.rank))
+
+    @property
+    def activations(self) -> int:
+        """The most the schedule holds at once ([Note: stage activations])."""
+        size = self.probe.size
+        return self._schedule().peak_held(self.pipe.rank, lambda s: size.get(s, 0))
+
+    @property
+    def in_flight(self) -> int:
+        """The most micro-batches held at once."""
+        return self._schedule().peak_held(self.pipe.rank, lambda _s: 1)
+
+    def _schedule(self) -> PipelineSchedule:
+        return self.pipe.plan(self.engine.accumulation_steps)
 
 
 def each_stage(mesh: Mesh, simulate_rank: Callable[[int, Shapes], T]) -> list[T]:
