@@ -130,11 +130,20 @@ def train(
 
 
 def optimizer_pieces(engine: longboat.Engine) -> dict[str, Any]:
-    """This rank's optimizer state as (name, key, start, end, tensor) pieces of the full
-    per-parameter tensors, and the scalars per parameter name."""
+    """This rank's optimizer state as (name, key, full shape, start, end, tensor, slices) pieces
+    of the full per-parameter tensors (``slices``: tensor parallelism's n-dimensional slices the
+    range counts in, or None), and the scalars per parameter name."""
     state = engine.strategy.checkpoint_state(engine.model, engine.optimizer)
     pieces = [
-        (p.name, p.key.removeprefix("optim."), p.shape, p.start, p.end, p.tensor.detach().clone())
+        (
+            p.name,
+            p.key.removeprefix("optim."),
+            p.shape,
+            p.start,
+            p.end,
+            p.tensor.detach().clone(),
+            p.slices,
+        )
         for p in state.pieces
         if p.key != "model"
     ]
@@ -151,28 +160,28 @@ def assemble(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     full: dict[str, dict[str, Any]] = {}
     filled: dict[tuple[str, str], torch.Tensor] = {}
     for res in results:
-        for name, key, shape, start, end, t in res["optim"]["pieces"]:
-            n = 1
-            for d in shape:
-                n *= d
+        for name, key, shape, start, end, t, slices in res["optim"]["pieces"]:
             buf = full.setdefault(name, {}).setdefault(
-                key, torch.full((n,), float("nan"), dtype=t.dtype)
+                key, torch.full(tuple(shape), float("nan"), dtype=t.dtype)
             )
-            mask = filled.setdefault((name, key), torch.zeros(n, dtype=torch.bool))
-            seen = mask[start:end]
-            assert torch.equal(buf[start:end][seen], t[seen]), f"ranks disagree on {name} {key}"
-            buf[start:end] = t
-            mask[start:end] = True
+            mask = filled.setdefault((name, key), torch.zeros(tuple(shape), dtype=torch.bool))
+            local_buf = buf.view(-1) if slices is None else slices.take(buf).view(-1)
+            local_mask = mask.view(-1) if slices is None else slices.take(mask).view(-1)
+            seen = local_mask[start:end]
+            assert torch.equal(local_buf[start:end][seen], t[seen]), (
+                f"ranks disagree on {name} {key}"
+            )
+            local_buf[start:end] = t
+            local_mask[start:end] = True
+            if slices is not None:
+                slices.put(buf, local_buf.view(slices.shape))
+                slices.put(mask, local_mask.view(slices.shape))
         for name, sc in res["optim"]["scalars"].items():
             for k, v in sc.items():
                 prev = full.setdefault(name, {}).setdefault(k, v)
                 assert prev == v, f"ranks disagree on {name} {k}: {prev} vs {v}"
     for (name, key), mask in filled.items():
         assert bool(mask.all()), f"no rank holds all of {name} {key}"
-        shape = next(
-            s for res in results for n, k, s, *_ in res["optim"]["pieces"] if (n, k) == (name, key)
-        )
-        full[name][key] = full[name][key].view(shape)
     return full
 
 

@@ -28,6 +28,7 @@ LAYERS = [
         "longboat.pipeline",
         "longboat.recompute",
         "longboat.tied",
+        "longboat.tensor",
     },
     {"longboat.engine"},
     {

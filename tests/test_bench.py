@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 from longboat.cli import app
 from longboat.models import GPT, gpt_param_count
 
-SIDES = ("replicate", "zero2", "pipeline", "ddp")
+SIDES = ("replicate", "zero2", "pipeline", "tensor-parallel", "ddp")
 SIZES = (1, 2)
 
 
 def _exists(side: str, n: int) -> bool:
-    return side != "pipeline" or n > 1  # a pipeline needs two stages
+    return side not in ("pipeline", "tensor-parallel") or n > 1  # two stages, two tp ranks
 
 
 FIELDS = (
@@ -62,7 +62,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]
         "--model",
         "tiny-gpt",
         "--strategies",
-        "replicate,zero2,pipeline",
+        "replicate,zero2,pipeline,tensor-parallel",
         "--peers",
         "ddp",
         "--world-sizes",
@@ -140,6 +140,10 @@ def test_model_state_bytes_per_rank(run: tuple[Path, dict[str, Any]]) -> None:
     pipe = _row(result, "pipeline", 2)["state_bytes_per_rank"]
     assert 12 * a <= sum(pipe) <= 12 * a + 4 * 64, pipe
     assert all(b < 12 * a for b in pipe), pipe
+    # Tensor parallelism divides the layers' weights and keeps norms and the position
+    # embedding whole on both ranks: each rank less than the model, both together more.
+    tp = _row(result, "tensor-parallel", 2)["state_bytes_per_rank"]
+    assert all(b < 12 * a for b in tp) and sum(tp) > 12 * a, tp
 
 
 def test_equivalent_sides_train_identically(run: tuple[Path, dict[str, Any]]) -> None:
@@ -147,7 +151,7 @@ def test_equivalent_sides_train_identically(run: tuple[Path, dict[str, Any]]) ->
     for n in SIZES:
         ref = _row(result, "ddp", n)["losses"]
         assert ref[-1] != ref[0]  # the losses are real training losses, not a constant
-        for side in ("replicate", "zero2", "pipeline"):
+        for side in ("replicate", "zero2", "pipeline", "tensor-parallel"):
             if _exists(side, n):
                 got = _row(result, side, n)["losses"]
                 assert got == pytest.approx(ref, abs=1e-5), (side, n)

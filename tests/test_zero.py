@@ -171,3 +171,35 @@ def test_optimizers_that_may_couple_elements_are_refused(opt_cls):
 
 def test_an_optimizer_may_declare_itself_elementwise():
     _initialize(_DeclaredSGD, lr=0.1).close()
+
+
+def _load_state_dict(stage: int) -> dict:
+    """Train one step, then load doubled whole weights: what the engine then holds, and
+    whether the optimizer state moved."""
+    recipe = reference.Recipe(model="tiny", optimizer="adamw")
+    model, opt, _ = recipe.build()
+    engine = longboat.initialize(model, opt, harness.config(_zero(stage), recipe, 8, 4))
+    x = torch.randn(4, 12)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    before = harness.optimizer_pieces(engine)
+    doubled = {k: v * 2 for k, v in engine.state_dict().items()}
+    engine.load_state_dict(doubled)
+    out = {
+        "diff": reference.max_rel_diff(engine.state_dict(), doubled),
+        "optim_kept": all(
+            torch.equal(a[5], b[5])
+            for a, b in zip(
+                before["pieces"], harness.optimizer_pieces(engine)["pieces"], strict=True
+            )
+        ),
+    }
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_state_dict_fills_each_ranks_share(ranks, stage):
+    # Stage 3 holds shards between steps: whole tensors are cut to them, not copied whole.
+    for r in ranks(2, _load_state_dict, stage):
+        assert r["diff"] == 0.0 and r["optim_kept"]

@@ -39,6 +39,8 @@ from longboat.precision import Precision, SkippedStep
 from longboat.recompute import apply_activation_checkpointing
 from longboat.schedule import LossFn, Schedule, Sequential, default_inputs, split
 from longboat.strategies import build_strategy
+from longboat.tensor import TensorParallel
+from longboat.tensor.strategy import wrap as tensor_parallel_over
 from longboat.topology import DoorwayOptions, Topology
 from longboat.world import World, destroy_process_group, device_for, init_process_group
 
@@ -56,6 +58,7 @@ class Engine:
         scheduler: LRScheduler | None = None,
         owns_group: bool = False,
         schedule: Schedule | None = None,
+        tensor: TensorParallel | None = None,
     ) -> None:
         self.config = config
         self.world = world
@@ -77,18 +80,27 @@ class Engine:
         # Backwards per optimizer step on this rank: one per micro-batch and stage held.
         self._backwards = self.batch.gradient_accumulation_steps * self.schedule.stages_per_rank
         check_parameters(model, optimizer)
-        # Counted before the strategy may shard the parameters away.
+        # Counted before the strategy may shard the parameters away (this rank's slices of
+        # the layers tensor parallelism divided).
         self.trainable_params = sum(
             p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad
         )
+        # Layers divided across the tp ranks (see initialize()); with tp = 1, nothing.
+        self.tensor = tensor or TensorParallel(config.tensor_parallel, topology.data("tp"))
         # Names, full shapes and dtypes (the model fingerprint), also before any sharding.
-        self.checkpointing = checkpoint.Checkpointing(model, topology.control("pp"))
-        self.strategy = build_strategy(
-            config.resolved_strategy(mesh.dp),
-            world,
-            topology,
-            config,
-            isolated=frozenset(id(p) for p in self.schedule.ties.parameters()),
+        self.checkpointing = checkpoint.Checkpointing(
+            model, topology.control("pp"), self.tensor.full_shapes()
+        )
+        self.strategy = tensor_parallel_over(
+            build_strategy(
+                config.resolved_strategy(mesh.dp),
+                world,
+                topology,
+                config,
+                isolated=frozenset(id(p) for p in self.schedule.ties.parameters()),
+            ),
+            self.tensor,
+            topology.rank,
         )
         self.module = self.strategy.setup(model, optimizer)
         self.precision = Precision(config.precision, device_for(world))
@@ -214,7 +226,8 @@ class Engine:
                     self.config.gradient_clipping,
                     self.strategy.norm_groups() + self.schedule.norm_groups(),
                     self.device,
-                    not_counted=ties.counted_elsewhere(self.strategy.tied_gradient),
+                    not_counted=ties.counted_elsewhere(self.strategy.tied_gradient)
+                    + self.tensor.counted_elsewhere(self.strategy),
                 )
         # A skipped step still runs the strategy's step bookkeeping ([Note: skipped step]).
         self.strategy.optimizer_step(SkippedStep(self.optimizer) if skip else self.optimizer)
@@ -309,7 +322,12 @@ class Engine:
         return self.strategy.full_state_dict(self.model)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state)
+        """Load whole tensors (as :meth:`state_dict` gives them, every key) into the model,
+        whatever the layout: each rank keeps its share (ZeRO-3 its shards, tensor parallelism
+        its slices). The optimizer state stays as it was. Every rank calls it, between steps."""
+        current = self.strategy.checkpoint_state(self.model, self.optimizer)
+        source = checkpoint.StateDictSource(state, current)
+        self.strategy.load_checkpoint_state(self.model, self.optimizer, source)
 
     def save_checkpoint(
         self, directory: str | Path, tag: str | None = None, client_state: Any = None
@@ -381,9 +399,12 @@ class Engine:
         self.checkpointing.stop.uninstall()
         commlog = getattr(self.comm, "commlog", None)
         if commlog is not None and self.world.is_main:
-            # Rank 0's view of the data-parallel traffic; every rank's numbers are in
-            # engine.comm.log_summary().
+            # Rank 0's view of the data-parallel traffic (and of its tensor-parallel layers');
+            # every rank's numbers are in engine.comm.log_summary().
             print(commlog.table(), end="", flush=True)
+            layers = getattr(self.tensor.comm, "commlog", None)
+            if layers is not None and self.tensor.active:
+                print(layers.table("tp"), end="", flush=True)
         self.topology.close()
         if self._owns_group:
             destroy_process_group()
@@ -457,6 +478,12 @@ def assemble(
     schedule = build_schedule(cfg.pipeline, topology, device)
     # With pipeline stages, this rank's stages only, from here on (specs built here).
     model = schedule.prepare(model)
+    # Then tensor parallelism divides the layers the plan names (before the optimizer is built
+    # from the parameters, which keep their objects: a user's optimizer stays valid).
+    tensor = TensorParallel(
+        cfg.tensor_parallel, topology.data("tp"), check_unused=topology.mesh.pp == 1
+    )
+    tensor.apply(model)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if device.type != "cpu":
         model.to(device)
@@ -472,13 +499,20 @@ def assemble(
     if scheduler is None and cfg.scheduler is not None:
         scheduler = build_scheduler(optimizer, cfg.scheduler)
     return Engine(
-        model, optimizer, cfg, world, topology, scheduler, owns_group=owns_group, schedule=schedule
+        model,
+        optimizer,
+        cfg,
+        world,
+        topology,
+        scheduler,
+        owns_group=owns_group,
+        schedule=schedule,
+        tensor=tensor,
     )
 
 
 def resolve_mesh(cfg: Config, world_size: int) -> Mesh:
-    """The config's ``[mesh]`` at ``world_size`` ranks; axes no strategy uses yet are refused
-    by name."""
+    """The config's ``[mesh]`` at ``world_size`` ranks."""
     m = cfg.mesh
     try:
         mesh = Mesh.resolve(
@@ -486,8 +520,4 @@ def resolve_mesh(cfg: Config, world_size: int) -> Mesh:
         )
     except MeshError as e:
         raise ConfigError(str(e)) from None
-    if mesh.tp > 1:
-        raise ConfigError(
-            f"key 'mesh.tp' = {mesh.tp}: tensor parallelism is not available yet; leave it at 1"
-        )
     return mesh

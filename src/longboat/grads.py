@@ -13,16 +13,25 @@ import torch
 from longboat.comm.protocol import Comm
 
 
+def _squares(grads: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    return sq.pow(2).sum()
+
+
 def global_norm(
-    grads: list[torch.Tensor], groups: list[Comm], device: torch.device | str = "cpu"
+    grads: list[torch.Tensor],
+    groups: list[Comm],
+    device: torch.device | str = "cpu",
+    minus: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The 2-norm of all gradients of the model, the same value on every rank (fp32). A rank
-    without gradients contributes zero, on ``device`` (the data plane's)."""
-    if grads:
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-        total = sq.pow(2).sum()
-    else:
-        total = torch.zeros((), dtype=torch.float32, device=device)
+    without gradients contributes zero, on ``device`` (the data plane's). ``minus``: parts of
+    ``grads`` another rank counts, taken out of this rank's sum."""
+    total = _squares(grads, device)
+    if minus:
+        total = (total - _squares(minus, device)).clamp(min=0.0)
     for comm in groups:
         comm.all_reduce(total)
     return total.sqrt()
@@ -36,12 +45,14 @@ def clip_by_global_norm_(
     not_counted: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Scale ``grads`` in place so their global norm is at most ``max_norm``; return the norm
-    before clipping. Same rule as ``torch.nn.utils.clip_grad_norm_``. Tensors of ``grads``
-    sharing storage and offset with one of ``not_counted`` (a copy another rank counts) are
-    scaled but left out of the norm."""
+    before clipping. Same rule as ``torch.nn.utils.clip_grad_norm_``. ``not_counted``: copies
+    another rank counts, each one of ``grads`` (same storage and offset) or a view inside one
+    (a parameter's share of a flat shard); they are scaled but left out of the norm."""
+    whole = {(g.data_ptr(), g.numel()) for g in grads}
     skip = {(t.data_ptr(), t.numel()) for t in not_counted or []}
     counted = [g for g in grads if (g.data_ptr(), g.numel()) not in skip]
-    norm = global_norm(counted, groups, device)
+    inside = [t for t in not_counted or [] if (t.data_ptr(), t.numel()) not in whole]
+    norm = global_norm(counted, groups, device, minus=inside)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

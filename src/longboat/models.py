@@ -31,25 +31,33 @@ __all__ = [
 
 
 class _CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with one fused QKV projection."""
+    """Multi-head causal self-attention with one fused QKV projection.
+
+    The forward reads the number of heads from the projection's output width (``head_dim`` is
+    fixed), so it runs unchanged when tensor parallelism gives this rank some of the heads, and
+    the sequence length from that output too (sequence parallelism divides ``x`` but the
+    projection gathers it).
+    """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
         self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        # [B, T, D] -> [B, H, T, D/H]: SDPA attends over the second-to-last dim per head.
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        qkv = self.qkv(x)
+        b, t, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)
+        # [B, T, H*hd] -> [B, H, T, hd]: SDPA attends over the second-to-last dim per head.
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).contiguous().view(b, t, d)
+        y = y.transpose(1, 2).contiguous().view(b, t, -1)
         return self.resid_drop(self.proj(y))
 
 

@@ -157,15 +157,16 @@ class Topology:
         cls,
         mesh: Mesh,
         rank: int,
-        doorway: Callable[[int, int], Comm],
+        doorway: Callable[[int, int, Axis], Comm],
         control: Callable[[], Comm] | None = None,
     ) -> Topology:
-        """A topology whose doorways ``doorway(group_size, rank_in_group)`` makes, one per axis
-        (the planner's meta run); its control planes are ``control()``, or the data planes."""
+        """A topology whose doorways ``doorway(group_size, rank_in_group, axis)`` makes, one per
+        axis (the planner's meta run); its control planes are ``control()``, or the data
+        planes."""
         data: dict[str, Comm] = {}
         for axis in GROUP_AXES:
             group = mesh.group_of(axis, rank)
-            data[axis] = doorway(len(group), group.index(rank))
+            data[axis] = doorway(len(group), group.index(rank), axis)
         ctrl = {axis: control() for axis in data} if control is not None else dict(data)
         return cls(mesh, rank, data, ctrl)
 

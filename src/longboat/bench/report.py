@@ -101,6 +101,9 @@ def finish(raw: dict[str, Any]) -> dict[str, Any]:
             "pipeline": f"mesh.pp = world size (one stage per rank), 1F1B, the global batch in "
             f"{s['pipeline_micro_batches']} micro-batches per step; no row at one rank, so no "
             "speed-up: compare its samples/s with replicate's at the same world size",
+            "tensor-parallel": "mesh.tp = world size, the model's built-in plan, every rank "
+            "the whole global batch in one forward; no row at one rank: compare its samples/s "
+            "with replicate's at the same world size",
         },
         "versions": versions(),
         "machine": machine(),

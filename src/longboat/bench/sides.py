@@ -11,6 +11,10 @@ what is said here. Side names:
     own partition, the 1F1B schedule): the step's samples (the same global batch the
     data-parallel sides split) run as ``pipeline_micro_batches`` micro-batches through the
     stages, so every rank takes the whole batch. Not at one rank.
+``tensor-parallel``
+    ``longboat.initialize`` with ``mesh.tp`` = the world size and the model's built-in plan
+    (GPT models only): every rank takes the whole global batch in one forward, its layers
+    divided across the ranks. Not at one rank.
 ``ddp``
     ``torch.nn.parallel.DistributedDataParallel`` (the peer of ``replicate``).
 ``fsdp2_zero2`` / ``fsdp2_zero3``
@@ -31,7 +35,9 @@ from torch import nn
 
 from longboat.bench.models import Batch, ModelSpec
 
-LONGBOAT_SIDES = ("single", "replicate", "zero1", "zero2", "zero3", "pipeline")
+LONGBOAT_SIDES = ("single", "replicate", "zero1", "zero2", "zero3", "pipeline", "tensor-parallel")
+#: Sides whose every rank takes the whole global batch, and which need two ranks or more.
+WHOLE_BATCH = ("pipeline", "tensor-parallel")
 PEERS = ("ddp", "fsdp2", "deepspeed")
 
 
@@ -39,7 +45,7 @@ class Side(Protocol):
     """One way of training the model: build once, then step."""
 
     name: str
-    shares_batch: bool  # every rank takes the whole global batch (pipeline stages), not a slice
+    shares_batch: bool  # every rank takes the whole global batch (pipeline, tensor-parallel)
 
     def step(self, batch: Batch) -> torch.Tensor:
         """Forward, loss, backward, optimizer step, zero_grad; returns the detached loss."""
@@ -78,8 +84,9 @@ def library(side: str) -> str:
 
 
 def exists_at(side: str, n: int) -> bool:
-    """``single`` is one process only; a ``pipeline`` needs two stages or more."""
-    return not ((side == "single" and n > 1) or (side == "pipeline" and n < 2))
+    """``single`` is one process only; a ``pipeline`` and ``tensor-parallel`` need two ranks
+    or more."""
+    return not ((side == "single" and n > 1) or (side in WHOLE_BATCH and n < 2))
 
 
 def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
@@ -185,6 +192,34 @@ class PipelineSide:
             inputs=lambda mb: tuple(mb[:-1]),
         )
         return torch.tensor(loss)  # the last stage's, shared with every stage
+
+    def state_bytes(self) -> int | None:
+        return self.engine.memory_report().total
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class TensorParallelSide(_EngineSide):
+    """longboat's tensor parallelism over ``mesh.tp`` = the world size, the model's built-in
+    plan; every rank runs the whole global batch."""
+
+    shares_batch = True
+
+    def __init__(
+        self, spec: ModelSpec, model: nn.Module, lr: float, batch: int, ranks: int
+    ) -> None:
+        import longboat
+
+        self.name, self.spec = "tensor-parallel", spec
+        config: dict[str, Any] = {
+            "mesh": {"tp": ranks},
+            "batch": {"micro_batch_size": batch},
+            "log": {"progress": False, "level": "WARNING"},
+        }
+        self.engine = longboat.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=lr), config=config
+        )
 
     def state_bytes(self) -> int | None:
         return self.engine.memory_report().total
@@ -299,9 +334,12 @@ class DeepSpeedSide(_EngineSide):
 
 
 def micro_batch_of(side: str, global_batch: int, n: int, pipeline_micro_batches: int) -> int:
-    """Samples per forward: a data-parallel rank's share, or a pipeline's micro-batch."""
+    """Samples per forward: a data-parallel rank's share, a pipeline's micro-batch, or the
+    whole batch (tensor-parallel)."""
     if side == "pipeline":
         return global_batch // pipeline_micro_batches
+    if side == "tensor-parallel":
+        return global_batch
     return global_batch // n
 
 
@@ -322,6 +360,8 @@ def build_side(
         return PipelineSide(
             spec, model, lr, micro_batch * world_size, world_size, pipeline_micro_batches
         )
+    if name == "tensor-parallel":
+        return TensorParallelSide(spec, model, lr, micro_batch * world_size, world_size)
     makers: dict[str, Callable[[], Side]] = {
         "longboat": lambda: LongboatSide(name, spec, model, lr, micro_batch),
         "ddp": lambda: make_ddp(spec, model, lr),

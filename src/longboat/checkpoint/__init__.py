@@ -9,6 +9,7 @@ reads or writes a pickle.
 from longboat.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from longboat.checkpoint.load import LoadedCheckpoint, load
 from longboat.checkpoint.save import PHASES, save
+from longboat.checkpoint.statedict import StateDictSource
 from longboat.checkpoint.tracker import Checkpointing
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "Checkpointing",
     "LoadedCheckpoint",
+    "StateDictSource",
     "load",
     "save",
 ]

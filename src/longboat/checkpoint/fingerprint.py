@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,10 @@ class ModelSpec:
     tensors: tuple[TensorSpec, ...]
 
     @classmethod
-    def of(cls, model: nn.Module) -> ModelSpec:
-        """The spec of ``model`` as it is now (take it before a strategy shards parameters)."""
+    def of(cls, model: nn.Module, shapes: Mapping[str, tuple[int, ...]] | None = None) -> ModelSpec:
+        """The spec of ``model`` as it is now (take it before a strategy shards parameters);
+        ``shapes``: the full shapes of tensors held in parts (tensor parallelism), by name."""
+        shapes = shapes or {}
         first: dict[int, str] = {}
         out = []
         for name, t in model.state_dict(keep_vars=True).items():
@@ -49,7 +52,10 @@ class ModelSpec:
             tied = first.setdefault(id(t), name)
             out.append(
                 TensorSpec(
-                    name, tuple(t.shape), dtype_name(t.dtype), tied if tied != name else None
+                    name,
+                    shapes.get(name, tuple(t.shape)),
+                    dtype_name(t.dtype),
+                    tied if tied != name else None,
                 )
             )
         return cls(tuple(out))

@@ -12,7 +12,8 @@ import torch
 from longboat.checkpoint import layout
 from longboat.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from longboat.checkpoint.manifest import Manifest, read_manifest
-from longboat.checkpoint.tensorfile import TensorFiles, write_tensors
+from longboat.checkpoint.source import ManifestSource
+from longboat.checkpoint.tensorfile import write_tensors
 from longboat.checkpoint.verify import file_problems
 from longboat.strategies.pieces import MODEL
 
@@ -83,7 +84,9 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     problems = file_problems(where, m, sorted(m.files))
     if problems:
         raise CheckpointError("checkpoint files failed verification:\n  " + "\n  ".join(problems))
-    files = TensorFiles(where)
+    # Through the loader's source: shards that count in tensor-parallel slices are put back
+    # in their places.
+    saved = ManifestSource(where, m, {})
     full: dict[str, torch.Tensor] = {}
     try:
         for t in m.model.tensors:
@@ -93,11 +96,10 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
                 continue
             e = m.tensors[source][MODEL]
             flat = torch.empty(e.numel, dtype=getattr(torch, e.dtype))
-            for s in e.shards:
-                flat[s.start : s.end].copy_(files.slice(s.file, s.key, 0, s.end - s.start))
+            saved.read(source, MODEL, 0, e.numel, flat)
             full[t.name] = flat.view(e.shape)
     finally:
-        files.close()
+        saved.close()
     target = Path(out)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     write_tensors(

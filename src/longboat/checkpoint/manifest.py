@@ -4,7 +4,9 @@
 full shape, dtype, tied-to); the strategy and world size that wrote the checkpoint; the step; for
 every tensor (a model tensor, key ``model``, or an element-wise optimizer state, key
 ``optim.<state>``) its full shape, dtype and the shards that hold it, each a flat ``[start, end)``
-slice with the file, the key inside the file and the SHA-256 of its bytes; and the size and
+slice with the file, the key inside the file and the SHA-256 of its bytes (a shard of a
+tensor-parallel rank also has ``slices``: the n-dimensional slices of the full tensor its
+``[start, end)`` counts in, see ``Slices`` in ``strategies/pieces.py``); and the size and
 SHA-256 of every file. It carries the SHA-256 of its own canonical JSON (``checksum``), so a
 damaged manifest is refused rather than believed.
 
@@ -27,9 +29,14 @@ from typing import Any
 from longboat.checkpoint.errors import CheckpointError
 from longboat.checkpoint.fingerprint import ModelSpec
 from longboat.checkpoint.fsio import read_json
+from longboat.strategies.pieces import Slices
 
 FORMAT = "longboat-checkpoint"
-VERSION = 1
+#: Version 2 adds a shard's ``slices``; a checkpoint without any is still written as version 1
+#: (an older longboat reads it), one with them as 2 (an older longboat refuses it rather than
+#: reading its ranges as flat ones).
+VERSION = 2
+READABLE = (1, 2)
 _FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")  # plain names: no path can escape
 
 
@@ -42,6 +49,20 @@ class Shard:
     start: int
     end: int
     sha256: str
+    #: the slices of the full tensor ``[start, end)`` counts in; None: the full tensor
+    slices: Slices | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "file": self.file,
+            "key": self.key,
+            "start": self.start,
+            "end": self.end,
+            "sha256": self.sha256,
+        }
+        if self.slices is not None:
+            out["slices"] = self.slices.to_json()
+        return out
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,11 @@ class TensorEntry:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def sliced(self) -> bool:
+        """True when some shard counts in slices (written by tensor-parallel ranks)."""
+        return any(s.slices is not None for s in self.shards)
 
 
 @dataclass(frozen=True)
@@ -73,9 +99,10 @@ class Manifest:
     created: float
 
     def to_json(self) -> dict[str, Any]:
+        sliced = any(e.sliced for keys in self.tensors.values() for e in keys.values())
         body = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if sliced else 1,
             "tag": self.tag,
             "step": self.step,
             "strategy": self.strategy,
@@ -87,7 +114,7 @@ class Manifest:
                     k: {
                         "shape": list(e.shape),
                         "dtype": e.dtype,
-                        "shards": [vars(s) for s in e.shards],
+                        "shards": [s.to_json() for s in e.shards],
                     }
                     for k, e in keys.items()
                 }
@@ -110,10 +137,10 @@ def read_manifest(path: Path) -> Manifest:
     raw = read_json(path, "checkpoint manifest")
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is not a longboat checkpoint manifest")
-    if raw.get("version") != VERSION:
+    if raw.get("version") not in READABLE:
         raise CheckpointError(
             f"'{path}' has format version {raw.get('version')!r}; this "
-            f"longboat reads version {VERSION}: use a matching longboat"
+            f"longboat reads versions {', '.join(map(str, READABLE))}: use a matching longboat"
         )
     body = {k: v for k, v in raw.items() if k != "checksum"}
     if raw.get("checksum") != _digest(body):
@@ -148,7 +175,12 @@ def _parse(body: dict[str, Any], path: Path) -> Manifest:
         for key, e in keys.items():
             shards = tuple(
                 Shard(
-                    str(s["file"]), str(s["key"]), int(s["start"]), int(s["end"]), str(s["sha256"])
+                    str(s["file"]),
+                    str(s["key"]),
+                    int(s["start"]),
+                    int(s["end"]),
+                    str(s["sha256"]),
+                    Slices.from_json(s["slices"]) if "slices" in s else None,
                 )
                 for s in e["shards"]
             )
@@ -172,13 +204,17 @@ def _parse(body: dict[str, Any], path: Path) -> Manifest:
 
 
 def _check_cover(path: Path, name: str, key: str, e: TensorEntry, files: dict[str, Any]) -> None:
-    pos = 0
-    for s in sorted(e.shards, key=lambda s: s.start):
+    for s in e.shards:
         if s.file not in files:
             raise CheckpointError(
                 f"'{path}': {key} of {name!r} points at {s.file!r}, which the "
                 "manifest does not list"
             )
+    if e.sliced:
+        _check_sliced_cover(path, name, key, e)
+        return
+    pos = 0
+    for s in sorted(e.shards, key=lambda s: s.start):
         if s.start > pos:
             break
         pos = max(pos, s.end)
@@ -187,3 +223,41 @@ def _check_cover(path: Path, name: str, key: str, e: TensorEntry, files: dict[st
             f"'{path}': elements [{pos}, {e.numel}) of {key} of {name!r} are "
             "in no shard; the checkpoint is incomplete"
         )
+
+
+def _check_sliced_cover(path: Path, name: str, key: str, e: TensorEntry) -> None:
+    """Coverage when shards count in slices: mark each shard's elements in a mask of the full
+    tensor (one byte per element, for checkpoints written by tensor-parallel ranks only)."""
+    import torch
+
+    seen = torch.zeros(e.shape, dtype=torch.bool)
+    for s in e.shards:
+        sl = s.slices
+        if sl is not None and not all(_inside(b, e.shape) for b in sl.boxes):
+            raise CheckpointError(
+                f"'{path}': {key} of {name!r} has slices outside its shape {list(e.shape)}"
+            )
+        numel = e.numel if sl is None else sl.numel
+        if not 0 <= s.start <= s.end <= numel:
+            raise CheckpointError(
+                f"'{path}': {key} of {name!r} has a shard [{s.start}, {s.end}) outside its "
+                f"{numel} elements"
+            )
+        if sl is None:
+            seen.view(-1)[s.start : s.end] = True
+        else:
+            local = sl.take(seen)
+            local.view(-1)[s.start : s.end] = True
+            sl.put(seen, local)
+    if not bool(seen.all()):
+        missing = int((~seen).sum())
+        raise CheckpointError(
+            f"'{path}': {missing} elements of {key} of {name!r} are in no shard; the "
+            "checkpoint is incomplete"
+        )
+
+
+def _inside(box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> bool:
+    return len(box) == len(shape) and all(
+        o >= 0 and n >= 0 and o + n <= d for (o, n), d in zip(box, shape, strict=True)
+    )

@@ -29,7 +29,7 @@ from longboat.checkpoint.fingerprint import dtype_name
 from longboat.checkpoint.fsio import fsync_dir, to_json_bytes
 from longboat.checkpoint.manifest import Manifest, Shard, TensorEntry
 from longboat.checkpoint.tensorfile import write_json, write_tensors
-from longboat.strategies.pieces import Piece
+from longboat.strategies.pieces import Piece, Slices
 
 if TYPE_CHECKING:
     from longboat.checkpoint.protocol import Trained
@@ -48,8 +48,14 @@ def _key(p: Piece) -> str:
     return f"{p.key}:{p.name}"
 
 
-def assign_replicated(pieces: list[Piece]) -> dict[tuple[str, str, int], int]:
-    """Which global rank writes each replicated piece, keyed by (name, key, start): among the
+def _where(p: Piece) -> tuple[str, str, int, str]:
+    """A piece's place in its full tensor: name, key, start and its slices (two tensor-parallel
+    ranks hold different pieces that start at 0)."""
+    return (p.name, p.key, p.start, repr(p.slices))
+
+
+def assign_replicated(pieces: list[Piece]) -> dict[tuple[str, str, int, str], int]:
+    """Which global rank writes each replicated piece, keyed by :func:`_where`: among the
     ranks that hold it, largest first to the least loaded, so each tensor is written once and
     the bytes spread evenly. Every holder computes the same answer from the same pieces."""
     by_holders: dict[tuple[int, ...], list[Piece]] = {}
@@ -65,7 +71,7 @@ def assign_replicated(pieces: list[Piece]) -> dict[tuple[str, str, int], int]:
         load = [0] * len(holders)
         for p in order:
             i = min(range(len(holders)), key=lambda i: (load[i], i))
-            owner[(p.name, p.key, p.start)] = holders[i]
+            owner[_where(p)] = holders[i]
             load[i] += p.tensor.numel() * p.tensor.element_size()
     return owner
 
@@ -147,9 +153,7 @@ def _write_rank_files(engine: Trained, tmp: Path, client_state: Any) -> dict[str
     # [Note: tied weights] in tied.py: a weight on several stages is written once
     engine.schedule.ties.write_once(state.pieces, engine.topology.mesh, engine.topology.rank)
     owner = assign_replicated(state.pieces)
-    mine = [
-        p for p in state.pieces if not p.replicated or owner[(p.name, p.key, p.start)] == comm.rank
-    ]
+    mine = [p for p in state.pieces if not p.replicated or owner[_where(p)] == comm.rank]
     tfile = layout.tensor_file(comm.rank)
     record = write_tensors(
         tmp / tfile,
@@ -168,6 +172,7 @@ def _write_rank_files(engine: Trained, tmp: Path, client_state: Any) -> dict[str
             tfile,
             _key(p),
             record.tensors[_key(p)],
+            None if p.slices is None else p.slices.to_json(),
         ]
         for p in mine
     ]
@@ -196,9 +201,10 @@ def _publish(
     files: dict[str, dict[str, Any]] = {}
     for rep in reports:
         files.update(rep["files"])
-        for name, key, shape, dtype, start, end, file, fkey, sha in rep["index"]:
+        for name, key, shape, dtype, start, end, file, fkey, sha, sliced in rep["index"]:
             e = tensors.setdefault(name, {}).get(key)
-            shard = Shard(file, fkey, start, end, sha)
+            slices = None if sliced is None else Slices.from_json(sliced)
+            shard = Shard(file, fkey, start, end, sha, slices)
             tensors[name][key] = TensorEntry(tuple(shape), dtype, (*(e.shards if e else ()), shard))
     spec = engine.checkpointing.spec
     manifest = Manifest(

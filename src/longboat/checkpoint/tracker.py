@@ -5,6 +5,7 @@ signals that ask for a final checkpoint."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any, Protocol, TypeVar
 
 from torch import nn
@@ -29,11 +30,17 @@ L = TypeVar("L", bound=Resumable)
 class Checkpointing:
     """Per-engine checkpoint bookkeeping."""
 
-    def __init__(self, model: nn.Module, stages: Comm | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        stages: Comm | None = None,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
         """``stages``: the doorway over the pipeline stages (each holding some of the model's
         layers); the spec is then the whole model's, every stage's tensors in stage order, so a
-        checkpoint's names and fingerprint do not depend on how many stages wrote it."""
-        spec = ModelSpec.of(model)
+        checkpoint's names and fingerprint do not depend on how many stages wrote it.
+        ``shapes``: full shapes of the tensors this rank holds parts of (tensor parallelism)."""
+        spec = ModelSpec.of(model, shapes)
         if stages is not None and stages.world_size > 1:
             rows: dict[str, list[object]] = {}
             for part in gather_json(stages, spec.rows()):

@@ -17,7 +17,8 @@ def bench(
     strategies: str = typer.Option(
         "single,replicate,zero1,zero2,zero3",
         "--strategies",
-        help="longboat strategies, comma-separated (also: pipeline, one stage per rank)",
+        help="longboat strategies, comma-separated (also: pipeline, one stage per rank; "
+        "tensor-parallel, layers divided over every rank)",
     ),
     peers: str = typer.Option(
         "ddp,fsdp2,deepspeed", "--peers", help="peers to compare, comma-separated ('' for none)"

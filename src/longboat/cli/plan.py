@@ -52,6 +52,14 @@ def plan(
     virtual_stages: int | None = typer.Option(
         None, "--virtual-stages", help="stages per rank with --schedule interleaved"
     ),
+    tp: int | None = typer.Option(
+        None, "--tp", help="tensor-parallel ranks (mesh.tp; default: the config's, else 1)"
+    ),
+    sequence_parallel: bool | None = typer.Option(
+        None,
+        "--sequence-parallel/--no-sequence-parallel",
+        help="with --tp: divide activations along the sequence (default: the config's)",
+    ),
 ) -> None:
     """Predict per-rank memory and communication of each strategy, allocating nothing."""
     from longboat.config import ConfigError
@@ -77,6 +85,8 @@ def plan(
             micro_batches=micro_batches,
             schedule=schedule,
             virtual_stages=virtual_stages,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
         )
     except (PlanInputError, ConfigError) as e:
         raise usage_error(str(e)) from None

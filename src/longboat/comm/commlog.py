@@ -76,12 +76,13 @@ class CommLog:
             )
         return rows
 
-    def table(self) -> str:
-        """The summary as a text table (rich)."""
+    def table(self, axis: str = "") -> str:
+        """The summary as a text table (rich); ``axis`` names the doorway's axis in the title."""
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title=f"longboat comm log (rank {self.rank}, {self.world_size} ranks)")
+        where = f"{axis}, " if axis else ""
+        t = Table(title=f"longboat comm log ({where}rank {self.rank}, {self.world_size} ranks)")
         for col in ("op", "count", "bytes", "total ms", "mean ms", "algbw GB/s", "busbw GB/s"):
             t.add_column(col, justify="left" if col == "op" else "right")
         for r in self.summary():

@@ -28,6 +28,7 @@ from longboat.config.sections import (
     SchedulerConfig,
     SinkConfig,
     StrategyName,
+    TensorParallelConfig,
     ZeroConfig,
 )
 
@@ -52,6 +53,7 @@ __all__ = [
     "SchedulerConfig",
     "SinkConfig",
     "StrategyName",
+    "TensorParallelConfig",
     "ZeroConfig",
     "explain",
     "flatten",

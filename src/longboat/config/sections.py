@@ -241,6 +241,26 @@ class PipelineConfig(_Section):
     )
 
 
+class TensorParallelConfig(_Section):
+    """How layers are divided across the ``mesh.tp`` ranks (``longboat.tensor``): a plan maps
+    module-name patterns to styles."""
+
+    plan: str | dict[str, str | dict[str, str | int]] = Field(
+        "auto",
+        description="auto (by the model's class), gpt, gpt2, llama, or a table of module "
+        "patterns to styles (colwise, colwise_gather_output, rowwise, sequence, split_sequence, "
+        "gather_sequence, replicate; {style='colwise', fused=3} for q|k|v)",
+    )
+    sequence_parallel: bool = Field(
+        False, description="divide the activations between the layers along the sequence"
+    )
+    sequence_dim: int = Field(1, description="the sequence dimension of the activations")
+    divide: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="module pattern -> attributes divided by tp (e.g. head counts)",
+    )
+
+
 class ActivationCheckpointingConfig(_Section):
     """Modules whose activations are recomputed in backward instead of kept
     (``longboat.recompute``)."""
@@ -273,6 +293,7 @@ class Config(_Section):
     comm: CommConfig = Field(default_factory=CommConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )

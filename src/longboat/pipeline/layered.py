@@ -28,6 +28,9 @@ Entry = tuple[tuple[str, ...], Callable[[Any], Any]]
 class Elsewhere(nn.Module):
     """Where a submodule held by another pipeline stage was: no parameters, not callable."""
 
+    #: what tensor parallelism's plan skips (the stage holding the layer divides it)
+    placeholder = True
+
     def __init__(self, stage: int) -> None:
         super().__init__()
         self.stage = stage

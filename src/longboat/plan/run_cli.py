@@ -29,6 +29,8 @@ def run_plan(
     micro_batches: int | None = None,
     schedule: str | None = None,
     virtual_stages: int | None = None,
+    tp: int | None = None,
+    sequence_parallel: bool | None = None,
 ) -> tuple[str, int]:
     """Plan and format; returns (text, exit status). Raises :class:`PlanInputError` or
     :class:`~longboat.config.ConfigError` for usage errors.
@@ -51,12 +53,14 @@ def run_plan(
             f"config file {str(config_file)!r} does not exist: give the path of a file"
         )
     base = lb_config.load_config(config_file)
-    for flag, value in (("--pp", pp), ("--micro-batches", micro_batches)):
+    for flag, value in (("--pp", pp), ("--micro-batches", micro_batches), ("--tp", tp)):
         if value is not None and value < 1:
             raise PlanInputError(f"{flag} {value} is invalid: use 1 or more")
     overrides = {
         ("precision", "dtype"): precision,
         ("mesh", "pp"): pp,
+        ("mesh", "tp"): tp,
+        ("tensor_parallel", "sequence_parallel"): sequence_parallel,
         ("batch", "gradient_accumulation_steps"): micro_batches,
         ("pipeline", "schedule"): schedule,
         ("pipeline", "virtual_stages"): virtual_stages,

@@ -89,13 +89,15 @@ class MetaCollectives:
     observing: bool = False
     commlog: None = None
     sent: dict[str, int] = field(default_factory=dict)
+    prefix: str = ""  # put before each operation's name in ``sent``
 
     def log_summary(self) -> list[dict[str, Any]]:
         return []
 
     def _count(self, op: str, nbytes: float) -> _Done:
         if self.world_size > 1:
-            self.sent[op] = self.sent.get(op, 0) + int(nbytes)
+            key = self.prefix + op
+            self.sent[key] = self.sent.get(key, 0) + int(nbytes)
         return _InFlight()
 
     def global_rank(self, group_rank: int) -> int:
@@ -172,7 +174,8 @@ def simulate(
     topology = Topology.of(
         mesh,
         rank,
-        lambda n, r: MetaCollectives(n, r, sent=sent),
+        # The tensor-parallel layers' traffic is told apart from the data-parallel strategy's.
+        lambda n, r, axis: MetaCollectives(n, r, sent=sent, prefix="tp " if axis == "tp" else ""),
         control=lambda: MetaCollectives(1),
     )
     world = World(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)

@@ -114,6 +114,11 @@ class Strategy(Protocol):
         copies on other pipeline stages ([Note: tied weights] in ``tied.py``)."""
         ...
 
+    def gradient_share(self, param: nn.Parameter) -> torch.Tensor | None:
+        """After :meth:`wait_gradients`: this rank's share of ``param``'s reduced gradient, a
+        view into (or one of) :meth:`local_gradients`; None if this rank holds none of it."""
+        ...
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the optimizer to the (synchronised) gradients."""
         ...

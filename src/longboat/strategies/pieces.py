@@ -11,6 +11,11 @@ exactly the slices the new layout owns. Optimizer state that is not element-wise
 ``step``) travels as JSON scalars per parameter.
 
 Tied parameters appear once, under their first name in ``model.named_parameters()``.
+
+A parameter that tensor parallelism split is not one flat range of its full tensor: its pieces
+carry :class:`Slices`, the n-dimensional slices of the full tensor the rank's local tensor is made
+of, and ``[start, end)`` then counts elements of that local tensor (see [Note: tensor-parallel
+layouts] in ``tensor/layout.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,61 @@ from torch import nn
 
 MODEL = "model"
 OPTIM = "optim."
+
+#: One n-dimensional slice of a full tensor: ``(offset, length)`` in each of its dimensions.
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Slices:
+    """A tensor made of slices of a full tensor: ``boxes``, concatenated along ``dim``.
+
+    A column-parallel weight is one box; the rank's part of a fused q|k|v weight is three (its
+    rows of q, of k and of v). ``take`` cuts the tensor out of the full one, ``put`` writes it
+    back, so a checkpoint can move elements between any two layouts.
+    """
+
+    dim: int
+    boxes: tuple[Box, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.boxes[0]
+        return tuple(
+            sum(b[d][1] for b in self.boxes) if d == self.dim else first[d][1]
+            for d in range(len(first))
+        )
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @staticmethod
+    def _index(box: Box) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in box)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """The local tensor (a new one) cut out of ``full``."""
+        return torch.cat([full[self._index(b)] for b in self.boxes], dim=self.dim)
+
+    def put(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        """Write ``local`` (shaped :attr:`shape`) into its places in ``full``."""
+        sizes = [b[self.dim][1] for b in self.boxes]
+        for b, part in zip(self.boxes, local.split(sizes, dim=self.dim), strict=True):
+            full[self._index(b)].copy_(part)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dim": self.dim, "boxes": [[list(r) for r in b] for b in self.boxes]}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Slices:
+        boxes = tuple(tuple((int(o), int(n)) for o, n in b) for b in raw["boxes"])
+        if not boxes or len({len(b) for b in boxes}) != 1:
+            raise ValueError(f"slices {raw!r}: boxes of one rank each, at least one")
+        return cls(int(raw["dim"]), boxes)
 
 
 @dataclass
@@ -38,6 +98,9 @@ class Piece:
     #: Global ranks holding this very piece (this one included): a checkpoint writes it once,
     #: from one of them. Empty: only this rank holds it.
     replicas: tuple[int, ...] = ()
+    #: The slices of the full tensor this rank's tensor is made of (tensor parallelism);
+    #: ``[start, end)`` then counts elements of that tensor. None: of the full tensor itself.
+    slices: Slices | None = None
 
     @property
     def replicated(self) -> bool:
@@ -66,8 +129,17 @@ class PieceSource(Protocol):
         """The optimizer scalar state saved for ``name`` (encoded; see :func:`decode_scalar`)."""
         ...
 
-    def read(self, name: str, key: str, start: int, end: int, out: torch.Tensor) -> None:
-        """Copy elements ``[start, end)`` of the saved flat tensor into 1-D ``out``."""
+    def read(
+        self,
+        name: str,
+        key: str,
+        start: int,
+        end: int,
+        out: torch.Tensor,
+        slices: Slices | None = None,
+    ) -> None:
+        """Copy elements ``[start, end)`` of the saved flat tensor into 1-D ``out`` (with
+        ``slices``: of the tensor those slices of the saved one make)."""
         ...
 
 

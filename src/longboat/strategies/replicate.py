@@ -206,6 +206,9 @@ class Replicate:
     def tied_gradient(self, param: nn.Parameter) -> torch.Tensor:
         return full_gradient(param)
 
+    def gradient_share(self, param: nn.Parameter) -> torch.Tensor | None:
+        return param.grad
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         pending = any(b.handle is not None for b in self._buckets)
         if not (

@@ -53,6 +53,9 @@ class Single:
     def tied_gradient(self, param: nn.Parameter) -> torch.Tensor:
         return full_gradient(param)
 
+    def gradient_share(self, param: nn.Parameter) -> torch.Tensor | None:
+        return param.grad
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 

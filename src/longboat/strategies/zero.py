@@ -346,6 +346,13 @@ class Zero:
         assert len(u.params) == 1, "a tied parameter has a unit of its own (see setup)"
         return u.grad_view()
 
+    def gradient_share(self, param: nn.Parameter) -> torch.Tensor | None:
+        u, i = self.where[id(param)]
+        for j, a, b, _ in u.pieces:
+            if j == i:
+                return u.grad_view()[a:b]
+        return None  # the parameter lies outside this rank's shard
+
     # -- the step ------------------------------------------------------------------------------
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
