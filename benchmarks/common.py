@@ -7,7 +7,6 @@ import importlib.metadata
 import os
 import platform
 import socket
-import subprocess
 import sys
 from datetime import timedelta
 
@@ -57,23 +56,10 @@ def package_version(dist_name: str) -> str | None:
 
 
 def commit() -> str | None:
-    """The commit the benchmark ran at, with ``+dirty`` when the work tree had changes (a
-    result measured on uncommitted code cannot be traced back to one)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
+    """The commit the benchmark ran at, with ``+dirty`` when the work tree had changes."""
+    from longboat.bench.report import source_commit
+
+    return source_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def versions(*extra: str) -> dict[str, str | None]:

@@ -99,6 +99,7 @@ def test_json_has_every_side_and_world_size(run: tuple[Path, dict[str, Any]]) ->
         assert len(r["losses"]) == 2 + 3
     assert result["unavailable"] == {}
     assert result["versions"]["torch"] and result["settings"]["scaling"] == "weak"
+    assert "commit" in result["versions"]  # None outside a checkout
 
 
 def test_derived_figures_follow_from_the_json(run: tuple[Path, dict[str, Any]]) -> None:

@@ -462,6 +462,7 @@ def _held(cfg: dict[str, Any]) -> dict[str, int]:
 def test_the_plan_of_a_tensor_parallel_rank_is_what_the_rank_holds(ranks):
     from longboat.config import load_config
     from longboat.plan.planner import make_plan
+    from longboat.plan.render import render
     from longboat.plan.target import resolve
 
     dims = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": SEQ}
@@ -479,4 +480,13 @@ def test_the_plan_of_a_tensor_parallel_rank_is_what_the_rank_holds(ranks):
     # 2(n-1)/n = 1 x the buffer at 2 ranks), the head's gather of 4 x 8 x 64 logits (half sent);
     # the norm's one float is not clipped here (no clipping in the plan's config).
     act = 4 * SEQ * 32 * 4
-    assert row.comm_bytes == {"tp all_reduce": 10 * act, "tp all_gather": 4 * SEQ * 64 * 4 // 2}
+    logits = 4 * SEQ * 64 * 4 // 2
+    assert row.comm_bytes == {"tp all_reduce": 10 * act, "tp all_gather": logits}
+    # per layer: each divided layer moves one activation's worth, the head also the logits
+    layers = [
+        f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    ]
+    want = {"tok_emb": act, **dict.fromkeys(layers, act), "lm_head": act + logits}
+    assert row.tp_layers == want
+    text = render(plan)
+    assert "blocks.*.attn.qkv 2 x 0.0 MiB" in text and "lm_head" in text

@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,32 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def source_commit(where: str | os.PathLike[str]) -> str | None:
+    """The git commit of the checkout holding ``where``, with ``+dirty`` when its tracked files
+    had changes (a result measured on uncommitted code cannot be traced back to one); None
+    outside a checkout (an installed wheel)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def versions() -> dict[str, str | None]:
-    """Python, torch, longboat and the peers' versions, and the platform."""
+    """Python, torch, longboat (and its commit, from a checkout) and the peers' versions, and
+    the platform."""
     out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
     out.update({name: _version(name) for name in ("longboat", "deepspeed", "matplotlib")})
+    out["commit"] = source_commit(Path(__file__).resolve().parent)
     out["platform"] = platform.platform()
     return out
 

@@ -361,9 +361,12 @@ class Collectives:
             log.add(rec, nbytes, t2 - t1)
         return _Done()
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, tag: str = ""
+    ) -> Handle:
         """Reduce ``tensor`` in place across ranks (``op``: sum, avg, max or min; avg of a
-        floating tensor only)."""
+        floating tensor only). ``tag`` says what the tensor is, for the desync check and
+        reports."""
         if not self.active:
             return _Done()
         if self.rules is not None:
@@ -385,6 +388,7 @@ class Collectives:
                 tensor=tensor,
                 reduce_op=op,
                 async_op=async_op,
+                tag=tag,
                 nbytes=tensor.numel() * tensor.element_size(),
             )
         return self._issue(dist.all_reduce, tensor, op=_OPS[op], async_op=async_op)

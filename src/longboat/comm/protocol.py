@@ -42,8 +42,11 @@ class Comm(Protocol):
         """The global rank of position ``group_rank`` of this group."""
         ...
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
-        """Reduce ``tensor`` in place across the group (``op``: sum, avg, max or min)."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, tag: str = ""
+    ) -> Handle:
+        """Reduce ``tensor`` in place across the group (``op``: sum, avg, max or min);
+        ``tag`` names what it is."""
         ...
 
     def reduce_scatter(

@@ -15,7 +15,7 @@ parameters again in forward and backward. At one rank the only strategy is singl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -84,6 +84,8 @@ class StrategyPlan:
     fits: bool | None  # None without a budget
     stages: tuple[int, ...] = ()  # with pipeline stages: those of this rank (a row per rank)
     in_flight: int = 0  # with pipeline stages: most micro-batches' activations held at once
+    #: with tensor parallelism: bytes each divided layer sends per step, by module name
+    tp_layers: dict[str, int] = field(default_factory=dict)
 
     @property
     def comm_total(self) -> int:
@@ -215,6 +217,7 @@ def make_plan(
                 fits=None if budget is None else sim.peak <= budget,
                 stages=sim.stages,
                 in_flight=sim.in_flight,
+                tp_layers=sim.tp_layers,
             )
             for sim in sims
         ]

@@ -28,6 +28,24 @@ def _mib(n: int) -> str:
     return f"{n / _MIB:,.1f}"
 
 
+def _per_layer(layers: dict[str, int]) -> str:
+    """Layers alike but for their index (``blocks.0.attn.qkv``, ``blocks.1.attn.qkv``) on one
+    entry: ``blocks.*.attn.qkv 4 x 2.0 MiB``."""
+    groups: dict[str, list[int]] = {}
+    for name, b in layers.items():
+        key = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        groups.setdefault(key, []).append(b)
+    out = []
+    for key, sizes in groups.items():
+        if len(sizes) == 1:
+            out.append(f"{key} {_mib(sizes[0])} MiB")
+        elif len(set(sizes)) == 1:
+            out.append(f"{key} {len(sizes)} x {_mib(sizes[0])} MiB")
+        else:
+            out.append(f"{key} {len(sizes)} layers, {_mib(sum(sizes))} MiB in all")
+    return ", ".join(out)
+
+
 def _row_name(s: StrategyPlan) -> str:
     if not s.stages:
         return s.strategy
@@ -105,6 +123,12 @@ def render(plan: Plan, width: int = 120) -> str:
     for s in plan.strategies:
         parts = ", ".join(f"{op} {_mib(b)} MiB" for op, b in sorted(s.comm_bytes.items()))
         lines.append(f"  {_row_name(s):<18} {parts or 'none'}")
+    layered = next((s for s in plan.strategies if s.tp_layers), None)
+    if layered is not None:
+        lines.append(
+            "tensor-parallel layers, bytes sent per step and rank (the same under each "
+            f"strategy): {_per_layer(layered.tp_layers)}"
+        )
     if plan.recommended:
         lines.append(f"recommended: {plan.recommended} ({plan.reason})")
     else:

@@ -90,34 +90,40 @@ class MetaCollectives:
     commlog: None = None
     sent: dict[str, int] = field(default_factory=dict)
     prefix: str = ""  # put before each operation's name in ``sent``
+    #: bytes per tag (the tensor-parallel layers tag theirs with the module's name), or None
+    by_tag: dict[str, int] | None = None
 
     def log_summary(self) -> list[dict[str, Any]]:
         return []
 
-    def _count(self, op: str, nbytes: float) -> _Done:
+    def _count(self, op: str, nbytes: float, tag: str = "") -> _Done:
         if self.world_size > 1:
             key = self.prefix + op
             self.sent[key] = self.sent.get(key, 0) + int(nbytes)
+            if self.by_tag is not None and tag:
+                self.by_tag[tag] = self.by_tag.get(tag, 0) + int(nbytes)
         return _InFlight()
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> _Done:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, tag: str = ""
+    ) -> _Done:
         n = self.world_size
-        return self._count("all_reduce", 2 * (n - 1) / n * _nbytes(tensor))
+        return self._count("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tag)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
     ) -> _Done:
         n = self.world_size
-        return self._count("reduce_scatter", (n - 1) / n * _nbytes(input))
+        return self._count("reduce_scatter", (n - 1) / n * _nbytes(input), tag)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
     ) -> _Done:
         n = self.world_size
-        return self._count("all_gather", (n - 1) / n * _nbytes(output))
+        return self._count("all_gather", (n - 1) / n * _nbytes(output), tag)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._count("broadcast", _nbytes(tensor))
@@ -151,6 +157,8 @@ class Simulated:
     comm_bytes: dict[str, int]  # bytes sent per step by this rank, per collective
     stages: tuple[int, ...] = ()  # the pipeline stages this rank holds (none without)
     in_flight: int = 0  # most micro-batches whose backward had not run yet (pipeline)
+    #: bytes each tensor-parallel layer sends per step, by module name
+    tp_layers: dict[str, int] = field(default_factory=dict)
 
 
 def simulate(
@@ -168,14 +176,20 @@ def simulate(
     from longboat.engine import assemble, resolve_mesh
 
     sent: dict[str, int] = {}
+    layers: dict[str, int] = {}
     mesh = resolve_mesh(config, world_size)
     # Control planes carry flags, headers and metadata as JSON: a few bytes, whose values fake
     # tensors do not have. The plan gives them doorways of one (no peer, nothing counted).
     topology = Topology.of(
         mesh,
         rank,
-        # The tensor-parallel layers' traffic is told apart from the data-parallel strategy's.
-        lambda n, r, axis: MetaCollectives(n, r, sent=sent, prefix="tp " if axis == "tp" else ""),
+        # The tensor-parallel layers' traffic is told apart from the data-parallel strategy's,
+        # and counted per layer.
+        lambda n, r, axis: (
+            MetaCollectives(n, r, sent=sent, prefix="tp ", by_tag=layers)
+            if axis == "tp"
+            else MetaCollectives(n, r, sent=sent)
+        ),
         control=lambda: MetaCollectives(1),
     )
     world = World(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
@@ -198,6 +212,7 @@ def simulate(
             for step in range(2):
                 if step == 1:
                     sent.clear()  # the first step's are the same; count one step
+                    layers.clear()
                 steps.step()
             state = measure(engine.strategy.memory_tensors(opt))
             trainable = engine.trainable_params
@@ -216,6 +231,7 @@ def simulate(
         comm_bytes=dict(sent),
         stages=steps.stages,
         in_flight=steps.in_flight,
+        tp_layers=dict(layers),
     )
 
 

@@ -14,7 +14,8 @@ function                      forward                        backward
 :func:`reduce_scatter` (d)    reduce-scatter along ``d``     all-gather along ``d``
 ============================  =============================  ==============================
 
-Over a group of one they are the identity. They go through longboat's doorway (not DTensor's own
+Over a group of one they are the identity. ``tag`` names the layer (hang reports, the plan's
+bytes per layer). They go through longboat's doorway (not DTensor's own
 collectives), so the comm log, the hang watchdog and the NCCL rules see every tensor-parallel
 transfer like any other.
 """
@@ -47,105 +48,105 @@ def _chunk(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     return x.chunk(comm.world_size, dim=dim)[comm.rank].contiguous()
 
 
-def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
     out = x.contiguous().clone()
-    comm.all_reduce(out)
+    comm.all_reduce(out, tag=tag)
     return out
 
 
 class _CopyTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+        ctx.comm, ctx.tag = comm, tag
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(g, ctx.comm), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_reduce(g, ctx.comm, ctx.tag), None, None
 
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        return _all_reduce(x, comm)
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+        return _all_reduce(x, comm, tag)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return g, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return g, None, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return _gather(x, comm, dim, "tp.gather")
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.tag = comm, dim, tag
+        return _gather(x, comm, dim, tag)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _chunk(g, ctx.comm, ctx.dim), None, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _chunk(g, ctx.comm, ctx.dim), None, None, None
 
 
 class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.tag = comm, dim, tag
         return _chunk(x, comm, dim)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(g, ctx.comm, ctx.dim, "tp.split.grad"), None, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _gather(g, ctx.comm, ctx.dim, ctx.tag), None, None, None
 
 
 class _GatherScattered(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return _gather(x, comm, dim, "tp.sequence.gather")
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.tag = comm, dim, tag
+        return _gather(x, comm, dim, tag)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter(g, ctx.comm, ctx.dim, "tp.sequence.gather.grad"), None, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _reduce_scatter(g, ctx.comm, ctx.dim, ctx.tag), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return _reduce_scatter(x, comm, dim, "tp.sequence.scatter")
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.tag = comm, dim, tag
+        return _reduce_scatter(x, comm, dim, tag)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(g, ctx.comm, ctx.dim, "tp.sequence.scatter.grad"), None, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _gather(g, ctx.comm, ctx.dim, ctx.tag), None, None, None
 
 
-def copy_to(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+def copy_to(x: torch.Tensor, comm: Comm, tag: str = "") -> torch.Tensor:
     """Enter a column-parallel layer: the input is whole on every rank; its gradient is the
     sum of every rank's part."""
-    return _CopyTo.apply(x, comm) if comm.world_size > 1 else x
+    return _CopyTo.apply(x, comm, tag) if comm.world_size > 1 else x
 
 
-def reduce_from(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+def reduce_from(x: torch.Tensor, comm: Comm, tag: str = "") -> torch.Tensor:
     """Leave a row-parallel layer: sum the ranks' partial outputs."""
-    return _ReduceFrom.apply(x, comm) if comm.world_size > 1 else x
+    return _ReduceFrom.apply(x, comm, tag) if comm.world_size > 1 else x
 
 
-def gather(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+def gather(x: torch.Tensor, comm: Comm, dim: int, tag: str = "") -> torch.Tensor:
     """Every rank's chunk of ``dim``, concatenated (a column-parallel output made whole)."""
-    return _Gather.apply(x, comm, dim) if comm.world_size > 1 else x
+    return _Gather.apply(x, comm, dim, tag) if comm.world_size > 1 else x
 
 
-def split(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+def split(x: torch.Tensor, comm: Comm, dim: int, tag: str = "") -> torch.Tensor:
     """This rank's chunk of ``dim`` of a whole tensor (entering the sequence-parallel part)."""
-    return _Split.apply(x, comm, dim) if comm.world_size > 1 else x
+    return _Split.apply(x, comm, dim, tag) if comm.world_size > 1 else x
 
 
-def gather_scattered(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+def gather_scattered(x: torch.Tensor, comm: Comm, dim: int, tag: str = "") -> torch.Tensor:
     """A sequence-parallel activation made whole for a column-parallel layer; the backward
     sums the ranks' gradients and scatters them back along ``dim``."""
-    return _GatherScattered.apply(x, comm, dim) if comm.world_size > 1 else x
+    return _GatherScattered.apply(x, comm, dim, tag) if comm.world_size > 1 else x
 
 
-def reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, comm: Comm, dim: int, tag: str = "") -> torch.Tensor:
     """Leave a row-parallel layer into the sequence-parallel part: sum the partial outputs and
     keep this rank's chunk of ``dim``."""
-    return _ReduceScatter.apply(x, comm, dim) if comm.world_size > 1 else x
+    return _ReduceScatter.apply(x, comm, dim, tag) if comm.world_size > 1 else x

@@ -94,11 +94,11 @@ def _affine(module: nn.Module, name: str, style: str) -> _Affine:
     )
 
 
-def _sum_gradient_over(p: nn.Parameter, comm: Comm) -> None:
+def _sum_gradient_over(p: nn.Parameter, comm: Comm, tag: str) -> None:
     """Each rank saw its part of the sequence: ``p``'s gradient is the sum of theirs, made
     before the data-parallel strategy sees it (tensor hooks run before the gradient is
     accumulated, hence before a strategy's accumulation hooks)."""
-    p.register_hook(lambda g: regions.reduce_from(g, comm))
+    p.register_hook(lambda g: regions.reduce_from(g, comm, tag))
 
 
 def _replace_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
@@ -128,9 +128,12 @@ class Colwise:
         seq = at.sequence_parallel and not gather_output
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            x = regions.gather_scattered(x, comm, dim) if seq else regions.copy_to(x, comm)
+            if seq:
+                x = regions.gather_scattered(x, comm, dim, name)
+            else:
+                x = regions.copy_to(x, comm, name)
             y = aff.run(x, mod.weight, mod.bias)
-            return regions.gather(y, comm, -1) if gather_output else y
+            return regions.gather(y, comm, -1, name) if gather_output else y
 
         _replace_forward(module, forward)
 
@@ -150,7 +153,7 @@ class Rowwise:
         bias = getattr(module, "bias", None)
         if seq and bias is not None and bias.requires_grad:
             # Added to this rank's part of the sequence only: its gradient is a part too.
-            _sum_gradient_over(bias, comm)
+            _sum_gradient_over(bias, comm, f"{name}.bias")
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
             if x.shape[-1] != width:
@@ -160,7 +163,10 @@ class Rowwise:
                     "colwise, or this one replicate"
                 )
             y = aff.run(x, mod.weight, None)
-            y = regions.reduce_scatter(y, comm, dim) if seq else regions.reduce_from(y, comm)
+            if seq:
+                y = regions.reduce_scatter(y, comm, dim, name)
+            else:
+                y = regions.reduce_from(y, comm, name)
             # The bias is whole on every rank: added once, after the sum.
             return y if mod.bias is None else y + mod.bias
 
@@ -188,7 +194,7 @@ class Rowwise:
             # Whole on every rank (all-reduced, also with sequence parallelism): what follows an
             # embedding (a position embedding added, masks built from its shape) expects the
             # whole sequence; split_sequence starts the sequence-parallel part after it.
-            return regions.reduce_from(out, comm)
+            return regions.reduce_from(out, comm, name)
 
         _replace_forward(module, forward)
 
@@ -202,7 +208,7 @@ class Sequence:
             return
         for p in module.parameters(recurse=False):
             if p.requires_grad:
-                _sum_gradient_over(p, at.comm)
+                _sum_gradient_over(p, at.comm, name)
 
 
 def _first_input(
@@ -234,7 +240,7 @@ class SplitSequence:
                     f"dimension {dim}, which do not divide among tp = {comm.world_size} ranks; "
                     "use a sequence length divisible by tp"
                 )
-            return (regions.split(x, comm, dim), *args), kwargs
+            return (regions.split(x, comm, dim, name), *args), kwargs
 
         module.register_forward_pre_hook(cut, with_kwargs=True)
 
@@ -252,7 +258,7 @@ class GatherSequence:
             x, args, kwargs = _first_input(name, args, kwargs)
             # What follows is alike on every rank, so is the gradient coming back: each rank
             # keeps its chunk of it.
-            return (regions.gather(x, comm, dim), *args), kwargs
+            return (regions.gather(x, comm, dim, name), *args), kwargs
 
         module.register_forward_pre_hook(whole, with_kwargs=True)
 
