@@ -12,7 +12,8 @@ Why not DTensor's ``parallelize_module``: longboat's strategies keep parameters 
 buffers of plain tensors, which DTensor parameters would not fit; DTensor's collectives would
 pass by longboat's doorway (its log, hang watchdog and desync check); its stock column style is
 silently wrong for a fused q|k|v weight; and on CPU its attention has no sharding rule. The
-layers' communication is six small autograd functions (``regions.py``) over the ``tp`` doorway.
+layers' communication is six pairs of moves in one autograd function (``regions.py``) over the
+``tp`` doorway.
 """
 
 from __future__ import annotations

@@ -22,11 +22,25 @@ transfer like any other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from longboat.comm.protocol import Comm
+
+#: A move of a tensor across the ranks: (tensor, doorway, dimension, tag) -> tensor.
+Move = Callable[[torch.Tensor, Comm, int, str], torch.Tensor]
+
+
+def _identity(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _all_reduce(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    comm.all_reduce(out, tag=tag)
+    return out
 
 
 def _gather(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
@@ -44,109 +58,62 @@ def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Te
     return out.movedim(0, dim)
 
 
-def _chunk(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+def _chunk(x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
     return x.chunk(comm.world_size, dim=dim)[comm.rank].contiguous()
 
 
-def _all_reduce(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
-    out = x.contiguous().clone()
-    comm.all_reduce(out, tag=tag)
-    return out
-
-
-class _CopyTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
-        ctx.comm, ctx.tag = comm, tag
-        return x.view_as(x)
+class _Region(torch.autograd.Function):
+    """``forward`` moves the activation one way, and the backward moves its gradient by
+    ``backward``, the move conjugate to it (the table above)."""
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_reduce(g, ctx.comm, ctx.tag), None, None
-
-
-class _ReduceFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
-        return _all_reduce(x, comm, tag)
+    def forward(
+        ctx: Any, x: torch.Tensor, comm: Comm, dim: int, tag: str, forward: Move, backward: Move
+    ) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.tag, ctx.move_back = comm, dim, tag, backward
+        return forward(x, comm, dim, tag)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return g, None, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.move_back(g, ctx.comm, ctx.dim, ctx.tag), None, None, None, None, None
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
-        ctx.comm, ctx.dim, ctx.tag = comm, dim, tag
-        return _gather(x, comm, dim, tag)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _chunk(g, ctx.comm, ctx.dim), None, None, None
-
-
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
-        ctx.comm, ctx.dim, ctx.tag = comm, dim, tag
-        return _chunk(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _gather(g, ctx.comm, ctx.dim, ctx.tag), None, None, None
-
-
-class _GatherScattered(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
-        ctx.comm, ctx.dim, ctx.tag = comm, dim, tag
-        return _gather(x, comm, dim, tag)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _reduce_scatter(g, ctx.comm, ctx.dim, ctx.tag), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, dim: int, tag: str) -> torch.Tensor:
-        ctx.comm, ctx.dim, ctx.tag = comm, dim, tag
-        return _reduce_scatter(x, comm, dim, tag)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _gather(g, ctx.comm, ctx.dim, ctx.tag), None, None, None
+def _region(
+    x: torch.Tensor, comm: Comm, dim: int, tag: str, forward: Move, backward: Move
+) -> torch.Tensor:
+    if comm.world_size == 1:
+        return x
+    return _Region.apply(x, comm, dim, tag, forward, backward)
 
 
 def copy_to(x: torch.Tensor, comm: Comm, tag: str = "") -> torch.Tensor:
     """Enter a column-parallel layer: the input is whole on every rank; its gradient is the
     sum of every rank's part."""
-    return _CopyTo.apply(x, comm, tag) if comm.world_size > 1 else x
+    return _region(x, comm, -1, tag, _identity, _all_reduce)
 
 
 def reduce_from(x: torch.Tensor, comm: Comm, tag: str = "") -> torch.Tensor:
     """Leave a row-parallel layer: sum the ranks' partial outputs."""
-    return _ReduceFrom.apply(x, comm, tag) if comm.world_size > 1 else x
+    return _region(x, comm, -1, tag, _all_reduce, _identity)
 
 
 def gather(x: torch.Tensor, comm: Comm, dim: int, tag: str = "") -> torch.Tensor:
     """Every rank's chunk of ``dim``, concatenated (a column-parallel output made whole)."""
-    return _Gather.apply(x, comm, dim, tag) if comm.world_size > 1 else x
+    return _region(x, comm, dim, tag, _gather, _chunk)
 
 
 def split(x: torch.Tensor, comm: Comm, dim: int, tag: str = "") -> torch.Tensor:
     """This rank's chunk of ``dim`` of a whole tensor (entering the sequence-parallel part)."""
-    return _Split.apply(x, comm, dim, tag) if comm.world_size > 1 else x
+    return _region(x, comm, dim, tag, _chunk, _gather)
 
 
 def gather_scattered(x: torch.Tensor, comm: Comm, dim: int, tag: str = "") -> torch.Tensor:
     """A sequence-parallel activation made whole for a column-parallel layer; the backward
     sums the ranks' gradients and scatters them back along ``dim``."""
-    return _GatherScattered.apply(x, comm, dim, tag) if comm.world_size > 1 else x
+    return _region(x, comm, dim, tag, _gather, _reduce_scatter)
 
 
 def reduce_scatter(x: torch.Tensor, comm: Comm, dim: int, tag: str = "") -> torch.Tensor:
     """Leave a row-parallel layer into the sequence-parallel part: sum the partial outputs and
     keep this rank's chunk of ``dim``."""
-    return _ReduceScatter.apply(x, comm, dim, tag) if comm.world_size > 1 else x
+    return _region(x, comm, dim, tag, _reduce_scatter, _gather)
