@@ -372,6 +372,7 @@ HF_CASES = {
     "gpt2": ("gpt2", False, {"transformer.h.0.attn.c_attn.weight": (32, 48)}),  # Conv1D: [in, out]
     "gpt2-sequence": ("gpt2", True, {"transformer.h.0.attn.c_proj.weight": (16, 32)}),
     "llama": ("llama", False, {"model.layers.0.self_attn.k_proj.weight": (8, 32)}),  # 1 kv head
+    "llama-sequence": ("llama", True, {"model.layers.0.mlp.down_proj.weight": (32, 32)}),
 }
 
 

@@ -71,11 +71,6 @@ class TensorParallel:
 
     def _apply(self, model: nn.Module) -> None:
         plan = plans.resolve(self.cfg.plan, model, self.cfg.divide)
-        if self.cfg.sequence_parallel and plan.no_sequence_parallel:
-            raise LayoutError(
-                f"tensor_parallel.sequence_parallel = true: the {plan.name!r} plan has no "
-                f"sequence-parallel layout ({plan.no_sequence_parallel}); turn it off"
-            )
         self.plan = plan
         names = canonical_names(model)
         at = Placement(

@@ -32,8 +32,6 @@ class Plan:
     styles: tuple[tuple[str, Style], ...]
     divide: tuple[tuple[str, str], ...] = ()
     check: tuple[tuple[str, str], ...] = ()
-    #: plans whose layout has no sequence-parallel form say why here
-    no_sequence_parallel: str = ""
     entries: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def style_for(self, module_name: str) -> tuple[str, Style] | None:
@@ -53,25 +51,31 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def style_of(where: str, value: Any) -> Style:
-    """A style from a config value: a name, or a table ``{style = "colwise", fused = 3}``."""
+    """A style from a config value: a name, or a table ``{style = "colwise", fused = 3}``
+    (``fused``: stacked blocks; ``input = "whole"``: a colwise layer whose input a
+    ``gather_sequence`` module already gathered)."""
+    keys = {"style", "fused", "input"}
     if isinstance(value, str):
-        name, fused = value, 1
-    elif isinstance(value, dict) and "style" in value and set(value) <= {"style", "fused"}:
+        name, fused, whole = value, 1, False
+    elif isinstance(value, dict) and "style" in value and set(value) <= keys:
         name, fused = value["style"], value.get("fused", 1)
+        if value.get("input", "sequence") not in ("sequence", "whole"):
+            raise LayoutError(f"{where}: input = {value['input']!r}; use 'whole' or 'sequence'")
+        whole = value.get("input") == "whole"
     else:
         raise LayoutError(
             f"{where} = {value!r}: give a style name ({', '.join(STYLES)}) or a table "
-            "{style = 'colwise', fused = 3}"
+            "{style = 'colwise', fused = 3, input = 'whole'}"
         )
     if name not in STYLES:
         raise LayoutError(f"{where} = {name!r}: unknown style; choose one of {', '.join(STYLES)}")
-    if fused != 1:
-        if name not in ("colwise",) or not isinstance(fused, int) or fused < 1:
+    if fused != 1 or whole:
+        if name != "colwise" or not isinstance(fused, int) or fused < 1:
             raise LayoutError(
-                f"{where}: fused = {fused!r} applies to colwise layers only, as a whole number "
-                "of stacked blocks (3 for q|k|v)"
+                f"{where}: fused = {fused!r} and input = 'whole' apply to colwise layers only "
+                "(fused: a whole number of stacked blocks, 3 for q|k|v)"
             )
-        return Colwise(fused=fused)
+        return Colwise(fused=fused, whole_input=whole)
     return STYLES[name]
 
 
@@ -120,27 +124,30 @@ GPT2 = _plan(
 )
 
 #: transformers' LlamaForCausalLM (separate q, k, v; gated MLP). Its attention reads the
-#: sequence length from its input, which sequence parallelism would have cut.
+#: sequence length from its input: with sequence parallelism the attention block gathers its
+#: input once, and q, k and v take it whole.
+_WHOLE = {"style": "colwise", "input": "whole"}
 LLAMA = _plan(
     "llama",
     {
         "model.embed_tokens": "rowwise",
-        "model.layers.*.self_attn.q_proj": "colwise",
-        "model.layers.*.self_attn.k_proj": "colwise",
-        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.0": "split_sequence",
+        "model.layers.*.input_layernorm": "sequence",
+        "model.layers.*.self_attn": "gather_sequence",
+        "model.layers.*.self_attn.q_proj": _WHOLE,
+        "model.layers.*.self_attn.k_proj": _WHOLE,
+        "model.layers.*.self_attn.v_proj": _WHOLE,
         "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.post_attention_layernorm": "sequence",
         "model.layers.*.mlp.gate_proj": "colwise",
         "model.layers.*.mlp.up_proj": "colwise",
         "model.layers.*.mlp.down_proj": "rowwise",
+        "model.norm": "gather_sequence",
         "lm_head": "colwise_gather_output",
     },
     check=(
         ("model.layers.*.self_attn", "config.num_attention_heads"),
         ("model.layers.*.self_attn", "config.num_key_value_heads"),
-    ),
-    no_sequence_parallel=(
-        "Llama's attention takes the sequence length from its input, which sequence "
-        "parallelism divides"
     ),
 )
 
@@ -172,7 +179,5 @@ def resolve(plan: str | dict[str, Any], model: nn.Module, divide: dict[str, list
     built = BUILT_IN[plan]
     if divide:
         extra = tuple((p, a) for p, attrs in divide.items() for a in attrs)
-        built = Plan(
-            built.name, built.styles, built.divide + extra, built.check, built.no_sequence_parallel
-        )
+        built = Plan(built.name, built.styles, built.divide + extra, built.check)
     return built

@@ -18,7 +18,9 @@
                            to this rank's part of the sequence.
 ``gather_sequence``        where it ends: the module's input is gathered whole (a final norm,
                            before the head and before a model reshapes its output by the
-                           sequence length).
+                           sequence length; or an attention block that reads the sequence
+                           length from its input, whose q, k and v layers are then
+                           ``{style = "colwise", input = "whole"}``).
 ``replicate``              left whole (the default for every module no pattern names).
 =========================  =====================================================================
 
@@ -107,10 +109,13 @@ def _replace_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
 
 @dataclass(frozen=True)
 class Colwise:
-    """See the module docstring; ``fused``: blocks stacked in the output (q|k|v: 3)."""
+    """See the module docstring; ``fused``: blocks stacked in the output (q|k|v: 3);
+    ``whole_input``: the input is whole also with sequence parallelism (a ``gather_sequence``
+    module around the layer gathered it once for several layers, as q, k and v)."""
 
     fused: int = 1
     gather_output: bool = False
+    whole_input: bool = False
 
     def apply(self, module: nn.Module, name: str, at: Placement) -> None:
         style = "colwise_gather_output" if self.gather_output else "colwise"
@@ -125,7 +130,7 @@ class Colwise:
             at.shard(module, name, "bias", Split(0, self.fused))
         comm, dim = at.comm, at.sequence_dim
         gather_output = self.gather_output
-        seq = at.sequence_parallel and not gather_output
+        seq = at.sequence_parallel and not (gather_output or self.whole_input)
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
             if seq:
