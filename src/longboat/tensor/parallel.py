@@ -52,7 +52,6 @@ class TensorParallel:
         self.divided: dict[str, Divided] = {}
         self._by_id: dict[int, Divided] = {}
         self._replicated: list[nn.Parameter] = []
-        self.plan: plans.Plan | None = None
 
     @property
     def active(self) -> bool:
@@ -71,7 +70,6 @@ class TensorParallel:
 
     def _apply(self, model: nn.Module) -> None:
         plan = plans.resolve(self.cfg.plan, model, self.cfg.divide)
-        self.plan = plan
         names = canonical_names(model)
         at = Placement(
             self.comm, self.cfg.sequence_parallel, self.cfg.sequence_dim, self._shard(names)
@@ -166,10 +164,6 @@ class TensorParallel:
         if d is None:
             return None
         return d.split.slices(d.shape, self.comm.rank, self.comm.world_size)
-
-    def replicated_parameters(self) -> list[nn.Parameter]:
-        """Parameters every ``tp`` rank holds whole and alike."""
-        return list(self._replicated)
 
     def whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``local`` (this rank's part of ``name``) gathered into the full tensor; every ``tp``

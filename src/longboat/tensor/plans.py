@@ -15,7 +15,7 @@ and Llama, are chosen by the model's class unless the config names one.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -32,7 +32,6 @@ class Plan:
     styles: tuple[tuple[str, Style], ...]
     divide: tuple[tuple[str, str], ...] = ()
     check: tuple[tuple[str, str], ...] = ()
-    entries: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def style_for(self, module_name: str) -> tuple[str, Style] | None:
         """The first (pattern, style) naming ``module_name``."""
@@ -81,7 +80,7 @@ def style_of(where: str, value: Any) -> Style:
 
 def _plan(name: str, entries: dict[str, Any], **kw: Any) -> Plan:
     styles = tuple((p, style_of(f"tensor_parallel.plan[{p!r}]", v)) for p, v in entries.items())
-    return Plan(name, styles, entries=entries, **kw)
+    return Plan(name, styles, **kw)
 
 
 _QKV = {"style": "colwise", "fused": 3}
