@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import longboat
+import longboat.ps
 
 QUIET = {"log": {"progress": False, "level": "WARNING"}}
 
@@ -75,7 +76,10 @@ def train(
         with torch.no_grad():  # the strategy must start every rank from rank 0's weights
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-    engine = longboat.initialize(model, opt, cfg, scheduler=sched)
+    try:
+        engine = longboat.initialize(model, opt, cfg, scheduler=sched)
+    except longboat.ps.ServerExit as served:  # a parameter server's rank: what it served
+        return {"served": served.summary}
     if poison is not None and poison_how == "grad" and poison[1] == rank:
         own = engine.strategy.local_gradients
 
@@ -228,6 +232,10 @@ def compare(results: list[dict[str, Any]], plain: reference.PlainRun, tol: float
                 assert got[k] == v, f"optimizer state {name}.{k}: {got[k]} vs plain {v}"
 
 
+def servers_in(strategy: dict[str, Any]) -> bool:
+    return strategy.get("strategy") == "parameter_server"
+
+
 def run_and_compare(
     ranks: Any,
     world: int,
@@ -242,10 +250,14 @@ def run_and_compare(
     **extra: Any,
 ) -> tuple[list[dict[str, Any]], reference.PlainRun]:
     """Train on ``world`` ranks, replay the same samples through the plain loop (which meets
-    a poisoned step as an inf loss), compare."""
-    micro = global_batch // (world * accum)
+    a poisoned step as an inf loss), compare. With parameter servers, the last ``servers`` of
+    the ranks serve and the others are compared."""
+    servers = strategy.get("parameter_server", {}).get("servers", 1) if servers_in(strategy) else 0
+    micro = global_batch // ((world - servers) * accum)
     cfg = config(strategy, recipe, global_batch, micro, **extra)
-    results = ranks(world, train, recipe, cfg, steps, poison=poison, poison_how=poison_how)
+    everyone = ranks(world, train, recipe, cfg, steps, poison=poison, poison_how=poison_how)
+    results = [r for r in everyone if "served" not in r]
+    assert len(results) == world - servers
     order = order_of(results)
     seen = [i for step in order for micro_ids in step for ids in micro_ids for i in ids]
     assert len(seen) == len(set(seen)) == global_batch * steps, "each sample once per epoch"

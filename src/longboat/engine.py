@@ -38,7 +38,7 @@ from longboat.pipeline import build_schedule
 from longboat.precision import Precision, SkippedStep
 from longboat.recompute import apply_activation_checkpointing
 from longboat.schedule import LossFn, Schedule, Sequential, default_inputs, split
-from longboat.strategies import build_strategy
+from longboat.strategies import build_service, build_strategy
 from longboat.tensor import TensorParallel
 from longboat.tensor.strategy import wrap as tensor_parallel_over
 from longboat.topology import DoorwayOptions, Topology
@@ -59,6 +59,7 @@ class Engine:
         owns_group: bool = False,
         schedule: Schedule | None = None,
         tensor: TensorParallel | None = None,
+        service: Any = None,
     ) -> None:
         self.config = config
         self.world = world
@@ -98,6 +99,7 @@ class Engine:
                 topology,
                 config,
                 isolated=frozenset(id(p) for p in self.schedule.ties.parameters()),
+                service=service,
             ),
             self.tensor,
             topology.rank,
@@ -447,16 +449,38 @@ def initialize(
     world = world or World.from_env()
     setup_logging(world, cfg.log.level)
     owns = init_process_group(world, timeout_s=cfg.comm.timeout_s)
-    mesh = resolve_mesh(cfg, world.world_size)
+    # Ranks that serve the strategy instead of training ([Note: parameter server roles] in
+    # ps/service.py): the mesh covers the others.
+    service = build_service(cfg, world.world_size)
+    mesh = resolve_mesh(cfg, world.world_size - cfg.service_ranks())
     c = cfg.comm
-    topology = Topology.build(
-        mesh,
-        DoorwayOptions(
-            desync_check=c.desync_check, log=c.log, log_verbose=c.log_verbose, timeout_s=c.timeout_s
-        ),
-        device_for(world),
+    options = DoorwayOptions(
+        desync_check=c.desync_check, log=c.log, log_verbose=c.log_verbose, timeout_s=c.timeout_s
     )
-    return assemble(model, optimizer, cfg, world, topology, scheduler, owns_group=owns)
+    if service is None:
+        topology = Topology.build(mesh, options, device_for(world))
+    else:
+        service.start(c.timeout_s)
+        if service.serves(world.rank):  # serves, then ends the process (ServerExit)
+            service.serve(_optimizer_of(model, optimizer, cfg), mesh, options)
+        topology = service.topology(mesh, options, device_for(world))
+    return assemble(
+        model, optimizer, cfg, world, topology, scheduler, owns_group=owns, service=service
+    )
+
+
+def _optimizer_of(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: Config
+) -> torch.optim.Optimizer:
+    """The user's optimizer, or the one the config describes."""
+    if optimizer is not None:
+        return optimizer
+    if cfg.optimizer is None:
+        raise ConfigError(
+            "no optimizer: pass one to longboat.initialize, or set the "
+            "config's 'optimizer' section, e.g. {type='AdamW', params={lr=1e-3}}"
+        )
+    return build_optimizer(model.parameters(), cfg.optimizer)
 
 
 def assemble(
@@ -468,6 +492,7 @@ def assemble(
     scheduler: LRScheduler | None = None,
     owns_group: bool = False,
     device: torch.device | None = None,
+    service: Any = None,
 ) -> Engine:
     """The engine of ``model`` on ``topology``: this rank's pipeline stages, activation
     checkpointing, the optimizer (the user's restricted to the stages held, or the config's)
@@ -488,12 +513,7 @@ def assemble(
     if device.type != "cpu":
         model.to(device)
     if optimizer is None:
-        if cfg.optimizer is None:
-            raise ConfigError(
-                "no optimizer: pass one to longboat.initialize, or set the "
-                "config's 'optimizer' section, e.g. {type='AdamW', params={lr=1e-3}}"
-            )
-        optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+        optimizer = _optimizer_of(model, None, cfg)
     else:
         schedule.restrict(optimizer, model)
     if scheduler is None and cfg.scheduler is not None:
@@ -508,6 +528,7 @@ def assemble(
         owns_group=owns_group,
         schedule=schedule,
         tensor=tensor,
+        service=service,
     )
 
 

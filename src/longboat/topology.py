@@ -71,41 +71,37 @@ class Topology:
 
     @classmethod
     def build(
-        cls, mesh: Mesh, options: DoorwayOptions, device: torch.device, rules: bool | None = None
+        cls,
+        mesh: Mesh,
+        options: DoorwayOptions,
+        device: torch.device,
+        rules: bool | None = None,
+        outside: int = 0,
     ) -> Topology:
         """Create every group of ``mesh`` ([Note: group creation]) and the doorways of this
         rank. Collective: every rank calls it with the same mesh. Without a process group
-        (a world of one), every doorway is a group of one."""
+        (a world of one), every doorway is a group of one. ``outside``: how many ranks at the
+        end of the world are not on the mesh (parameter servers); they call
+        :meth:`stand_aside` instead."""
         if rules is None:
             rules = os.environ.get(NCCL_RULES_VAR) == "1"
         active = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if active else 1
         rank = dist.get_rank() if active else 0
-        if mesh.world_size != world:
+        if not active and mesh.world_size + outside != 1:
             raise ValueError(
-                f"the mesh ({mesh.describe()}) has {mesh.world_size} ranks but the "
-                f"process group has {world}"
+                f"the mesh ({mesh.describe()}) has {mesh.world_size} ranks but there is no "
+                "process group"
             )
+        created = _create_groups(mesh, options, world, outside) if active else {}
         data: dict[str, Comm] = {}
         control: dict[str, Comm] = {}
-        owned: list[dist.ProcessGroup] = []
-        created: dict[tuple[int, ...], tuple[Any, Any]] = {}
         doorways: dict[tuple[int, ...], tuple[Comm, Comm]] = {}
-        timeout = datetime.timedelta(seconds=options.timeout_s)
         for axis in GROUP_AXES:
             if mesh.size(axis) == 1 or not active:
                 data[axis] = Collectives.alone(rank, name=f"{axis} (one rank)")
                 control[axis] = data[axis]
                 continue
-            for ranks in mesh.groups(axis):  # every rank creates every group, in order
-                if ranks in created:
-                    continue
-                g_data = (
-                    None if len(ranks) == world else dist.new_group(list(ranks), timeout=timeout)
-                )
-                g_ctrl = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
-                owned += [g for g in (g_data, g_ctrl) if g is not None]
-                created[ranks] = (g_data, g_ctrl)
             mine = mesh.group_of(axis, rank)
             if mine not in doorways:
                 g_data, g_ctrl = created[mine]
@@ -122,10 +118,17 @@ class Topology:
                     ),
                 )
             data[axis], control[axis] = doorways[mine]
+        owned = [g for pair in created.values() for g in pair if g is not None]
         topo = cls(mesh, rank, data, control, owned)
         if active:
             topo._options, topo._rules = options, (rules, device)
         return topo
+
+    @staticmethod
+    def stand_aside(mesh: Mesh, options: DoorwayOptions, outside: int) -> None:
+        """What a rank outside the mesh (one of the last ``outside`` of the world) does while
+        the mesh's ranks call :meth:`build`: take part in making their groups."""
+        _create_groups(mesh, options, dist.get_world_size(), outside)
 
     def subgroup(self, axis: Axis, positions: Sequence[int], name: str) -> Comm:
         """A data-plane doorway over the members at group ranks ``positions`` of this rank's
@@ -207,6 +210,33 @@ class Topology:
             for g in self._owned:
                 dist.destroy_process_group(g)
         self._owned = []  # the last references: their threads are joined now ([Note: teardown])
+
+
+def _create_groups(
+    mesh: Mesh, options: DoorwayOptions, world: int, outside: int
+) -> dict[tuple[int, ...], tuple[Any, Any]]:
+    """Every group of every axis of ``mesh`` with more than one rank, as (data, control)
+    groups, created in the fixed order of [Note: group creation] (collective over the whole
+    world, ``outside`` ranks beyond the mesh included). A group of the whole world uses the
+    default group for its data plane."""
+    if mesh.world_size + outside != world:
+        raise ValueError(
+            f"the mesh ({mesh.describe()}) has {mesh.world_size} ranks"
+            + (f" and {outside} more stand outside it" if outside else "")
+            + f", but the process group has {world}"
+        )
+    timeout = datetime.timedelta(seconds=options.timeout_s)
+    created: dict[tuple[int, ...], tuple[Any, Any]] = {}
+    for axis in GROUP_AXES:
+        if mesh.size(axis) == 1:
+            continue
+        for ranks in mesh.groups(axis):  # every rank creates every group, in order
+            if ranks in created:
+                continue
+            g_data = None if len(ranks) == world else dist.new_group(list(ranks), timeout=timeout)
+            g_ctrl = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+            created[ranks] = (g_data, g_ctrl)
+    return created
 
 
 def _data_doorway(

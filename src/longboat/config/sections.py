@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-StrategyName = Literal["auto", "single", "replicate", "zero"]
+StrategyName = Literal["auto", "single", "replicate", "zero", "parameter_server"]
 
 
 class _Section(BaseModel):
@@ -227,6 +227,44 @@ class CommConfig(_Section):
     log_verbose: bool = Field(False, description="with log: also one line per collective")
 
 
+class ParameterServerConfig(_Section):
+    """Dedicated server ranks (the last ``servers`` of the world) hold the parameters; workers
+    push gradients and pull parameters (``longboat.ps``)."""
+
+    servers: int = Field(1, ge=1, description="how many of the world's ranks serve")
+    mode: Literal["sync", "async", "ssp"] = Field(
+        "sync",
+        description="sync: every step averages every worker (= replicate); async: each push "
+        "applied when it arrives; ssp: workers at most `staleness` clocks apart",
+    )
+    staleness: int = Field(2, ge=0, description="ssp: clocks a worker may run ahead (0 = sync)")
+    update_on_server: bool = Field(
+        True,
+        description="servers run the optimizer; false: they only average and workers step "
+        "(sync only, as MXNet's update_on_kvstore)",
+    )
+    heartbeat_s: float = Field(1.0, gt=0, description="how often a worker tells servers it lives")
+    dead_after_s: float = Field(
+        10.0, gt=0, description="a worker silent this long is dead (dropped in async and ssp)"
+    )
+
+    @model_validator(mode="after")
+    def _async_updates_on_server(self) -> ParameterServerConfig:
+        if self.mode != "sync" and not self.update_on_server:
+            raise ValueError(
+                f"parameter_server.update_on_server = false with mode = {self.mode!r}: without "
+                "a step that waits for every worker there is no mean gradient to hand back, so "
+                "the servers must run the optimizer (MXNet's rule); set it to true or use "
+                "mode = 'sync'"
+            )
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ValueError(
+                f"parameter_server.dead_after_s = {self.dead_after_s} must exceed heartbeat_s = "
+                f"{self.heartbeat_s}, or every worker is dead between two heartbeats"
+            )
+        return self
+
+
 class PipelineConfig(_Section):
     """How pipeline stages (``mesh.pp > 1``) run a step's micro-batches (the micro-batches are
     ``batch.gradient_accumulation_steps``, as in DeepSpeed)."""
@@ -284,6 +322,7 @@ class Config(_Section):
     scheduler: SchedulerConfig | None = None
     replicate: ReplicateConfig = Field(default_factory=ReplicateConfig)
     zero: ZeroConfig = Field(default_factory=ZeroConfig)
+    parameter_server: ParameterServerConfig = Field(default_factory=ParameterServerConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -298,11 +337,18 @@ class Config(_Section):
         default_factory=ActivationCheckpointingConfig
     )
 
+    def service_ranks(self) -> int:
+        """Ranks at the end of the world that serve instead of training (parameter servers,
+        see ``longboat.ps.service``); the mesh covers the others."""
+        return self.parameter_server.servers if self.strategy == "parameter_server" else 0
+
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel ranks at ``world_size``: ``mesh.dp``, or what ``mesh.pp`` and
-        ``mesh.tp`` leave (the full check of the mesh is ``longboat.mesh.Mesh.resolve``)."""
+        ``mesh.tp`` leave of the ranks that train (the full check of the mesh is
+        ``longboat.mesh.Mesh.resolve``)."""
         m = self.mesh
-        return m.dp if m.dp is not None else max(world_size // (m.pp * m.tp), 1)
+        workers = world_size - self.service_ranks()
+        return m.dp if m.dp is not None else max(workers // (m.pp * m.tp), 1)
 
     def resolved_strategy(self, world_size: int) -> str:
         """The strategy actually used at this world size."""

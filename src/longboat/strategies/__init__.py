@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 from longboat.config import Config, ConfigError
 from longboat.strategies.base import Strategy, StrategyContext
+from longboat.strategies.parameter_server import ParameterServer
 from longboat.strategies.replicate import Replicate
 from longboat.strategies.single import Single
 from longboat.strategies.zero import Zero
@@ -18,6 +20,7 @@ REGISTRY: dict[str, Callable[[StrategyContext], Strategy]] = {
     "single": Single,
     "replicate": Replicate,
     "zero": Zero,
+    "parameter_server": ParameterServer,
 }
 
 
@@ -27,6 +30,7 @@ def build_strategy(
     topology: Topology,
     config: Config,
     isolated: frozenset[int] = frozenset(),
+    service: Any = None,
 ) -> Strategy:
     """Instantiate the strategy called ``name`` with its own config section (the section of
     the config named like the strategy, if there is one)."""
@@ -35,7 +39,17 @@ def build_strategy(
             f"key 'strategy' has unknown value {name!r}; choose one of {sorted(REGISTRY)}"
         )
     section = name if name in type(config).model_fields else None
-    return REGISTRY[name](StrategyContext.of(world, topology, config, section, isolated))
+    return REGISTRY[name](StrategyContext.of(world, topology, config, section, isolated, service))
+
+
+def build_service(config: Config, world_size: int) -> Any:
+    """The ranks that serve the configured strategy beside the mesh (its parameter servers),
+    or None for a strategy that has none ([Note: parameter server roles])."""
+    if not config.service_ranks():
+        return None
+    from longboat.ps.service import ParameterServerService
+
+    return ParameterServerService(config, world_size)
 
 
 def zero_stage(name: str) -> int | None:
@@ -45,4 +59,11 @@ def zero_stage(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-__all__ = ["REGISTRY", "Strategy", "StrategyContext", "build_strategy", "zero_stage"]
+__all__ = [
+    "REGISTRY",
+    "Strategy",
+    "StrategyContext",
+    "build_service",
+    "build_strategy",
+    "zero_stage",
+]

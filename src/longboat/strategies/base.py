@@ -33,6 +33,8 @@ class StrategyContext:
     #: ids of parameters tied across pipeline stages ([Note: tied weights] in ``tied.py``):
     #: a sharding strategy gives each a flat unit of its own, laid out alike on every holder
     isolated: frozenset[int] = frozenset()
+    #: ranks beside the mesh that serve this strategy (``longboat.ps.service``), or None
+    service: Any = None
 
     @classmethod
     def of(
@@ -42,6 +44,7 @@ class StrategyContext:
         config: Config,
         section: str | None = None,
         isolated: frozenset[int] = frozenset(),
+        service: Any = None,
     ) -> StrategyContext:
         wire = config.precision.communication_data_type
         return cls(
@@ -50,6 +53,7 @@ class StrategyContext:
             getattr(config, section) if section else None,
             DTYPES[wire] if wire else None,
             isolated,
+            service,
         )
 
 

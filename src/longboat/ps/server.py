@@ -1,0 +1,446 @@
+"""The server side: one loop that takes requests from any worker, in the order they come.
+
+[Note: parameter server modes] A server holds its range of every key (see ``layout.py``) and,
+with ``update_on_server``, an optimizer over it. The modes differ only in when a push is applied
+and when a pull is answered:
+
+- ``async``: each push is applied when it arrives (one optimizer step per push); a pull is
+  answered at once. The loop handles one request at a time, so two updates of one key never
+  run together.
+- ``sync`` and ``ssp``: pushes of one clock (a worker's clock is the number of pushes it made)
+  are summed; when every live worker pushed clock c, their mean is applied as one optimizer
+  step, clocks strictly in order. In ``sync`` a worker's pull at clock c waits until clock
+  c - 1 is applied, so each step sees every worker's gradient: the update ``replicate`` makes.
+  In ``ssp`` with staleness s it waits only until clock c - 1 - s is applied: a worker runs
+  ahead of the slowest by at most s clocks, and every update it reads is at most s clocks old.
+  s = 0 is ``sync``.
+- Without ``update_on_server`` (``sync`` only) the server only averages: a pull returns the mean
+  gradient and each worker runs the optimizer itself.
+
+[Note: parameter server liveness] Every worker sends a heartbeat to each server every
+``heartbeat_s`` (a thread of its own, see ``client.py``), and the server notes when it last heard
+from each. A worker silent for ``dead_after_s`` is dead: in ``async`` and ``ssp`` it is dropped
+(logged with its clock; what it had pushed stays applied) and the others go on without waiting
+for it; in ``sync`` nothing can go on, so every waiting worker gets an abort naming it. A
+receive-from-any cannot time out and be posted again (gloo drops it), so the server only looks
+at the clocks when a message wakes it: the live workers' heartbeats guarantee one comes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from longboat.ps.layout import KeyLayout, Planner, Segment
+from longboat.ps.wire import (
+    PAYLOAD,
+    Header,
+    Link,
+    Op,
+    decode_json,
+    empty_header,
+    encode_json,
+    reply_tag,
+)
+
+log = logging.getLogger("longboat")
+
+#: Replies that answer no key (barrier, goodbye) come on this key's tag.
+CONTROL_KEY = 1 << 20
+
+#: ``(key, group, tensors) -> optimizer`` over a key's segments on this server; ``group`` is
+#: what the worker declared with the key (the engine: its parameter group's index).
+OptimizerFactory = Callable[[int, int, list[torch.Tensor]], "torch.optim.Optimizer | None"]
+
+
+@dataclass
+class _Held:
+    """One key's range on this server."""
+
+    layout: KeyLayout
+    segments: list[Segment]
+    values: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer | None = None
+    initialized: bool = False
+    version: int = 0  # clocks applied (sync, ssp) or pushes applied (async)
+    acc: dict[int, torch.Tensor] = field(default_factory=dict)  # clock -> summed push
+    who: dict[int, set[int]] = field(default_factory=dict)  # clock -> workers that pushed it
+    mean: torch.Tensor | None = None  # without update_on_server: the last mean gradient
+    lr: float | None = None  # the learning rate the last push carried
+
+    @property
+    def span(self) -> int:
+        return sum(s.numel for s in self.segments)
+
+
+@dataclass
+class WorkerRecord:
+    """What a server knows of one worker."""
+
+    rank: int
+    pushes: int = 0
+    pulls: int = 0
+    clock: int = 0  # pushes of the most pushed key (a worker pushes every key each step)
+    last_seen: float = 0.0
+    finished: bool = False
+    dead: bool = False
+    max_staleness: int = 0
+
+    def live(self) -> bool:
+        return not (self.finished or self.dead)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a server behaves (from ``[parameter_server]``)."""
+
+    mode: str = "sync"
+    staleness: int = 0
+    update_on_server: bool = True
+    dead_after_s: float = 10.0
+
+
+class Server:
+    """Server ``index`` of a job whose workers are the global ranks ``workers``."""
+
+    def __init__(
+        self,
+        link: Link,
+        index: int,
+        servers: int,
+        workers: list[int],
+        make_optimizer: OptimizerFactory,
+        settings: Settings,
+    ) -> None:
+        self.link = link
+        self.index = index
+        self.settings = settings
+        now = time.monotonic()
+        self.workers = [WorkerRecord(rank=r, last_seen=now) for r in workers]
+        self.planner = Planner(servers)
+        self.held: dict[int, _Held] = {}
+        self._make_optimizer = make_optimizer
+        self._pulls: list[Header] = []
+        self._barrier: set[int] = set()
+        self.aborted: str | None = None
+        self.started = now
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Serve until every worker has left or died; returns :meth:`summary`."""
+        buf = empty_header()
+        while any(w.live() for w in self.workers):
+            self.link.recv(buf, None, 0)
+            h = Header.of(buf)
+            w = self.workers[h.worker]
+            w.last_seen = time.monotonic()
+            self._handle(h, w)
+            self._check_liveness()
+        return self.summary()
+
+    def _handle(self, h: Header, w: WorkerRecord) -> None:
+        if h.op == Op.BEAT:
+            return
+        if h.op == Op.INIT:
+            self._init(h, w.rank)
+        elif h.op == Op.PUSH:
+            self._push(h, w)
+        elif h.op == Op.PULL:
+            w.pulls += 1
+            self._pulls.append(h)
+        elif h.op == Op.BARRIER:
+            self._barrier.add(h.worker)
+        elif h.op == Op.BYE:
+            w.finished = True
+            self.link.reply(
+                Header(Op.REPLY, CONTROL_KEY, a=sum(x.pushes for x in self.workers)), w.rank
+            )
+        elif h.op == Op.STATE:
+            self._send_state(self.held[h.key], w.rank)
+        elif h.op == Op.SET_STATE:
+            self._set_state(self.held[h.key], h, w.rank)
+            self.link.reply(Header(Op.REPLY, h.key), w.rank)  # applied: the worker may go on
+        else:
+            raise RuntimeError(f"parameter server {self.index}: unknown request {h}")
+        self._answer()
+
+    def _init(self, h: Header, src: int) -> None:
+        """A key declared: ``a`` bytes of JSON (its tensors' sizes, dtype and group) follow,
+        then, from the worker whose values count (``b`` = 1), this server's range of them."""
+        meta_t = torch.empty(int(h.a), dtype=torch.uint8)
+        self.link.recv(meta_t, src, PAYLOAD)
+        meta = decode_json(meta_t)
+        if h.key == len(self.planner.layouts):  # the first worker to declare it
+            lay = self.planner.add(tuple(meta["sizes"]))
+            segs = lay.segments(self.index)
+            if segs:
+                dtype = getattr(torch, meta["dtype"])
+                values = [torch.zeros(x.numel, dtype=dtype) for x in segs]
+                optimizer = (
+                    self._make_optimizer(h.key, int(meta["group"]), values)
+                    if self.settings.update_on_server
+                    else None
+                )
+                self.held[h.key] = _Held(lay, segs, values, optimizer)
+        elif h.key > len(self.planner.layouts):
+            raise RuntimeError(
+                f"parameter server {self.index}: key {h.key} declared before key "
+                f"{len(self.planner.layouts)}; every worker must declare keys in one order"
+            )
+        if not h.b or h.key not in self.held:
+            return
+        held = self.held[h.key]
+        flat = torch.empty(held.span, dtype=held.values[0].dtype)
+        self.link.recv(flat, src, PAYLOAD)
+        self.link.count("init", flat.numel() * flat.element_size())
+        for v, x in zip(held.values, flat.split([s.numel for s in held.segments]), strict=True):
+            v.copy_(x)
+        held.initialized = True
+
+    # -- pushes --------------------------------------------------------------------------------
+
+    def _push(self, h: Header, w: WorkerRecord) -> None:
+        held = self.held[h.key]
+        n_seg = len(held.segments)
+        payload = torch.empty(held.span + n_seg, dtype=held.values[0].dtype)
+        self.link.recv(payload, w.rank, PAYLOAD)
+        self.link.count("push", payload.numel() * payload.element_size())
+        w.pushes += 1
+        w.clock = max(w.clock, h.clock + 1)
+        lr = h.a if h.b else None
+        if self.settings.mode == "async":
+            self._apply(held, payload, 1, lr)
+            return
+        acc = held.acc.get(h.clock)
+        if acc is None:
+            held.acc[h.clock] = payload
+            held.who[h.clock] = {h.worker}
+        else:
+            acc += payload
+            held.who[h.clock].add(h.worker)
+        held.lr = lr
+        self._advance(held)
+
+    def _advance(self, held: _Held) -> None:
+        """Apply every complete clock, in order (sync and ssp)."""
+        while held.version in held.acc:
+            c = held.version
+            waiting = {i for i, w in enumerate(self.workers) if w.live()} - held.who[c]
+            if waiting:
+                return
+            self._apply(held, held.acc.pop(c), len(held.who.pop(c)), held.lr)
+
+    def _apply(self, held: _Held, payload: torch.Tensor, n: int, lr: float | None) -> None:
+        """Apply the mean of ``n`` summed pushes: an optimizer step, or kept for the pulls."""
+        if n > 1:
+            payload /= n
+        held.version += 1
+        if not self.settings.update_on_server:
+            held.mean = payload
+            return
+        assert held.optimizer is not None
+        grads = payload[: held.span].split([s.numel for s in held.segments])
+        flags = payload[held.span :]
+        for v, g, f in zip(held.values, grads, flags.tolist(), strict=True):
+            v.grad = g if f > 0 else None  # a segment no worker used is not stepped
+        if lr is not None:
+            for group in held.optimizer.param_groups:
+                group["lr"] = lr
+        held.optimizer.step()
+        for v in held.values:
+            v.grad = None
+
+    # -- answers -------------------------------------------------------------------------------
+
+    def _min_clock(self) -> int:
+        live = [w.clock for w in self.workers if w.live()]
+        return min(live) if live else max((w.clock for w in self.workers), default=0)
+
+    def _ready(self, h: Header) -> bool:
+        held = self.held[h.key]
+        if not held.initialized:
+            return False
+        mode = self.settings.mode
+        if mode == "async":
+            return True
+        bound = 0 if mode == "sync" else self.settings.staleness
+        return held.version >= h.clock - bound
+
+    def _answer(self) -> None:
+        if self.aborted is not None:
+            for h in self._pulls:
+                self._abort(self.workers[h.worker].rank, h.key)
+            for i in self._barrier:
+                self._abort(self.workers[i].rank, CONTROL_KEY)
+            self._pulls, self._barrier = [], set()
+            return
+        waiting = []
+        for h in self._pulls:
+            if self._ready(h):
+                self._send_pull(h)
+            else:
+                waiting.append(h)
+        self._pulls = waiting
+        live = {i for i, w in enumerate(self.workers) if w.live()}
+        if self._barrier and live <= self._barrier:
+            for i in self._barrier:
+                self.link.reply(Header(Op.REPLY, CONTROL_KEY), self.workers[i].rank)
+            self._barrier = set()
+
+    def _send_pull(self, h: Header) -> None:
+        held = self.held[h.key]
+        w = self.workers[h.worker]
+        if held.mean is not None and not self.settings.update_on_server:
+            payload = held.mean
+        else:
+            ones = torch.ones(len(held.segments), dtype=held.values[0].dtype)
+            payload = torch.cat([*held.values, ones])
+        lag = max(h.clock - held.version, 0)
+        w.max_staleness = max(w.max_staleness, lag)
+        self.link.count("pull", payload.numel() * payload.element_size())
+        dead = sum(x.dead for x in self.workers)
+        self.link.reply(
+            Header(Op.REPLY, h.key, held.version, h.worker, a=self._min_clock(), b=lag, c=dead),
+            w.rank,
+            payload,
+        )
+
+    def _abort(self, rank: int, key: int) -> None:
+        dead = [i for i, w in enumerate(self.workers) if w.dead]
+        self.link.reply(Header(Op.ABORT, key, a=dead[0] if dead else -1), rank)
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        for i, w in enumerate(self.workers):
+            if w.live() and now - w.last_seen > self.settings.dead_after_s:
+                self._drop(i, w, now - w.last_seen)
+
+    def _drop(self, i: int, w: WorkerRecord, silent_s: float) -> None:
+        w.dead = True
+        others = max((x.clock for x in self.workers if not x.dead), default=w.clock)
+        if self.settings.mode == "sync":
+            self.aborted = f"worker {i} (rank {w.rank})"
+            log.error(
+                "parameter server %d: worker %d (rank %d) sent nothing for %.1f s; sync mode "
+                "needs every worker's gradient each step: stopping the job",
+                self.index,
+                i,
+                w.rank,
+                silent_s,
+            )
+        else:
+            log.warning(
+                "parameter server %d: worker %d (rank %d) sent nothing for %.1f s: dropped at "
+                "clock %d (the others are at %d); the %d live workers go on",
+                self.index,
+                i,
+                w.rank,
+                silent_s,
+                w.clock,
+                others,
+                sum(x.live() for x in self.workers),
+            )
+        for held in self.held.values():
+            self._advance(held)
+        self._answer()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _send_state(self, held: _Held, rank: int) -> None:
+        tensors: list[torch.Tensor] = list(held.values)
+        segments: list[dict[str, Any]] = []
+        for seg, v in zip(held.segments, held.values, strict=True):
+            state: dict[str, Any] = {}
+            opt_state = held.optimizer.state.get(v, {}) if held.optimizer is not None else {}
+            for name, x in opt_state.items():
+                if isinstance(x, torch.Tensor) and x.dim() > 0:
+                    state[name] = {"numel": x.numel(), "dtype": str(x.dtype).removeprefix("torch.")}
+                    tensors.append(x.reshape(-1).to(held.values[0].dtype))
+                elif isinstance(x, torch.Tensor):
+                    state[name] = {"scalar": x.item(), "dtype": str(x.dtype).removeprefix("torch.")}
+                else:
+                    state[name] = {"value": x}
+            segments.append(
+                {"index": seg.index, "start": seg.start, "end": seg.end, "state": state}
+            )
+        meta = encode_json(
+            {
+                "version": held.version,
+                "clocks": [w.clock for w in self.workers],
+                "segments": segments,
+            }
+        )
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.link.reply(Header(Op.REPLY, held.layout.key, a=meta.numel(), b=flat.numel()), rank)
+        self.link.send(meta, rank, reply_tag(held.layout.key) + 1)
+        self.link.send(flat, rank, reply_tag(held.layout.key) + 1)
+
+    def _set_state(self, held: _Held, h: Header, rank: int) -> None:
+        meta_t = torch.empty(int(h.a), dtype=torch.uint8)
+        self.link.recv(meta_t, rank, PAYLOAD)
+        flat = torch.empty(int(h.b), dtype=held.values[0].dtype)
+        self.link.recv(flat, rank, PAYLOAD)
+        meta = decode_json(meta_t)
+        offset = 0
+        for v in held.values:
+            v.copy_(flat[offset : offset + v.numel()])
+            offset += v.numel()
+        held.initialized = True
+        held.version = int(meta["version"])
+        held.acc.clear()
+        held.who.clear()
+        for w, c in zip(self.workers, meta["clocks"], strict=True):
+            w.clock = int(c)
+        if held.optimizer is None:
+            return
+        for seg_meta, v in zip(meta["segments"], held.values, strict=True):
+            state: dict[str, Any] = {}
+            for name, spec in seg_meta["state"].items():
+                if "numel" in spec:
+                    n = int(spec["numel"])
+                    state[name] = (
+                        flat[offset : offset + n].to(getattr(torch, spec["dtype"])).clone()
+                    )
+                    offset += n
+                elif "scalar" in spec:
+                    state[name] = torch.tensor(spec["scalar"], dtype=getattr(torch, spec["dtype"]))
+                else:
+                    state[name] = spec["value"]
+            if state:
+                held.optimizer.state[v] = state
+            else:
+                held.optimizer.state.pop(v, None)
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """Per worker: pushes, pulls, clock, whether it died and the updates it lost (how many
+        clocks behind the furthest worker it stopped); per kind, messages and bytes."""
+        top = max((w.clock for w in self.workers), default=0)
+        return {
+            "server": self.index,
+            "mode": self.settings.mode,
+            "aborted": self.aborted,
+            "seconds": time.monotonic() - self.started,
+            "workers": [
+                {
+                    "rank": w.rank,
+                    "pushes": w.pushes,
+                    "pulls": w.pulls,
+                    "clock": w.clock,
+                    "dead": w.dead,
+                    "lost_updates": top - w.clock if w.dead else 0,
+                    "max_staleness": w.max_staleness,
+                }
+                for w in self.workers
+            ],
+            "traffic": {k: {"messages": c, "bytes": b} for k, (c, b) in self.link.counts.items()},
+        }

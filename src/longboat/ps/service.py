@@ -1,0 +1,196 @@
+"""Who serves and who trains, and the server's side of ``longboat.initialize``.
+
+[Note: parameter server roles] With ``strategy = "parameter_server"`` the last
+``parameter_server.servers`` global ranks are servers and the others workers, so global rank 0
+(which logs) is a worker. Every rank runs the same script: on a server, ``initialize`` serves
+until every worker has left or died, then ends the process with exit code 0
+(:class:`ServerExit`, a ``SystemExit``), as MXNet's servers do on import; on a worker it
+returns the engine. The workers' mesh (``[mesh]``) covers the workers only. Groups, all made
+here collectively in one order: the servers' point-to-point group (gloo, every rank), a gloo
+group of the workers (the start's broadcast of worker 0's weights), and, in ``sync`` mode only,
+the workers' topology (the servers take part in making it and then never use it). In ``async``
+and ``ssp`` the workers have no collective between them after the start, so a worker that dies
+cannot stop the others: each worker's doorways are its own (a world of one) while the loader
+and the batch arithmetic still count every worker.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from longboat.comm.collectives import Collectives
+from longboat.config import Config, ConfigError
+from longboat.mesh import Mesh
+from longboat.optim import describe_elementwise, is_elementwise
+from longboat.ps.client import Connection
+from longboat.ps.server import Server, Settings
+from longboat.ps.wire import Link
+from longboat.topology import DoorwayOptions, Topology
+
+log = logging.getLogger("longboat")
+
+
+class ServerExit(SystemExit):
+    """Raised on a server rank when its work is done (exit code 0, or 1 if it stopped the
+    job); ``summary`` is what it served."""
+
+    def __init__(self, summary: dict[str, Any]) -> None:
+        super().__init__(1 if summary.get("aborted") else 0)
+        self.summary = summary
+
+
+class ParameterServerService:
+    """The servers beside the workers of one job (see [Note: parameter server roles])."""
+
+    def __init__(self, config: Config, world_size: int) -> None:
+        cfg = config.parameter_server
+        self.config = config
+        self.cfg = cfg
+        if world_size <= cfg.servers:
+            raise ConfigError(
+                f"parameter_server.servers = {cfg.servers} leaves no worker at world size "
+                f"{world_size}; launch at least {cfg.servers + 1} processes, or use fewer servers"
+            )
+        if config.mesh.pp > 1 or config.mesh.tp > 1:
+            raise ConfigError(
+                f"strategy 'parameter_server' with mesh.pp = {config.mesh.pp}, mesh.tp = "
+                f"{config.mesh.tp}: its workers each run the whole model; set both to 1"
+            )
+        self.ranks = cfg.servers
+        self.workers = list(range(world_size - cfg.servers))
+        self.servers = list(range(world_size - cfg.servers, world_size))
+        self.link: Link | None = None
+        self._setup_group: Any = None
+
+    @property
+    def sync(self) -> bool:
+        return self.cfg.mode == "sync"
+
+    def serves(self, rank: int) -> bool:
+        return rank in self.servers
+
+    def start(self, timeout_s: float) -> None:
+        """Make the servers' group and the workers' start group (collective, every rank)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        everyone = self.workers + self.servers
+        self.link = Link(dist.new_group(everyone, backend="gloo", timeout=timeout))
+        self._setup_group = (
+            dist.new_group(self.workers, backend="gloo", timeout=timeout)
+            if len(self.workers) > 1
+            else None
+        )
+
+    # -- the workers' side ---------------------------------------------------------------------
+
+    def topology(self, mesh: Mesh, options: DoorwayOptions, device: torch.device) -> Topology:
+        """The workers' topology: real groups in sync mode, a world of one each otherwise."""
+        if self.sync:
+            return Topology.build(mesh, options, device, outside=self.ranks)
+        rank = dist.get_rank()
+        return Topology.of(
+            mesh, rank, lambda size, r, axis: Collectives.alone(rank, name=f"{axis} (own)")
+        )
+
+    def setup_group(self) -> Any:
+        """A gloo group of the workers (None with one worker): the start's broadcast."""
+        return self._setup_group
+
+    def connect(self, worker: int) -> Connection:
+        assert self.link is not None, "start() first"
+        return Connection(self.link, worker, self.servers, self.cfg.heartbeat_s)
+
+    # -- the servers' side ---------------------------------------------------------------------
+
+    def serve(
+        self, optimizer: torch.optim.Optimizer, mesh: Mesh, options: DoorwayOptions
+    ) -> NoReturn:
+        """The engine's servers: the user's optimizer class and hyperparameters step each key
+        (see :func:`optimizer_factory`); serve, then end the process (ServerExit)."""
+        check_optimizer(optimizer, self.cfg.update_on_server)
+        if self.sync:  # the workers' groups are made by every rank ([Note: group creation])
+            Topology.stand_aside(mesh, options, outside=self.ranks)
+        self.serve_with(optimizer_factory(optimizer))
+
+    def serve_with(self, make_optimizer: Any) -> NoReturn:
+        """Serve until every worker has left or died, then end the process (ServerExit)."""
+        assert self.link is not None, "start() first"
+        rank = dist.get_rank()
+        index = self.servers.index(rank)
+        settings = Settings(
+            mode=self.cfg.mode,
+            staleness=self.cfg.staleness if self.cfg.mode == "ssp" else 0,
+            update_on_server=self.cfg.update_on_server,
+            dead_after_s=self.cfg.dead_after_s,
+        )
+        log.info(
+            "rank %d: parameter server %d of %d (%s) for %d workers",
+            rank,
+            index,
+            len(self.servers),
+            self.cfg.mode,
+            len(self.workers),
+        )
+        server = Server(self.link, index, len(self.servers), self.workers, make_optimizer, settings)
+        try:
+            summary = server.run()
+        finally:
+            group, self.link = self.link.group, None
+            if self._setup_group is not None:
+                dist.destroy_process_group(self._setup_group)
+            dist.destroy_process_group(group)
+        report(summary)
+        raise ServerExit(summary)
+
+    def close(self) -> None:
+        """Release the groups (a worker, after saying goodbye)."""
+        if self.link is not None:
+            dist.destroy_process_group(self.link.group)
+            self.link = None
+        if self._setup_group is not None:
+            dist.destroy_process_group(self._setup_group)
+            self._setup_group = None
+
+
+def optimizer_factory(optimizer: torch.optim.Optimizer) -> Any:
+    """Build, for a key's segments, the user's optimizer class with the hyperparameters of the
+    parameter group the key came from."""
+
+    def make(key: int, group: int, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        hyper = {k: v for k, v in optimizer.param_groups[group].items() if k != "params"}
+        return type(optimizer)([{**hyper, "params": tensors}])
+
+    return make
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, update_on_server: bool) -> None:
+    """Servers step their ranges of the parameters on their own: the update must be exact
+    per element."""
+    if update_on_server and not is_elementwise(optimizer):
+        raise ConfigError(
+            f"parameter_server.update_on_server = true with {type(optimizer).__name__}: the "
+            "servers step ranges of the parameters, which is exact only for per-element "
+            f"optimizers ({describe_elementwise()}); set update_on_server = false (sync mode)"
+        )
+
+
+def report(summary: dict[str, Any]) -> None:
+    """One line per worker the server lost, and the summary as JSON (debug)."""
+    for i, w in enumerate(summary["workers"]):
+        if w["dead"]:
+            log.warning(
+                "parameter server %d: worker %d (rank %d) died at clock %d and lost %d "
+                "updates (the furthest worker reached %d)",
+                summary["server"],
+                i,
+                w["rank"],
+                w["clock"],
+                w["lost_updates"],
+                w["clock"] + w["lost_updates"],
+            )
+    log.debug("parameter server summary: %s", json.dumps(summary))
