@@ -205,18 +205,20 @@ class Connection:
                     return  # the server is gone: the main thread's next request says so
 
     def close(self) -> int:
-        """Leave: stop the heartbeats and say goodbye to every server; returns the updates
-        the servers applied in all."""
+        """Leave: say goodbye to every server and wait until the servers are done (every
+        worker has left or died); returns the pushes the servers took in all."""
         if self.closed:
             return 0
         self.closed = True
-        self._stop.set()
-        self._beats.join()
         applied = 0
         for server in self.servers:
             self.link.request(Header(Op.BYE, worker=self.worker), server)
+        # A server answers once every worker has left or died; the heartbeats go on until
+        # then ([Note: parameter server liveness]).
         for server in self.servers:
             applied += int(self.link.await_reply(CONTROL_KEY, server).a)
+        self._stop.set()
+        self._beats.join()
         return applied
 
 

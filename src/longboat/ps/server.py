@@ -127,6 +127,7 @@ class Server:
         self._make_optimizer = make_optimizer
         self._pulls: list[Header] = []
         self._barrier: set[int] = set()
+        self._leaving: set[int] = set()
         self.aborted: str | None = None
         self.started = now
 
@@ -140,8 +141,19 @@ class Server:
             h = Header.of(buf)
             w = self.workers[h.worker]
             w.last_seen = time.monotonic()
-            self._handle(h, w)
+            try:
+                self._handle(h, w)
+            except RuntimeError as e:  # the worker died between a header and its payload
+                if w.dead:
+                    raise
+                log.warning("parameter server %d: worker %d: %s", self.index, h.worker, e)
+                self._drop(h.worker, w, time.monotonic() - w.last_seen)
             self._check_liveness()
+        # Everyone has left or died: a worker's goodbye is answered only now, so that until
+        # then its heartbeats keep waking this loop to notice the others.
+        total = sum(x.pushes for x in self.workers)
+        for i in sorted(self._leaving):
+            self.link.reply(Header(Op.REPLY, CONTROL_KEY, a=total), self.workers[i].rank)
         return self.summary()
 
     def _handle(self, h: Header, w: WorkerRecord) -> None:
@@ -158,9 +170,7 @@ class Server:
             self._barrier.add(h.worker)
         elif h.op == Op.BYE:
             w.finished = True
-            self.link.reply(
-                Header(Op.REPLY, CONTROL_KEY, a=sum(x.pushes for x in self.workers)), w.rank
-            )
+            self._leaving.add(h.worker)
         elif h.op == Op.STATE:
             self._send_state(self.held[h.key], w.rank)
         elif h.op == Op.SET_STATE:

@@ -62,6 +62,20 @@ class ParameterServerService:
                 f"strategy 'parameter_server' with mesh.pp = {config.mesh.pp}, mesh.tp = "
                 f"{config.mesh.tp}: its workers each run the whole model; set both to 1"
             )
+        if cfg.update_on_server and config.precision.dtype == "fp16":
+            raise ConfigError(
+                "precision.dtype = 'fp16' with parameter_server.update_on_server = true: a "
+                "step the loss scaler skips would still reach the servers; use bf16, or "
+                "update_on_server = false (sync mode)"
+            )
+        if cfg.update_on_server and cfg.mode == "sync" and config.gradient_clipping > 0:
+            raise ConfigError(
+                f"gradient_clipping = {config.gradient_clipping} with parameter_server.mode = "
+                "'sync' and update_on_server = true: clipping must see the mean gradient, which "
+                "only the servers hold; set update_on_server = false (the servers average and "
+                "each worker clips and steps, equal to replicate). In async and ssp each push "
+                "is clipped by its own norm."
+            )
         self.ranks = cfg.servers
         self.workers = list(range(world_size - cfg.servers))
         self.servers = list(range(world_size - cfg.servers, world_size))
