@@ -115,3 +115,147 @@ def test_async_and_ssp_converge_on_digits(ranks, mode, staleness):
     # every push of every worker was applied: 2 workers x 22 steps x 10 epochs
     assert sum(w["pushes"] for w in server["workers"]) == 2 * workers[0]["steps"]
     assert not any(w["dead"] for w in server["workers"])
+
+
+def _save_or_load(cfg: dict, directory: str, steps: int) -> dict:
+    """Train ``steps`` steps and save (steps > 0), or load the latest checkpoint; the state
+    the engine holds then, and its optimizer state as checkpoint pieces."""
+    import longboat
+
+    recipe = reference.Recipe(model="zoo", optimizer="adamw")
+    model, opt, _ = recipe.build()
+    try:
+        engine = longboat.initialize(model, opt, cfg)
+    except longboat.ps.ServerExit as served:
+        return {"served": served.summary}
+    if steps:
+        data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
+        for batch in engine.loader(data):
+            _, *rest = batch
+            engine.backward(reference.forward_loss(engine, rest))
+            if engine.step() and engine.global_step == steps:
+                break
+        engine.save_checkpoint(directory, "saved")
+    else:
+        engine.load_checkpoint(directory, "saved")
+    out = {
+        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
+        "optim": harness.optimizer_pieces(engine),
+    }
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("writer", ["sync", "async"])
+def test_checkpoint_reshards_to_replicate_and_back(ranks, tmp_path, writer):
+    base = {**harness.QUIET, "batch": {"train_batch_size": 8}}
+    ps = {**base, **_ps(1, writer)}
+    saved = [r for r in ranks(3, _save_or_load, ps, str(tmp_path), 3) if "served" not in r]
+    # the servers' AdamW state went into the checkpoint: replicate at 2 ranks reads it whole
+    replicated = ranks(2, _save_or_load, {**base, "strategy": "replicate"}, str(tmp_path), 0)
+    # and a parameter-server job (the other mode) takes it back onto its servers
+    other = "async" if writer == "sync" else "sync"
+    back = [
+        r
+        for r in ranks(3, _save_or_load, {**base, **_ps(1, other)}, str(tmp_path), 0)
+        if "served" not in r
+    ]
+    want = harness.assemble(saved[:1])
+    assert any(k != "step" for v in want.values() for k in v), "no optimizer tensors saved"
+    for res in [*replicated, *back]:
+        assert reference.max_rel_diff(res["state"], saved[0]["state"]) == 0.0
+        got = harness.assemble([res])
+        assert got.keys() == want.keys()
+        for name, keys in want.items():
+            for k, v in keys.items():
+                if hasattr(v, "dim") and v.dim() > 0:
+                    assert reference.max_rel_diff({k: got[name][k]}, {k: v}) == 0.0, (name, k)
+                else:
+                    assert got[name][k] == v, (name, k)
+
+
+def test_async_worker_killed_mid_run_is_dropped_and_the_others_finish(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from longboat.testing.pool import _free_port
+
+    script = Path(__file__).parent / "launch_scripts" / "ps_worker_dies.py"
+    port, world = _free_port(), 4  # 3 workers and a server
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        out = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(script)], env=env, stdout=out, stderr=subprocess.STDOUT
+                ),
+                out,
+            )
+        )
+    try:
+        codes = [p.wait(timeout=240) for p, _ in procs]
+    finally:
+        for p, out in procs:
+            if p.poll() is None:
+                p.kill()
+            out.close()
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(world)]
+    assert codes == [0, -signal.SIGKILL, 0, 0], "\n".join(logs)
+    for r in (0, 2):
+        line = [ln for ln in logs[r].splitlines() if ln.startswith(f"rank {r} steps=")]
+        assert line, logs[r]
+        assert float(line[0].split("accuracy=")[1]) >= 0.9, line
+    server = logs[3]
+    assert "worker 1 (rank 1) sent nothing" in server, server
+    # what the dead worker lost: it stopped at clock 20 of the others' 70 (5 epochs x 14)
+    assert "worker 1 (rank 1) died at clock 20 and lost 50 updates" in server, server
+
+
+def _kvstore(kind: str) -> dict:
+    import torch
+
+    import longboat.ps
+
+    try:
+        kv = longboat.ps.connect(kind, servers=1, optimizer=lambda ts: torch.optim.SGD(ts, lr=0.5))
+    except longboat.ps.ServerExit as served:
+        return {"served": served.summary}
+    big, small = torch.arange(10000, dtype=torch.float32), torch.ones(3)
+    kv.init("big", big)
+    kv.init(7, small)
+    kv.barrier()
+    out = torch.empty(10000)
+    kv.pushpull("big", torch.full((10000,), float(kv.rank + 1)), out)  # grads 1 and 2
+    kv.push(7, torch.ones(3))
+    small_out = torch.empty(3)
+    kv.pull(7, small_out)
+    kv.barrier()
+    kv.pull("big", out)
+    result = {"big": out.clone(), "small": small_out.clone(), "type": kv.type}
+    kv.close()
+    return result
+
+
+def test_kvstore_dist_sync_averages_pushes_and_applies_the_servers_optimizer(ranks):
+    import torch
+
+    got = ranks(3, _kvstore, "dist_sync")
+    for r in got[:2]:
+        # the mean of the two workers' pushes (1.5) times lr 0.5, taken from worker 0's init
+        assert torch.equal(r["big"], torch.arange(10000, dtype=torch.float32) - 0.75)
+        assert torch.equal(r["small"], torch.full((3,), 0.5))
+        assert r["type"] == "dist_sync"
+    assert got[2]["served"]["traffic"]["push"]["messages"] == 4

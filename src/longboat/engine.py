@@ -21,6 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
 from longboat import checkpoint
+from longboat.checkpoint.layout import default_tag
 from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
 from longboat.data import ShardedLoader, make_loader
 from longboat.grads import clip_by_global_norm_
@@ -340,6 +341,12 @@ class Engine:
         Every rank calls it with the same tag, right after ``step()`` returned True. The last
         ``checkpoint.keep_last`` checkpoints are kept (0: all). See :mod:`longboat.checkpoint`.
         """
+        if not getattr(self.strategy, "writes_checkpoints", True):
+            # A worker of an async or ssp parameter-server job: there is no collective between
+            # workers, so worker 0 writes for all ([Note: parameter server roles]).
+            return Path(directory) / (
+                str(tag) if tag is not None else default_tag(self.global_step)
+            )
         with self.monitor.phase("checkpoint"):
             return checkpoint.save(self, directory, tag, client_state)
 

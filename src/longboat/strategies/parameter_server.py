@@ -100,6 +100,9 @@ class ParameterServer:
         self._buffers: BufferSync | None = None
         self._exchanged = False
         self.device = torch.device("cpu")
+        # In async and ssp the workers share no collective: worker 0 writes checkpoints alone
+        # (its parameters, buffers and the servers' state), the others skip the save.
+        self.writes_checkpoints = self.sync or self.worker == 0
 
     # -- setup ---------------------------------------------------------------------------------
 
