@@ -29,6 +29,7 @@ LAYERS = [
         "longboat.recompute",
         "longboat.tied",
         "longboat.tensor",
+        "longboat.ps",
     },
     {"longboat.engine"},
     {
