@@ -171,6 +171,8 @@ class Server:
         elif h.op == Op.BYE:
             w.finished = True
             self._leaving.add(h.worker)
+            for held in self.held.values():  # clocks that waited for it complete without it
+                self._advance(held)
         elif h.op == Op.STATE:
             self._send_state(self.held[h.key], w.rank)
         elif h.op == Op.SET_STATE:
