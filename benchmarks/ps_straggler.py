@@ -14,12 +14,13 @@ on the whole training set and the accuracy on the test set.
 
 Recorded per run: each worker's steps, the job's samples per second (every worker's samples
 over the budget), the loss and accuracy at the budget. Each side runs alone in fresh processes,
-``--repeats`` times, the sides' order rotated each repeat; medians, and ratios of medians
-against ``sync`` and ``replicate``.
+``--repeats`` times, the sides' order rotated each repeat; medians, and the medians of paired
+ratios (each repeat's run against the same repeat's ``sync`` and ``replicate`` runs: this
+machine's speed drifts between repeats by up to 2x, far more than between neighbouring runs).
 
 Usage::
 
-    python benchmarks/ps_straggler.py                       # ~5 minutes
+    python benchmarks/ps_straggler.py                       # ~7 minutes
     python benchmarks/ps_straggler.py --budget 5 --repeats 1   # a smoke run
 
 Writes ``benchmarks/results/parameter_server/straggler.json`` (``--out`` to change).
@@ -142,8 +143,8 @@ def run_side(side: str, budget: float) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=20.0, help="seconds of training per run")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=8.0, help="seconds of training per run")
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     names = list(SIDES)
@@ -161,11 +162,15 @@ def main() -> None:
         }
         for n in names
     }
+    # Paired: each repeat's side against the same repeat's sync and replicate runs (the
+    # machine's speed drifts between repeats far more than between neighbouring runs).
     ratios = {
         n: {
-            "samples_per_s_vs_sync": med[n]["samples_per_s"] / med["sync"]["samples_per_s"],
-            "samples_per_s_vs_replicate": med[n]["samples_per_s"]
-            / med["replicate"]["samples_per_s"],
+            f"samples_per_s_vs_{base}": statistics.median(
+                a["samples_per_s"] / b["samples_per_s"]
+                for a, b in zip(runs[n], runs[base], strict=True)
+            )
+            for base in ("sync", "replicate")
         }
         for n in names
     }
