@@ -259,3 +259,71 @@ def test_kvstore_dist_sync_averages_pushes_and_applies_the_servers_optimizer(ran
         assert torch.equal(r["small"], torch.full((3,), 0.5))
         assert r["type"] == "dist_sync"
     assert got[2]["served"]["traffic"]["push"]["messages"] == 4
+
+
+def _ssp_leaver(steps_by_worker: list[int]) -> dict:
+    import torch
+
+    import longboat.ps
+
+    try:
+        kv = longboat.ps.connect(
+            "ssp", servers=1, staleness=1, optimizer=lambda ts: torch.optim.SGD(ts, lr=1.0)
+        )
+    except longboat.ps.ServerExit as served:
+        return {"served": served.summary}
+    kv.init("w", torch.zeros(4))
+    out = torch.empty(4)
+    for _ in range(steps_by_worker[kv.rank]):
+        kv.pushpull("w", torch.ones(4), out)
+    kv.close()
+    return {"w": out.clone()}
+
+
+def test_ssp_goes_on_when_a_worker_leaves_first(ranks):
+    # worker 1 leaves after one clock; worker 0 must not wait for it at clock 3 (a bound of 1)
+    got = ranks(3, _ssp_leaver, [5, 1])
+    server = got[2]["served"]
+    assert [w["clock"] for w in server["workers"]] == [5, 1]
+    # every clock applied as the mean of the pushes it got: -1 each, 5 clocks
+    assert got[0]["w"].tolist() == [-5.0] * 4
+
+
+def _monitored(cfg: dict) -> dict:
+    import longboat
+
+    recipe = reference.Recipe(model="tiny", optimizer="adamw")
+    model, opt, _ = recipe.build()
+    try:
+        engine = longboat.initialize(model, opt, cfg)
+    except longboat.ps.ServerExit as served:
+        return {"served": served.summary}
+    data = harness.data_for(recipe, engine.batch.train_batch_size * 4)
+    for batch in engine.loader(data):
+        _, *rest = batch
+        engine.backward(reference.forward_loss(engine, rest))
+        engine.step()
+    log = engine.strategy.conn.commlog
+    engine.close()
+    return {"steps": engine.global_step, "log": {r["op"]: r["count"] for r in log.summary()}}
+
+
+def test_monitor_shows_each_workers_staleness_and_the_comm_log_counts_pushes(ranks, tmp_path):
+    import csv
+
+    cfg = {
+        **harness.QUIET,
+        **_ps(1, "ssp", staleness=1),
+        "batch": {"train_batch_size": 8},
+        "monitor": {"every": 1, "csv": {"enabled": True, "output_path": str(tmp_path)}},
+        "comm": {"log": True},
+    }
+    got = ranks(3, _monitored, cfg)
+    rows = list(csv.DictReader((tmp_path / "longboat" / "metrics.csv").open()))
+    assert len(rows) == got[0]["steps"] == 4
+    for row in rows:  # every worker within the bound of the furthest
+        assert 0 <= float(row["staleness_w0"]) <= 1 and 0 <= float(row["staleness_w1"]) <= 1
+    pushes = got[2]["served"]["traffic"]["push"]["messages"]
+    assert pushes == 2 * 4  # two workers, one key, four steps
+    # each worker's comm log: a pull at the start, then a push and a pull per step
+    assert got[0]["log"] == got[1]["log"] == {"push": 4, "pull": 5}

@@ -127,6 +127,9 @@ class Engine:
             loss_scale=lambda: (
                 self.precision.loss_scale if self.precision.checks_overflow else None
             ),
+            # What a strategy reports besides (parameter servers: per-worker staleness).
+            extra=getattr(self.strategy, "monitor_values", None),
+            extra_columns=tuple(getattr(self.strategy, "monitor_columns", ())),
         )
         layout = "" if mesh.dp == mesh.world_size else f" (mesh {mesh.describe()})"
         self.log.info(

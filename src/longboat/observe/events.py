@@ -31,6 +31,8 @@ class StepEvent:
     phases_ms: Mapping[str, float] = field(default_factory=dict)
     flops_per_step: float | None = None  # whole job: per rank x ranks
     achieved_tflops_per_rank: float | None = None
+    #: what the strategy reports besides (parameter servers: each worker's staleness)
+    extra: Mapping[str, float] = field(default_factory=dict)
 
     def scalars(self) -> dict[str, float]:
         """Every value this event has, by flat name (no ``step``)."""
@@ -45,6 +47,7 @@ class StepEvent:
             "achieved_tflops_per_rank": self.achieved_tflops_per_rank,
         }
         out.update({f"{k}_ms": v for k, v in self.phases_ms.items()})
+        out.update(self.extra)
         return {k: float(v) for k, v in out.items() if v is not None and not math.isnan(v)}
 
 

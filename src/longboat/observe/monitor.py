@@ -50,8 +50,14 @@ class Monitor:
         optimizer: torch.optim.Optimizer,
         loss_scale: Any,
         device: torch.device,
+        extra: Any = None,
+        extra_columns: tuple[str, ...] = (),
     ) -> None:
         mon, prof = config.monitor, config.profile
+        # The strategy's own values for each event (a callable run on rank 0 only) and their
+        # names, for the CSV's fixed columns.
+        self._extra = extra if is_main else None
+        self._extra_columns = list(extra_columns)
         self.comm = comm
         self.is_main = is_main
         self.train_batch_size = train_batch_size
@@ -110,6 +116,7 @@ class Monitor:
             columns += [f"{c}_ms" for c in COLUMNS]
         if self.flops is not None:
             columns += ["flops_per_step", "achieved_tflops_per_rank"]
+        columns += self._extra_columns
         if mon.csv.enabled:
             from longboat.observe.csv_sink import CsvSink
 
@@ -205,6 +212,7 @@ class Monitor:
             due,
             float(self.optimizer.param_groups[0]["lr"]),
             self._loss_scale(),
+            self._extra() if self._extra is not None else {},
         )
 
     def _finish(self) -> None:
@@ -232,6 +240,7 @@ class Monitor:
             ),
             flops_per_step=None if per_rank is None else per_rank * self.comm.world_size,
             achieved_tflops_per_rank=None if per_rank is None else per_rank / step_s / 1e12,
+            extra=p.extra,
         )
         for sink in p.sinks:
             sink.write(event)
@@ -280,6 +289,7 @@ class _Pending:
     sinks: list[Sink]
     lr: float
     loss_scale: float | None
+    extra: dict[str, float]
 
 
 def _require_tensorboard() -> None:

@@ -8,11 +8,14 @@ Every worker must declare (``init``) the same keys in the same order.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 
+from longboat.comm.commlog import CommLog
+from longboat.comm.trace import CallRecord
 from longboat.ps.layout import KeyLayout, Planner
 from longboat.ps.server import CONTROL_KEY
 from longboat.ps.wire import PAYLOAD, Header, Link, Op, decode_json, encode_json
@@ -27,9 +30,17 @@ class Connection:
     ``servers``; heartbeats every ``heartbeat_s`` ([Note: parameter server liveness])."""
 
     def __init__(
-        self, link: Link, worker: int, servers: list[int], heartbeat_s: float = 1.0
+        self,
+        link: Link,
+        worker: int,
+        servers: list[int],
+        heartbeat_s: float = 1.0,
+        commlog: CommLog | None = None,
     ) -> None:
         self.link = link
+        # ``comm.log``: each push and pull (to every server holding the key) as one entry
+        self.commlog = commlog
+        self._seq = 0
         self.worker = worker
         self.servers = servers
         self.planner = Planner(len(servers))
@@ -98,6 +109,7 @@ class Connection:
         worker used (default: all); ``lr``: the learning rate the server applies it with."""
         lay = self.layouts[key]
         clock = self.clock[key]
+        start, sent = time.perf_counter(), 0
         for s in lay.holders():
             lo, hi = lay.ranges[s]
             segs = lay.segments(s)
@@ -118,7 +130,9 @@ class Connection:
             )
             self.link.send(payload, self.servers[s], PAYLOAD)
             self.link.count("push", payload.numel() * payload.element_size())
+            sent += payload.numel() * payload.element_size()
         self.clock[key] = clock + 1
+        self._log("push", key, flat, sent, start)
 
     def pull(self, key: int, out: torch.Tensor) -> list[bool]:
         """Fill ``out`` (the key's tensors end to end) with what the mode allows at this
@@ -126,6 +140,7 @@ class Connection:
         which tensors some worker used."""
         lay = self.layouts[key]
         holders = lay.holders()
+        start, got = time.perf_counter(), 0
         for s in holders:
             self.link.request(Header(Op.PULL, key, self.clock[key], self.worker), self.servers[s])
         used = [False] * len(lay.sizes)
@@ -137,12 +152,41 @@ class Connection:
             payload = torch.empty(hi - lo + len(segs), dtype=out.dtype)
             self.link.reply_payload(payload, key, self.servers[s])
             self.link.count("pull", payload.numel() * payload.element_size())
+            got += payload.numel() * payload.element_size()
             out[lo:hi].copy_(payload[: hi - lo])
             for g, f in zip(segs, payload[hi - lo :].tolist(), strict=True):
                 used[g.index] = used[g.index] or f > 0
             self.min_clock, self.staleness, self.dropped = int(h.a), int(h.b), int(h.c)
             self.max_staleness = max(self.max_staleness, self.staleness)
+        self._log("pull", key, out, got, start)
         return used
+
+    def _log(self, op: str, key: int, t: torch.Tensor, nbytes: int, start: float) -> None:
+        if self.commlog is None:
+            return
+        self._seq += 1
+        rec = CallRecord(
+            self._seq,
+            op,
+            str(t.dtype).removeprefix("torch."),
+            tuple(t.shape),
+            None,
+            "",
+            "parameter servers",
+            "",
+            f"Connection.{op}",
+            tag=f"key {key}",
+        )
+        self.commlog.add(rec, nbytes, time.perf_counter() - start)
+
+    def clocks(self) -> list[int]:
+        """Every worker's clock as the first server counts it (pushes it has taken)."""
+        self.link.request(Header(Op.STATS, worker=self.worker), self.servers[0])
+        h = self.link.await_reply(CONTROL_KEY, self.servers[0])
+        self._check(h, 0)
+        out = torch.empty(int(h.a), dtype=torch.uint8)
+        self.link.reply_payload(out, CONTROL_KEY, self.servers[0])
+        return [int(c) for c in decode_json(out)]
 
     def barrier(self) -> None:
         """Return when every live worker has called it (the first server counts)."""
@@ -275,6 +319,15 @@ class KVStore:
         """``push(key, value)`` then ``pull(key, out)``."""
         self.push(key, value)
         self.pull(key, out)
+
+    def clocks(self) -> list[int]:
+        """Every worker's clock as the first server counts it (pushes it has taken)."""
+        self.link.request(Header(Op.STATS, worker=self.worker), self.servers[0])
+        h = self.link.await_reply(CONTROL_KEY, self.servers[0])
+        self._check(h, 0)
+        out = torch.empty(int(h.a), dtype=torch.uint8)
+        self.link.reply_payload(out, CONTROL_KEY, self.servers[0])
+        return [int(c) for c in decode_json(out)]
 
     def barrier(self) -> None:
         """Wait for every live worker."""

@@ -175,6 +175,9 @@ class Server:
                 self._advance(held)
         elif h.op == Op.STATE:
             self._send_state(self.held[h.key], w.rank)
+        elif h.op == Op.STATS:
+            clocks = encode_json([x.clock for x in self.workers])
+            self.link.reply(Header(Op.REPLY, CONTROL_KEY, a=clocks.numel()), w.rank, clocks)
         elif h.op == Op.SET_STATE:
             self._set_state(self.held[h.key], h, w.rank)
             self.link.reply(Header(Op.REPLY, h.key), w.rank)  # applied: the worker may go on

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from longboat.comm.collectives import Collectives
+from longboat.comm.commlog import CommLog
 from longboat.config import Config, ConfigError
 from longboat.mesh import Mesh
 from longboat.optim import describe_elementwise, is_elementwise
@@ -117,7 +118,11 @@ class ParameterServerService:
 
     def connect(self, worker: int) -> Connection:
         assert self.link is not None, "start() first"
-        return Connection(self.link, worker, self.servers, self.cfg.heartbeat_s)
+        c = self.config.comm
+        log = (
+            CommLog(len(self.workers) + len(self.servers), worker, c.log_verbose) if c.log else None
+        )
+        return Connection(self.link, worker, self.servers, self.cfg.heartbeat_s, log)
 
     # -- the servers' side ---------------------------------------------------------------------
 

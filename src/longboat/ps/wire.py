@@ -42,6 +42,7 @@ class Op(IntEnum):
     BYE = 6  # a worker leaves; reply: the server's counts
     STATE = 7  # reply: values and optimizer state, as JSON names + a flat payload
     SET_STATE = 8  # payload: JSON names + a flat payload, as STATE replies
+    STATS = 9  # reply: every worker's clock, as JSON
     REPLY = 20
     ABORT = 21  # the job cannot go on (a worker died in sync mode): reply fields name it
 

@@ -226,6 +226,18 @@ class ParameterServer:
             "dropped_workers": c.dropped,
         }
 
+    @property
+    def monitor_columns(self) -> list[str]:
+        """The monitor's columns: each worker's staleness."""
+        return [f"staleness_w{i}" for i in range(len(self.service.workers))]
+
+    def monitor_values(self) -> dict[str, float]:
+        """Each worker's staleness as the first server counts it: how many clocks it is
+        behind the furthest worker (one small request, at the monitor's events)."""
+        clocks = self.conn.clocks()
+        top = max(clocks)
+        return {f"staleness_w{i}": float(top - c) for i, c in enumerate(clocks)}
+
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         return {
             "parameters": list(self.params),
@@ -355,4 +367,6 @@ class ParameterServer:
             self._buffers.close()
             self._buffers = None
         self.conn.close()
+        if self.conn.commlog is not None and self.worker == 0:  # comm.log: worker 0's view
+            print(self.conn.commlog.table("parameter servers"), end="", flush=True)
         self.service.close()
