@@ -45,6 +45,7 @@ class Connection:
         self.servers = servers
         self.planner = Planner(len(servers))
         self.clock: dict[int, int] = {}  # pushes made, per key
+        self.dtypes: dict[int, torch.dtype] = {}
         # From the last pull: the slowest live worker's clock, this pull's staleness (clocks
         # not yet applied), and how many workers the servers dropped.
         self.min_clock = 0
@@ -73,6 +74,7 @@ class Connection:
         lay = self.planner.add(sizes)
         self.clock[lay.key] = 0
         dtype = tensors[0].dtype if tensors else torch.float32
+        self.dtypes[lay.key] = dtype
         meta = encode_json(
             {"sizes": list(sizes), "dtype": str(dtype).removeprefix("torch."), "group": group}
         )
@@ -216,7 +218,7 @@ class Connection:
             self._check(h, s)
             meta = torch.empty(int(h.a), dtype=torch.uint8)
             self.link.reply_payload(meta, key, self.servers[s])
-            flat = torch.empty(int(h.b), dtype=torch.float32)
+            flat = torch.empty(int(h.b), dtype=self.dtypes[key])  # the key's dtype
             out.append((decode_json(meta), flat))
             self.link.reply_payload(flat, key, self.servers[s])
         return out

@@ -270,7 +270,7 @@ class ParameterServer:
     @torch.no_grad()
     def _fetch_server_state(self, optimizer: torch.optim.Optimizer) -> None:
         for k in self.keys:
-            values = torch.empty(k.numel, dtype=torch.float32)
+            values = torch.empty(k.numel, dtype=k.params[0].dtype)
             state: dict[int, dict[str, Any]] = {}
             tensors: dict[int, set[str]] = {}  # per parameter: its state's tensor entries
             for meta, flat in self.conn.state(k.id):
@@ -330,7 +330,8 @@ class ParameterServer:
         state; every clock starts again at 0."""
         for k in self.keys:
             lay = self.conn.layouts[k.id]
-            flat_values = torch.cat([p.detach().reshape(-1).cpu().float() for p in k.params])
+            dtype = k.params[0].dtype
+            flat_values = torch.cat([p.detach().reshape(-1).cpu() for p in k.params])
             per_server = []
             for s in lay.holders():
                 tensors = [flat_values[lay.ranges[s][0] : lay.ranges[s][1]]]
@@ -343,7 +344,7 @@ class ParameterServer:
                     for name, x in held.items():
                         if isinstance(x, torch.Tensor) and x.dim() > 0:
                             st[name] = {"numel": n, "dtype": str(x.dtype).removeprefix("torch.")}
-                            tensors.append(x.detach().reshape(-1)[at : at + n].cpu().float())
+                            tensors.append(x.detach().reshape(-1)[at : at + n].cpu().to(dtype))
                         elif isinstance(x, torch.Tensor):
                             st[name] = {
                                 "scalar": x.item(),
