@@ -244,7 +244,12 @@ def _kvstore(kind: str) -> dict:
     kv.pull(7, small_out)
     kv.barrier()
     kv.pull("big", out)
-    result = {"big": out.clone(), "small": small_out.clone(), "type": kv.type}
+    result = {
+        "big": out.clone(),
+        "small": small_out.clone(),
+        "type": kv.type,
+        "clocks": kv.clocks(),
+    }
     kv.close()
     return result
 
@@ -258,6 +263,7 @@ def test_kvstore_dist_sync_averages_pushes_and_applies_the_servers_optimizer(ran
         assert torch.equal(r["big"], torch.arange(10000, dtype=torch.float32) - 0.75)
         assert torch.equal(r["small"], torch.full((3,), 0.5))
         assert r["type"] == "dist_sync"
+        assert r["clocks"] == [1, 1]  # one push of each key by each worker
     assert got[2]["served"]["traffic"]["push"]["messages"] == 4
 
 

@@ -323,13 +323,8 @@ class KVStore:
         self.pull(key, out)
 
     def clocks(self) -> list[int]:
-        """Every worker's clock as the first server counts it (pushes it has taken)."""
-        self.link.request(Header(Op.STATS, worker=self.worker), self.servers[0])
-        h = self.link.await_reply(CONTROL_KEY, self.servers[0])
-        self._check(h, 0)
-        out = torch.empty(int(h.a), dtype=torch.uint8)
-        self.link.reply_payload(out, CONTROL_KEY, self.servers[0])
-        return [int(c) for c in decode_json(out)]
+        """Every worker's clock (pushes the first server has taken from it)."""
+        return self.connection.clocks()
 
     def barrier(self) -> None:
         """Wait for every live worker."""

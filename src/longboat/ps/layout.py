@@ -38,10 +38,6 @@ class KeyLayout:
     sizes: tuple[int, ...]
     ranges: tuple[tuple[int, int], ...]  # per server: [lo, hi), empty where it holds none
 
-    @property
-    def numel(self) -> int:
-        return sum(self.sizes)
-
     def holders(self) -> list[int]:
         """The servers holding some of the key, in order."""
         return [s for s, (lo, hi) in enumerate(self.ranges) if hi > lo]
@@ -89,12 +85,3 @@ class Planner:
         lay = KeyLayout(len(self.layouts), tuple(sizes), ranges)
         self.layouts.append(lay)
         return lay
-
-
-def plan_keys(
-    keys: list[tuple[int, ...]], servers: int, min_split: int = MIN_SPLIT
-) -> list[KeyLayout]:
-    """Layouts of ``keys`` (each given by its tensors' sizes, key ids in order) over
-    ``servers`` servers."""
-    planner = Planner(servers, min_split)
-    return [planner.add(tuple(sizes)) for sizes in keys]

@@ -99,7 +99,6 @@ class ParameterServer:
         self.params: list[nn.Parameter] = []
         self._buffers: BufferSync | None = None
         self._exchanged = False
-        self.device = torch.device("cpu")
         # In async and ssp the workers share no collective: worker 0 writes checkpoints alone
         # (its parameters, buffers and the servers' state), the others skip the save.
         self.writes_checkpoints = self.sync or self.worker == 0
@@ -110,8 +109,6 @@ class ParameterServer:
         check_optimizer(optimizer, self.cfg.update_on_server)
         all_params = list(dict.fromkeys(model.parameters()))
         self.params = [p for p in all_params if p.requires_grad]
-        if self.params:
-            self.device = self.params[0].device
         self._broadcast_start(all_params, list(model.buffers()))
         trainable = {id(p) for p in self.params}
         for g, group in enumerate(optimizer.param_groups):
