@@ -159,9 +159,14 @@ def test_checkpoint_reshards_to_replicate_and_back(ranks, tmp_path, writer):
         for r in ranks(3, _save_or_load, {**base, **_ps(1, other)}, str(tmp_path), 0)
         if "served" not in r
     ]
-    want = harness.assemble(saved[:1])
+    # What the file holds, as replicate reads it whole. In sync mode it is what the workers
+    # held at the save; in async mode the other worker's last pushes may land between the
+    # save's fetch of the servers' state and the one taken to report it, so only the
+    # parameters (fetched once, at the save) are compared with the writer's.
+    want = harness.assemble(replicated[:1])
     assert any(k != "step" for v in want.values() for k in v), "no optimizer tensors saved"
-    for res in [*replicated, *back]:
+    compared = [*replicated, *back, *(saved[:1] if writer == "sync" else [])]
+    for res in compared:
         assert reference.max_rel_diff(res["state"], saved[0]["state"]) == 0.0
         got = harness.assemble([res])
         assert got.keys() == want.keys()
