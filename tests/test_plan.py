@@ -121,6 +121,48 @@ def test_single_model_state_equals_memory_report(ranks):
     assert plan.strategies[0].model_state == measured
 
 
+def _ps_measured(extra: dict[str, Any]) -> dict[str, Any]:
+    """A parameter-server rank after one real step: a worker's memory_report, or what a
+    server held."""
+    import longboat
+
+    try:
+        return {"worker": _measured("parameter_server", "gpt", "adamw", extra)}
+    except longboat.ps.ServerExit as served:
+        return {"server": served.summary["memory"]}
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_parameter_server_rows_equal_a_real_run(ranks, mode):
+    # 2 workers and 2 servers: the key (every parameter) is split between the servers.
+    extra = {"parameter_server": {"servers": 2, "mode": mode}}
+    target = resolve("gpt", GPT_ARGS)
+    base = load_config(_config("parameter_server", "gpt", extra))
+    plan = make_plan(target, base, 4, MICRO, "adamw", ["parameter_server"])
+    rows = {s.role: s for s in plan.strategies}
+    assert list(rows) == ["worker", "server 0", "server 1"]
+    real = ranks(4, _ps_measured, extra)
+    for res in real[:2]:
+        assert rows["worker"].model_state == res["worker"]
+    assert rows["worker"].model_state["optimizer_state"] == 0  # it lives on the servers
+    for s, res in enumerate(real[2:]):
+        state = rows[f"server {s}"].model_state
+        kept = {k: state[k] for k in ("parameters", "optimizer_state")}
+        assert kept == res["server"], f"server {s}"
+        assert state["parameters"] > 0
+        # the pushes a server may hold summed: one clock in sync, staleness + 1 in ssp
+        held = 1 if mode == "sync" else 3
+        flags = state["gradients"] - held * state["parameters"]  # a float per segment
+        assert 0 < flags < 100 * held, state
+    # every worker's push and pull pass through the servers: a server moves, per step, what
+    # each worker sends of its range, and a worker pushes and pulls the whole model once
+    whole = 4 * plan.trainable_params
+    push = rows["worker"].comm_bytes["push"]
+    assert whole < push < whole + 1000
+    moved = sum(rows[f"server {s}"].comm_bytes["push (received)"] for s in range(2))
+    assert moved == 2 * push
+
+
 def _live_peak(strategy: str, extra: dict[str, Any]) -> int:
     """The live-tensor peak of a real run (setup and two steps), by the planner's tracker."""
     import longboat
@@ -279,6 +321,7 @@ def test_a_small_budget_names_what_does_not_fit_and_exits_1():
         (["--strategies", "zero-4"], "zero-4"),
         (["--optimizer", "lion"], "lion"),
         (["--world-size", "0"], "--world-size"),
+        (["--world-size", "1", "--strategies", "parameter_server"], "leaves no worker"),
         (["--config", "/no/such/file.toml"], "does not exist"),
         (["--seq-len", "999"], "exceeds"),
     ],

@@ -380,13 +380,16 @@ class Engine:
         (see ``longboat.observe.memory``)."""
         a = self.trainable_params
         k = optimizer_state_bytes_per_param(self.optimizer)
+        n = self.topology.mesh.dp_shard
+        # A strategy beside the formulas' table gives its own (a parameter server's worker).
+        formula = getattr(self.strategy, "expected_memory", None)
         return MemoryReport(
             rank=self.world.rank,
             strategy=self.strategy.name,
             trainable_params=a,
-            world_size=self.topology.mesh.dp_shard,
+            world_size=n,
             measured=measure(self.strategy.memory_tensors(self.optimizer)),
-            expected=expected_bytes(self.strategy.name, a, self.topology.mesh.dp_shard, k),
+            expected=formula(a, k) if formula else expected_bytes(self.strategy.name, a, n, k),
         )
 
     @property

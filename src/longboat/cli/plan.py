@@ -32,7 +32,10 @@ def plan(
         None, "--budget", help="memory per rank, e.g. 8GiB; exit 1 if no strategy fits"
     ),
     strategies: str | None = typer.Option(
-        None, "--strategies", help="comma-separated, from single,replicate,zero-1,zero-2,zero-3"
+        None,
+        "--strategies",
+        help="comma-separated, from single,replicate,zero-1,zero-2,zero-3 (the default) and "
+        "parameter_server (planned by default when it is the config's strategy)",
     ),
     config_file: Path | None = options.config_file(
         "a longboat config: bucket sizes, ZeRO units, precision"

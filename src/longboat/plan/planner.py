@@ -9,7 +9,13 @@ without a budget), the one that communicates least per step wins, in the order r
 zero-1, zero-2, zero-3: replicate all-reduces gradients once; zero-1 and zero-2 send the same
 bytes per step (reduce-scatter plus all-gather of parameters), but with gradient accumulation
 zero-2 reduce-scatters after every micro-batch and zero-1 only at the boundary; zero-3 gathers
-parameters again in forward and backward. At one rank the only strategy is single.
+parameters again in forward and backward; a parameter server comes last, as it needs server
+ranks beside the workers and every worker's push and pull pass through them. At one rank the
+only strategy is single.
+
+[Note: planning roles] A strategy whose ranks are not alike (a parameter server's workers and
+servers) is planned by its own module, a row per role (:data:`ROLES`); it is planned when
+``--strategies`` names it or the config's strategy is it, not by default.
 """
 
 from __future__ import annotations
@@ -23,12 +29,24 @@ import torch
 from longboat.config import Config
 from longboat.mesh import Mesh
 from longboat.observe.memory import CATEGORIES
+from longboat.plan.parameter_server import parameter_server_roles
 from longboat.plan.simulate import Simulated, simulate
 from longboat.plan.stages import Shapes, each_stage
 from longboat.plan.target import PlanInputError, Target, whole_model_params
 
 STRATEGIES = ("single", "replicate", "zero-1", "zero-2", "zero-3")
-PREFERENCE = ("replicate", "zero-1", "zero-2", "zero-3")  # see [Note: recommendation]
+PREFERENCE = (  # see [Note: recommendation]
+    "replicate",
+    "zero-1",
+    "zero-2",
+    "zero-3",
+    "parameter_server",
+)
+#: Planned by their own module, a row per role ([Note: planning roles]).
+ROLES: dict[str, Callable[..., list[tuple[str, Simulated]]]] = {
+    "parameter_server": parameter_server_roles,
+}
+KNOWN = (*STRATEGIES, *ROLES)
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4),
@@ -43,9 +61,9 @@ def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
     and the micro-batch. One micro-batch per step, or with pipeline stages the config's
     ``batch.gradient_accumulation_steps`` (the schedule's micro-batches); ``single`` is one
     process with the whole model, for comparison."""
-    if strategy not in STRATEGIES:
+    if strategy not in KNOWN:
         raise PlanInputError(
-            f"--strategies: unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}"
+            f"--strategies: unknown strategy {strategy!r}; choose from {', '.join(KNOWN)}"
         )
     staged = base.mesh.pp > 1 and strategy != "single"
     batch = base.batch.model_copy(
@@ -86,6 +104,7 @@ class StrategyPlan:
     in_flight: int = 0  # with pipeline stages: most micro-batches' activations held at once
     #: with tensor parallelism: bytes each divided layer sends per step, by module name
     tp_layers: dict[str, int] = field(default_factory=dict)
+    role: str = ""  # a strategy whose ranks differ: which ([Note: planning roles])
 
     @property
     def comm_total(self) -> int:
@@ -199,8 +218,12 @@ def make_plan(
         def one(r: int, shapes: Shapes | None = None, cfg: Config = cfg, n: int = n) -> Simulated:
             return simulate(target, cfg, n, micro_batch, make, rank=r, shapes=shapes)
 
-        mesh = _mesh(cfg, n)
-        if mesh.pp > 1:
+        roles: list[str] = []
+        if name in ROLES:
+            rows = ROLES[name](target, cfg, n, micro_batch, make)
+            roles, sims = [r for r, _ in rows], [s for _, s in rows]
+            trainable = sims[0].trainable_params
+        elif (mesh := _mesh(cfg, n)).pp > 1:
             sims = each_stage(mesh, one)  # a row per pipeline rank: they hold different layers
         else:
             sims = [one(min(rank, n - 1))]
@@ -208,6 +231,7 @@ def make_plan(
         plans += [
             StrategyPlan(
                 strategy=name,
+                role=role,
                 world_size=n,
                 model_state=sim.model_state,
                 activations=sim.activations,
@@ -219,7 +243,7 @@ def make_plan(
                 in_flight=sim.in_flight,
                 tp_layers=sim.tp_layers,
             )
-            for sim in sims
+            for sim, role in zip(sims, roles or [""] * len(sims), strict=True)
         ]
     if base.mesh.pp > 1:
         trainable = whole_model_params(target)
@@ -241,6 +265,7 @@ def make_plan(
 
 __all__ = [
     "CATEGORIES",
+    "KNOWN",
     "OPTIMIZERS",
     "PREFERENCE",
     "STRATEGIES",

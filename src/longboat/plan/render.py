@@ -46,9 +46,13 @@ def _per_layer(layers: dict[str, int]) -> str:
     return ", ".join(out)
 
 
+def _label(s: StrategyPlan) -> str:
+    return f"{s.strategy} {s.role}" if s.role else s.strategy
+
+
 def _row_name(s: StrategyPlan) -> str:
     if not s.stages:
-        return s.strategy
+        return _label(s)
     return f"{s.strategy} stage {','.join(map(str, s.stages))}"
 
 
@@ -77,10 +81,13 @@ def render(plan: Plan, width: int = 120) -> str:
     )
     table = Table(title=title, title_justify="left")
     staged = any(s.stages for s in plan.strategies)
+    roled = any(s.role for s in plan.strategies)  # [Note: planning roles] in planner.py
+    table.add_column("strategy", justify="left", no_wrap=True)
     if staged:
-        table.add_column("strategy", justify="left")
+        table.add_column("stage", justify="right")
+    if roled:
+        table.add_column("role", justify="left")
     for col in (
-        "stage" if staged else "strategy",
         "parameters",
         "gradients",
         "optimizer",
@@ -91,11 +98,15 @@ def render(plan: Plan, width: int = 120) -> str:
         "fits",
         "comm/step",
     ):
-        table.add_column(col, justify="right" if col != "fits" and col != "strategy" else "left")
+        table.add_column(col, justify="right" if col != "fits" else "left")
     for s in plan.strategies:
         fits = "-" if s.fits is None else ("yes" if s.fits else "NO")
         ms = s.model_state
-        first = [s.strategy, ",".join(map(str, s.stages)) or "-"] if staged else [s.strategy]
+        first = [s.strategy]
+        if staged:
+            first.append(",".join(map(str, s.stages)) or "-")
+        if roled:
+            first.append(s.role or "-")
         table.add_row(
             *first,
             _mib(ms["parameters"]),
@@ -109,7 +120,8 @@ def render(plan: Plan, width: int = 120) -> str:
             _mib(s.comm_total),
         )
     buf = io.StringIO()
-    console = Console(file=buf, width=width, no_color=True, highlight=False)
+    # The role column and a long strategy name need room the figures would otherwise lose.
+    console = Console(file=buf, width=width + 24 * roled, no_color=True, highlight=False)
     console.print(table)
     lines = [buf.getvalue().rstrip()]
     if plan.pipeline:
@@ -119,10 +131,13 @@ def render(plan: Plan, width: int = 120) -> str:
         over = list(dict.fromkeys(s.strategy for s in plan.strategies if s.fits is False))
         if over:
             lines.append(f"do not fit: {', '.join(over)}")
-    lines.append("communication per step and rank (bytes sent, ring algorithms):")
+    lines.append(
+        "communication per step and rank (bytes sent, ring algorithms; what a rank receives "
+        "where a row says so):"
+    )
     for s in plan.strategies:
         parts = ", ".join(f"{op} {_mib(b)} MiB" for op, b in sorted(s.comm_bytes.items()))
-        lines.append(f"  {_row_name(s):<18} {parts or 'none'}")
+        lines.append(f"  {_row_name(s):<25} {parts or 'none'}")
     layered = next((s for s in plan.strategies if s.tp_layers), None)
     if layered is not None:
         lines.append(

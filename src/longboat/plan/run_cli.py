@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from longboat import config as lb_config
-from longboat.plan.planner import STRATEGIES, make_plan
+from longboat.plan.planner import ROLES, STRATEGIES, make_plan
 from longboat.plan.render import parse_bytes, render
 from longboat.plan.target import PlanInputError, resolve
 from longboat.strategies import zero_stage
@@ -81,6 +81,8 @@ def run_plan(
         if strategies
         else STRATEGIES
     )
+    if not strategies and base.strategy in ROLES:  # see [Note: planning roles]
+        names = (*names, base.strategy)
     target = resolve(model, kwargs, seq_len)
     try:
         plan = make_plan(

@@ -31,6 +31,7 @@ read a value that fake tensors do not have.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,10 +170,13 @@ def simulate(
     make_optimizer: Any,
     rank: int = 0,
     shapes: stages.Shapes | None = None,
+    service: Callable[[dict[str, int]], Any] | None = None,
 ) -> Simulated:
     """Run setup and two steps of ``config``'s strategy on meta tensors at ``world_size``, as
     rank ``rank`` would. With pipeline stages (``mesh.pp > 1``) the steps are a schedule's, and
-    ``shapes`` holds what the other stages send ([Note: planning stages] in stages.py)."""
+    ``shapes`` holds what the other stages send ([Note: planning stages] in stages.py).
+    ``service``: makes the ranks beside the mesh that the strategy talks to (a parameter
+    server's, ``plan/parameter_server.py``), given the dict to count the bytes it sends in."""
     from longboat.engine import assemble, resolve_mesh
 
     sent: dict[str, int] = {}
@@ -201,7 +205,15 @@ def simulate(
     with FakeTensorMode(), tracker:
         model = target.build()
         opt = make_optimizer(model.parameters())
-        engine = assemble(model, opt, config, world, topology, device=torch.device("cpu"))
+        engine = assemble(
+            model,
+            opt,
+            config,
+            world,
+            topology,
+            device=torch.device("cpu"),
+            service=None if service is None else service(sent),
+        )
         try:
             steps: _Steps | stages.StageSteps
             if mesh.pp > 1:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from longboat.observe.memory import optimizer_state_tensors
 from longboat.ps.layout import KeyLayout, Planner, Segment
 from longboat.ps.wire import (
     PAYLOAD,
@@ -103,6 +104,15 @@ class Settings:
     staleness: int = 0
     update_on_server: bool = True
     dead_after_s: float = 10.0
+
+
+def held_pushes(settings: Settings) -> int:
+    """How many summed pushes of one key a server may hold at once, each its range of the key
+    and a flag per segment (see [Note: parameter server modes]): none in ``async`` (each is
+    applied as it comes), the clock being summed in ``sync``, up to ``staleness + 1`` clocks in
+    ``ssp``; and without ``update_on_server`` the last mean gradient besides."""
+    waiting = {"async": 0, "sync": 1, "ssp": settings.staleness + 1}[settings.mode]
+    return waiting + (0 if settings.update_on_server else 1)
 
 
 class Server:
@@ -458,4 +468,19 @@ class Server:
                 for w in self.workers
             ],
             "traffic": {k: {"messages": c, "bytes": b} for k, (c, b) in self.link.counts.items()},
+            "memory": self.memory(),
+        }
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this server holds for its keys: values and optimizer state."""
+        values = [v for held in self.held.values() for v in held.values]
+        state = [
+            t
+            for held in self.held.values()
+            if held.optimizer is not None
+            for t in optimizer_state_tensors(held.optimizer)
+        ]
+        return {
+            "parameters": sum(v.numel() * v.element_size() for v in values),
+            "optimizer_state": sum(t.numel() * t.element_size() for t in state),
         }

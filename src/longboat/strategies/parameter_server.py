@@ -235,6 +235,17 @@ class ParameterServer:
         top = max(clocks)
         return {f"staleness_w{i}": float(top - c) for i, c in enumerate(clocks)}
 
+    def expected_memory(self, a: int, k: int) -> dict[str, int]:
+        """[Note: memory formulas] for a worker of ``a`` fp32 parameters and an optimizer of
+        ``k`` bytes per parameter: the whole model and its gradients; the optimizer state only
+        where the worker steps (without ``update_on_server``)."""
+        return {
+            "parameters": 4 * a,
+            "gradients": 4 * a,
+            "optimizer_state": 0 if self.cfg.update_on_server else k * a,
+            "communication_buffers": 0,
+        }
+
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         return {
             "parameters": list(self.params),
