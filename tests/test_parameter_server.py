@@ -3,9 +3,17 @@ faults and state."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import harness
 import pytest
 import reference
+
+SCRIPTS = Path(__file__).parent / "launch_scripts"
 
 STEPS = 6
 GLOBAL_BATCH = 16
@@ -178,55 +186,67 @@ def test_checkpoint_reshards_to_replicate_and_back(ranks, tmp_path, writer):
                     assert got[name][k] == v, (name, k)
 
 
-def test_async_worker_killed_mid_run_is_dropped_and_the_others_finish(tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from longboat.testing.pool import _free_port
-
-    script = Path(__file__).parent / "launch_scripts" / "ps_worker_dies.py"
-    port, world = _free_port(), 4  # 3 workers and a server
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        out = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append(
-            (
-                subprocess.Popen(
-                    [sys.executable, str(script)], env=env, stdout=out, stderr=subprocess.STDOUT
-                ),
-                out,
-            )
-        )
+def _longboat_run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``longboat run ...``; on a timeout its whole process group is killed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "longboat.cli", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        codes = [p.wait(timeout=240) for p, _ in procs]
-    finally:
-        for p, out in procs:
-            if p.poll() is None:
-                p.kill()
-            out.close()
-    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(world)]
-    assert codes == [0, -signal.SIGKILL, 0, 0], "\n".join(logs)
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"longboat run timed out after {timeout} s:\n{out}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, "")
+
+
+def test_async_worker_killed_mid_run_is_dropped_and_the_others_finish():
+    # 3 workers and a server under longboat run: the launcher keeps the survivors running
+    script = SCRIPTS / "ps_worker_dies.py"
+    res = _longboat_run("-n", "4", str(script), "--die-rank", "1", "--die-at", "20")
+    out = res.stdout
+    assert res.returncode == 0, out
+    assert (
+        "longboat: rank 1 (parameter-server worker 1 (async)) was killed by SIGKILL; the job "
+        "goes on without it" in out
+    ), out
+    assert "longboat: the job finished without rank(s) 1, dropped when they died" in out, out
     for r in (0, 2):
-        line = [ln for ln in logs[r].splitlines() if ln.startswith(f"rank {r} steps=")]
-        assert line, logs[r]
+        line = [ln for ln in out.splitlines() if ln.startswith(f"[rank{r}]: rank {r} steps=")]
+        assert line, out
         # it learned (chance is 0.1) while losing a worker; convergence is the digits test's
         assert float(line[0].split("accuracy=")[1]) >= 0.8, line
-    server = logs[3]
-    assert "worker 1 (rank 1) sent nothing" in server, server
+    assert "worker 1 (rank 1) sent nothing" in out, out
     # what the dead worker lost: it stopped at clock 20 of the others' 56 (4 epochs x 14)
-    assert "worker 1 (rank 1) died at clock 20 and lost 36 updates" in server, server
+    assert "worker 1 (rank 1) died at clock 20 and lost 36 updates" in out, out
+
+
+def test_a_server_that_dies_stops_the_job_naming_it_and_a_restart_resumes(tmp_path):
+    # 2 workers and a server in sync mode, checkpointing every 10 steps; the server's
+    # optimizer kills its process at its 25th step in the first attempt only.
+    script = SCRIPTS / "ps_server_dies.py"
+    res = _longboat_run("-n", "3", str(script), str(tmp_path / "ckpt"))
+    out = res.stdout
+    assert res.returncode == 128 + signal.SIGKILL, out
+    assert "longboat: rank 2 was killed by SIGKILL" in out, out
+    assert "longboat: rank 2 was parameter server 0" in out, out
+    # the workers say which server they lost and what to do
+    for r in (0, 1):
+        assert f"[rank{r}]: longboat.ps.client.ServerLost: parameter server 0 (rank 2) is gone" in (
+            out
+        ), out
+    assert "restart it from the last checkpoint" in out
+    # with a restart, the job resumes from the step-20 checkpoint and finishes
+    res = _longboat_run("-n", "3", "--max-restarts", "1", str(script), str(tmp_path / "again"))
+    out = res.stdout
+    assert res.returncode == 0, out
+    for r in (0, 1):
+        assert f"[rank{r}]: resumed at step 20" in out, out
+        assert f"[rank{r}]: finished at step 40" in out, out
 
 
 def _kvstore(kind: str) -> dict:

@@ -25,11 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from longboat import roles
 from longboat.launch.failures import WorkerExit, summarize
 from longboat.launch.hangs import merge, read_reports, report_dir, wake_stopped_workers
 from longboat.launch.listen import bind_listener
 from longboat.launch.output import report, worker_console
 from longboat.launch.reaper import OrphanReaper
+from longboat.launch.survivors import Survivors
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -142,10 +144,11 @@ def _bind_store_socket(opts: RunOptions) -> tuple[int, int | None]:
 
 
 @contextlib.contextmanager
-def _agent_environment(opts: RunOptions, marker: str) -> Iterator[None]:
+def _agent_environment(opts: RunOptions, marker: str, roles_dir: Path) -> Iterator[None]:
     """Set, for the duration of the launch, the variables the agent passes on to workers."""
     wanted = {
         _MARKER_VAR: marker,
+        roles.ENV: str(roles_dir),
         # With torch's c10d rendezvous the workers reuse the rendezvous store and, after a
         # restart, dial the previous attempt's ports ("Connection refused", pytorch#135712,
         # measured in RELIABILITY.md). Our rendezvous already gives each attempt a fresh store;
@@ -218,13 +221,17 @@ def launch(opts: RunOptions) -> int:
         else:
             log_dir = opts.log_dir
             log_dir.mkdir(parents=True, exist_ok=True)
+        roles_dir = log_dir / "roles"  # [Note: rank roles] in longboat/roles.py
+        roles_dir.mkdir(exist_ok=True)
+        survivors = Survivors(roles_dir, report)
         # Entered after the log directory, so leftovers are ended before it is removed.
-        stack.enter_context(_agent_environment(opts, marker))
+        stack.enter_context(_agent_environment(opts, marker, roles_dir))
         stack.enter_context(_restored_signal_handlers())
         reports = stack.enter_context(report_dir(log_dir))
         stack.enter_context(wake_stopped_workers())
         stack.enter_context(reaper)
         stack.enter_context(worker_console(opts.node_rank, opts.nproc_per_node, opts.max_restarts))
+        stack.enter_context(survivors.watching())
 
         rdzv_configs: dict[str, object] = {"rank": opts.node_rank, "timeout": opts.rdzv_timeout_s}
         if listen_fd is not None:
@@ -255,10 +262,13 @@ def launch(opts: RunOptions) -> int:
                 else {}
             ),
         )
-        code = _run_agent(config, opts, log_dir, port)
+        code = _run_agent(config, opts, log_dir, port, roles_dir)
         if code:
             for line in merge(read_reports(reports)):
                 report(line)
+        elif survivors.dropped:
+            ranks = ", ".join(map(str, sorted(survivors.dropped)))
+            report(f"longboat: the job finished without rank(s) {ranks}, dropped when they died")
 
     if reaper.ended:
         pids = ", ".join(map(str, sorted(reaper.ended)))
@@ -266,7 +276,9 @@ def launch(opts: RunOptions) -> int:
     return code
 
 
-def _run_agent(config: LaunchConfig, opts: RunOptions, log_dir: Path, port: int) -> int:
+def _run_agent(
+    config: LaunchConfig, opts: RunOptions, log_dir: Path, port: int, roles_dir: Path
+) -> int:
     """Run torch elastic's agent with ``config``; turn its outcome into reports and a status."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -288,6 +300,9 @@ def _run_agent(config: LaunchConfig, opts: RunOptions, log_dir: Path, port: int)
         )
         for line in summary.lines:
             report(line)
+        role = roles.read(roles_dir).get(summary.root.rank)
+        if role is not None:
+            report(f"longboat: rank {summary.root.rank} was {role.what}")
         if opts.max_restarts:
             report(f"longboat: giving up after {opts.max_restarts + 1} attempts")
         if opts.log_dir is not None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from longboat.ps.client import Connection, KVStore, ServerAbort
+from longboat.ps.client import Connection, KVStore, ServerAbort, ServerLost
 from longboat.ps.service import ServerExit
 
 #: MXNet's KVStore types and their modes here.
@@ -68,4 +68,12 @@ def _factory(optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | 
     return lambda key, group, tensors: optimizer(tensors)
 
 
-__all__ = ["KVSTORE_TYPES", "Connection", "KVStore", "ServerAbort", "ServerExit", "connect"]
+__all__ = [
+    "KVSTORE_TYPES",
+    "Connection",
+    "KVStore",
+    "ServerAbort",
+    "ServerExit",
+    "ServerLost",
+    "connect",
+]

@@ -7,6 +7,7 @@ Every worker must declare (``init``) the same keys in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Hashable, Sequence
@@ -25,6 +26,19 @@ class ServerAbort(RuntimeError):
     """A server stopped the job (a worker died in sync mode)."""
 
 
+class ServerLost(RuntimeError):
+    """A server went away (its process ended, or the link to it broke): it held part of the
+    parameters and their optimizer state, so the job cannot go on."""
+
+    def __init__(self, index: int, rank: int, cause: RuntimeError) -> None:
+        super().__init__(
+            f"parameter server {index} (rank {rank}) is gone ({cause}); it held part of the "
+            "parameters and their optimizer state, so the job cannot go on: restart it from "
+            "the last checkpoint (longboat run --max-restarts N restarts it for you)"
+        )
+        self.index, self.rank = index, rank
+
+
 class Connection:
     """Worker ``worker`` (of ``workers``) of a job whose servers are the global ranks
     ``servers``; heartbeats every ``heartbeat_s`` ([Note: parameter server liveness])."""
@@ -38,6 +52,7 @@ class Connection:
         commlog: CommLog | None = None,
     ) -> None:
         self.link = link
+        link.peer_error = self._lost
         # ``comm.log``: each push and pull (to every server holding the key) as one entry
         self.commlog = commlog
         self._seq = 0
@@ -58,6 +73,11 @@ class Connection:
         )
         self._beats.start()
         self.closed = False
+
+    def _lost(self, rank: int, cause: RuntimeError) -> Exception:
+        if rank not in self.servers:
+            return cause
+        return ServerLost(self.servers.index(rank), rank, cause)
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -257,12 +277,19 @@ class Connection:
             return 0
         self.closed = True
         applied = 0
+        gone: set[int] = set()  # a server already lost has nothing to say goodbye to
         for server in self.servers:
-            self.link.request(Header(Op.BYE, worker=self.worker), server)
+            try:
+                self.link.request(Header(Op.BYE, worker=self.worker), server)
+            except ServerLost:
+                gone.add(server)
         # A server answers once every worker has left or died; the heartbeats go on until
         # then ([Note: parameter server liveness]).
         for server in self.servers:
-            applied += int(self.link.await_reply(CONTROL_KEY, server).a)
+            if server in gone:
+                continue
+            with contextlib.suppress(ServerLost):  # what was lost was said when it happened
+                applied += int(self.link.await_reply(CONTROL_KEY, server).a)
         self._stop.set()
         self._beats.join()
         return applied

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from longboat import roles
 from longboat.comm.collectives import Collectives
 from longboat.comm.commlog import CommLog
 from longboat.config import Config, ConfigError
@@ -100,6 +101,12 @@ class ParameterServerService:
             if len(self.workers) > 1
             else None
         )
+        rank = dist.get_rank()
+        if self.serves(rank):
+            roles.announce(rank, roles.Role(f"parameter server {self.servers.index(rank)}"))
+        else:  # async and ssp go on without a worker that dies: the launcher may too
+            what = f"parameter-server worker {self.workers.index(rank)} ({self.cfg.mode})"
+            roles.announce(rank, roles.Role(what, droppable=not self.sync))
 
     # -- the workers' side ---------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ their state in CPU memory, as MXNet's and TensorFlow's servers do.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -85,6 +86,9 @@ class Link:
     (the comm log's pushes and pulls)."""
 
     group: Any
+    #: Turns a failed send to or receive from a named peer (its global rank) into the error
+    #: to raise (a worker's: the server it lost); None keeps torch's error.
+    peer_error: Callable[[int, RuntimeError], Exception] | None = None
 
     def __post_init__(self) -> None:
         self.counts: dict[str, list[int]] = {}
@@ -95,11 +99,25 @@ class Link:
         c[1] += nbytes
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        dist.send(t, dst=dst, group=self.group, tag=tag)
+        try:
+            dist.send(t, dst=dst, group=self.group, tag=tag)
+        except RuntimeError as e:
+            self._raise_for(dst, e)
+            raise
 
     def recv(self, t: torch.Tensor, src: int | None, tag: int) -> int:
         """Receive into ``t`` from ``src`` (None: from any); returns the sender's global rank."""
-        return int(dist.recv(t, src=src, group=self.group, tag=tag))
+        try:
+            return int(dist.recv(t, src=src, group=self.group, tag=tag))
+        except RuntimeError as e:
+            if src is not None:
+                self._raise_for(src, e)
+            raise
+
+    def _raise_for(self, peer: int, e: RuntimeError) -> None:
+        err = None if self.peer_error is None else self.peer_error(peer, e)
+        if err is not None and err is not e:
+            raise err from e
 
     def request(self, h: Header, dst: int) -> None:
         self.send(h.tensor(), dst, REQUEST)

@@ -1,0 +1,51 @@
+"""What a rank is in its job, told to the launcher that started it.
+
+[Note: rank roles] ``longboat run`` gives its workers a directory (``LONGBOAT_ROLES_DIR``). A
+rank whose role matters to the launcher writes ``rank<global rank>.json`` there: words for the
+launcher's reports ("parameter server 0") and whether the job goes on without it
+(``droppable``: an async or ssp parameter-server worker, which the servers drop when it dies).
+Outside ``longboat run`` nothing is written. A rank that dies before it wrote its file is an
+ordinary rank: its death stops the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ENV = "LONGBOAT_ROLES_DIR"
+
+
+@dataclass(frozen=True)
+class Role:
+    """One rank's role: ``what`` it is, in words, and whether the job survives its death."""
+
+    what: str
+    droppable: bool = False
+
+
+def announce(rank: int, role: Role) -> None:
+    """Tell the launcher (if it asked, see [Note: rank roles]) what global rank ``rank`` is."""
+    directory = os.environ.get(ENV)
+    if not directory:
+        return
+    path = Path(directory, f"rank{rank}.json")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(role)))
+    tmp.replace(path)  # whole or absent: the launcher may read it at any moment
+
+
+def read(directory: Path) -> dict[int, Role]:
+    """The roles the ranks announced in ``directory``, by global rank."""
+    out: dict[int, Role] = {}
+    for path in directory.glob("rank*.json"):
+        try:
+            out[int(path.stem.removeprefix("rank"))] = Role(**json.loads(path.read_text()))
+        except (ValueError, TypeError, OSError):
+            continue  # not one of ours
+    return out
+
+
+__all__ = ["ENV", "Role", "announce", "read"]
