@@ -15,12 +15,13 @@ from typer.testing import CliRunner
 from longboat.cli import app
 from longboat.models import GPT, gpt_param_count
 
-SIDES = ("replicate", "zero2", "pipeline", "tensor-parallel", "ddp")
+SIDES = ("replicate", "zero2", "pipeline", "tensor-parallel", "parameter_server", "ddp")
+TWO_OR_MORE = ("pipeline", "tensor-parallel", "parameter_server")
 SIZES = (1, 2)
 
 
 def _exists(side: str, n: int) -> bool:
-    return side not in ("pipeline", "tensor-parallel") or n > 1  # two stages, two tp ranks
+    return side not in TWO_OR_MORE or n > 1  # two stages, two tp ranks, a worker and a server
 
 
 FIELDS = (
@@ -62,7 +63,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]
         "--model",
         "tiny-gpt",
         "--strategies",
-        "replicate,zero2,pipeline,tensor-parallel",
+        "replicate,zero2,pipeline,tensor-parallel,parameter_server",
         "--peers",
         "ddp",
         "--world-sizes",
@@ -145,6 +146,12 @@ def test_model_state_bytes_per_rank(run: tuple[Path, dict[str, Any]]) -> None:
     # embedding whole on both ranks: each rank less than the model, both together more.
     tp = _row(result, "tensor-parallel", 2)["state_bytes_per_rank"]
     assert all(b < 12 * a for b in tp) and sum(tp) > 12 * a, tp
+    # A parameter server: the worker holds the parameters (its gradients are freed after the
+    # push, its optimizer never steps); the server its values, AdamW's two moments and a step
+    # counter per tensor (one server holds every tensor whole).
+    worker, server = _row(result, "parameter_server", 2)["state_bytes_per_rank"]
+    assert worker == 4 * a, worker
+    assert server == 12 * a + 4 * TINY_TENSORS, server
 
 
 def test_equivalent_sides_train_identically(run: tuple[Path, dict[str, Any]]) -> None:
@@ -152,7 +159,7 @@ def test_equivalent_sides_train_identically(run: tuple[Path, dict[str, Any]]) ->
     for n in SIZES:
         ref = _row(result, "ddp", n)["losses"]
         assert ref[-1] != ref[0]  # the losses are real training losses, not a constant
-        for side in ("replicate", "zero2", "pipeline", "tensor-parallel"):
+        for side in ("replicate", "zero2", "pipeline", "tensor-parallel", "parameter_server"):
             if _exists(side, n):
                 got = _row(result, side, n)["losses"]
                 assert got == pytest.approx(ref, abs=1e-5), (side, n)
@@ -228,6 +235,10 @@ def test_strong_scaling_user_model_same_losses_at_every_world_size(tmp_path: Pat
         (
             ["--strategies", "pipeline", "--world-sizes", "1,4", "--pipeline-micro-batches", "2"],
             ["--pipeline-micro-batches 2", "4 stages", "use 4 or more"],
+        ),
+        (
+            ["--strategies", "parameter_server", "--world-sizes", "3", "--micro-batch", "1"],
+            ["parameter_server", "2 workers", "global batch of 3"],
         ),
     ],
 )

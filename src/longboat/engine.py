@@ -458,6 +458,24 @@ def initialize(
     ``optimizer`` and ``scheduler`` may come from the config's ``optimizer``/``scheduler``
     sections instead.
     """
+    cfg, world, owns, service, mesh, options = _join(config, world)
+    if service is None:
+        topology = Topology.build(mesh, options, device_for(world))
+    else:
+        service.start(cfg.comm.timeout_s)
+        if service.serves(world.rank):  # serves, then ends the process (ServerExit)
+            service.serve(_optimizer_of(model, optimizer, cfg), mesh, options)
+        topology = service.topology(mesh, options, device_for(world))
+    return assemble(
+        model, optimizer, cfg, world, topology, scheduler, owns_group=owns, service=service
+    )
+
+
+def _join(
+    config: Config | Mapping[str, Any] | str | Path | None, world: World | None
+) -> tuple[Config, World, bool, Any, Mesh, DoorwayOptions]:
+    """The config, the world (joined), the ranks that serve beside the mesh, the mesh and the
+    doorways' options."""
     cfg = load_config(config)
     world = world or World.from_env()
     setup_logging(world, cfg.log.level)
@@ -470,16 +488,27 @@ def initialize(
     options = DoorwayOptions(
         desync_check=c.desync_check, log=c.log, log_verbose=c.log_verbose, timeout_s=c.timeout_s
     )
-    if service is None:
-        topology = Topology.build(mesh, options, device_for(world))
-    else:
-        service.start(c.timeout_s)
-        if service.serves(world.rank):  # serves, then ends the process (ServerExit)
-            service.serve(_optimizer_of(model, optimizer, cfg), mesh, options)
-        topology = service.topology(mesh, options, device_for(world))
-    return assemble(
-        model, optimizer, cfg, world, topology, scheduler, owns_group=owns, service=service
-    )
+    return cfg, world, owns, service, mesh, options
+
+
+def serve_beside(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+) -> Any:
+    """On a server rank of a parameter-server job, what :func:`initialize` does there, but the
+    serving runs in a thread of its own and this returns it (its ``summary`` is set when the
+    workers have left), so that the process goes on with other work: ``longboat bench`` runs
+    that rank's share of the other sides meanwhile. Every other rank calls :func:`initialize`.
+    """
+    cfg, world, _, service, mesh, options = _join(config, None)
+    if service is None or not service.serves(world.rank):
+        raise ConfigError(
+            f"serve_beside on rank {world.rank}: the config's strategy is {cfg.strategy!r}, "
+            "and only a parameter server's server ranks serve; call longboat.initialize"
+        )
+    service.start(cfg.comm.timeout_s)
+    return service.serve_beside(_optimizer_of(model, optimizer, cfg), mesh, options)
 
 
 def _optimizer_of(

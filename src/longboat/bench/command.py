@@ -96,6 +96,15 @@ def settings_from_flags(
     )
     if "pipeline" in s.strategies:
         _check_pipeline(s)
+    if "parameter_server" in s.strategies:
+        for n in s.world_sizes:
+            gb = s.global_batch(n)
+            if n > 1 and gb % (n - 1):
+                raise BenchUsageError(
+                    f"--strategies parameter_server: at world size {n} the last rank serves "
+                    f"and {n - 1} workers split the global batch of {gb} samples, which does "
+                    "not divide: change --micro-batch or --world-sizes"
+                )
     if scaling == "strong":
         gb = s.global_batch(1)
         bad = [n for n in s.world_sizes if gb % n]

@@ -122,9 +122,10 @@ def _slice(batch: Batch, rank: int, n: int) -> Batch:
 
 
 def _timed_step(
-    step: Callable[[Batch], torch.Tensor], batch: Batch, n: int
+    step: Callable[[Batch], torch.Tensor | None], batch: Batch, n: int
 ) -> tuple[float, float, float]:
-    """One step: the MAX over ranks of its wall and CPU time, and its loss averaged over ranks."""
+    """One step: the MAX over ranks of its wall and CPU time, and its loss averaged over the
+    ranks that trained (a parameter server's server did not)."""
     c0 = time.process_time()
     t0 = time.perf_counter()
     loss = step(batch)
@@ -132,9 +133,11 @@ def _timed_step(
     cpu = time.process_time() - c0
     t = torch.tensor([elapsed, cpu], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    mean = loss.detach().to(torch.float64).reshape(1)
+    mean = torch.zeros(2, dtype=torch.float64)
+    if loss is not None:
+        mean[0], mean[1] = loss.detach().to(torch.float64), 1.0
     dist.all_reduce(mean)
-    return t[0].item(), t[1].item(), mean.item() / n
+    return t[0].item(), t[1].item(), (mean[0] / mean[1]).item()
 
 
 def _measure(

@@ -15,6 +15,11 @@ what is said here. Side names:
     ``longboat.initialize`` with ``mesh.tp`` = the world size and the model's built-in plan
     (GPT models only): every rank takes the whole global batch in one forward, its layers
     divided across the ranks. Not at one rank.
+``parameter_server``
+    ``longboat.initialize`` with ``strategy = "parameter_server"`` (sync, one server, the
+    servers' AdamW): the last rank serves, from a thread beside its share of the other sides,
+    and the others are workers that split the step's global batch between them. The same
+    processes as every other side, one of them serving instead of training. Not at one rank.
 ``ddp``
     ``torch.nn.parallel.DistributedDataParallel`` (the peer of ``replicate``).
 ``fsdp2_zero2`` / ``fsdp2_zero3``
@@ -35,9 +40,19 @@ from torch import nn
 
 from longboat.bench.models import Batch, ModelSpec
 
-LONGBOAT_SIDES = ("single", "replicate", "zero1", "zero2", "zero3", "pipeline", "tensor-parallel")
-#: Sides whose every rank takes the whole global batch, and which need two ranks or more.
-WHOLE_BATCH = ("pipeline", "tensor-parallel")
+LONGBOAT_SIDES = (
+    "single",
+    "replicate",
+    "zero1",
+    "zero2",
+    "zero3",
+    "pipeline",
+    "tensor-parallel",
+    "parameter_server",
+)
+#: Sides whose every rank takes the whole global batch (the parameter server's workers split
+#: it themselves), and which need two ranks or more.
+WHOLE_BATCH = ("pipeline", "tensor-parallel", "parameter_server")
 PEERS = ("ddp", "fsdp2", "deepspeed")
 
 
@@ -47,8 +62,9 @@ class Side(Protocol):
     name: str
     shares_batch: bool  # every rank takes the whole global batch (pipeline, tensor-parallel)
 
-    def step(self, batch: Batch) -> torch.Tensor:
-        """Forward, loss, backward, optimizer step, zero_grad; returns the detached loss."""
+    def step(self, batch: Batch) -> torch.Tensor | None:
+        """Forward, loss, backward, optimizer step, zero_grad; returns the detached loss (None
+        on a rank that trains nothing: a parameter server's server)."""
         ...
 
     def state_bytes(self) -> int | None:
@@ -84,8 +100,8 @@ def library(side: str) -> str:
 
 
 def exists_at(side: str, n: int) -> bool:
-    """``single`` is one process only; a ``pipeline`` and ``tensor-parallel`` need two ranks
-    or more."""
+    """``single`` is one process only; a ``pipeline``, ``tensor-parallel`` and
+    ``parameter_server`` need two ranks or more."""
     return not ((side == "single" and n > 1) or (side in WHOLE_BATCH and n < 2))
 
 
@@ -228,6 +244,61 @@ class TensorParallelSide(_EngineSide):
         self.engine.close()
 
 
+class ParameterServerSide:
+    """longboat's parameter server: workers on every rank but the last, which serves from a
+    thread (``longboat.engine.serve_beside``) and goes on with the other sides meanwhile."""
+
+    shares_batch = True  # the workers split the whole batch between them, see step()
+
+    def __init__(
+        self, spec: ModelSpec, model: nn.Module, lr: float, batch: int, ranks: int
+    ) -> None:
+        import torch.distributed as dist
+
+        import longboat
+        from longboat.engine import serve_beside
+
+        self.name, self.spec = "parameter_server", spec
+        self.workers = ranks - 1
+        self.rank = dist.get_rank()
+        config: dict[str, Any] = {
+            "strategy": "parameter_server",
+            "parameter_server": {"servers": 1},
+            "batch": {"micro_batch_size": batch // self.workers},
+            "log": {"progress": False, "level": "WARNING"},
+        }
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.engine: Any = None
+        self.server: Any = None
+        if self.rank == self.workers:
+            self.server = serve_beside(model, opt, config)
+        else:
+            self.engine = longboat.initialize(model, opt, config)
+
+    def step(self, batch: Batch) -> torch.Tensor | None:
+        if self.engine is None:
+            return None  # the server's work is in its thread
+        m = batch[0].shape[0] // self.workers
+        mine = tuple(t[self.rank * m : (self.rank + 1) * m] for t in batch)
+        loss = self.spec.loss(self.engine(*mine[:-1]), mine[-1])
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def state_bytes(self) -> int | None:
+        if self.engine is None:  # the server: its range of the values and optimizer state
+            return sum(self.server.memory().values())
+        return self.engine.memory_report().total
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.server is not None:
+            self.server.join()  # returns once every worker has said goodbye
+            if self.server.error is not None:
+                raise self.server.error
+
+
 class _PlainSide:
     """A wrapped model trained with a plain torch optimizer (DDP, FSDP2)."""
 
@@ -340,6 +411,8 @@ def micro_batch_of(side: str, global_batch: int, n: int, pipeline_micro_batches:
         return global_batch // pipeline_micro_batches
     if side == "tensor-parallel":
         return global_batch
+    if side == "parameter_server":
+        return global_batch // (n - 1)  # a worker's share; the last rank serves
     return global_batch // n
 
 
@@ -362,6 +435,8 @@ def build_side(
         )
     if name == "tensor-parallel":
         return TensorParallelSide(spec, model, lr, micro_batch * world_size, world_size)
+    if name == "parameter_server":
+        return ParameterServerSide(spec, model, lr, micro_batch * world_size, world_size)
     makers: dict[str, Callable[[], Side]] = {
         "longboat": lambda: LongboatSide(name, spec, model, lr, micro_batch),
         "ddp": lambda: make_ddp(spec, model, lr),

@@ -18,7 +18,8 @@ def bench(
         "single,replicate,zero1,zero2,zero3",
         "--strategies",
         help="longboat strategies, comma-separated (also: pipeline, one stage per rank; "
-        "tensor-parallel, layers divided over every rank)",
+        "tensor-parallel, layers divided over every rank; parameter_server, the last rank "
+        "serving)",
     ),
     peers: str = typer.Option(
         "ddp,fsdp2,deepspeed", "--peers", help="peers to compare, comma-separated ('' for none)"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 from typing import Any, NoReturn
 
 import torch
@@ -83,6 +84,7 @@ class ParameterServerService:
         self.servers = list(range(world_size - cfg.servers, world_size))
         self.link: Link | None = None
         self._setup_group: Any = None
+        self.serving: Server | None = None  # this rank's server, while it serves
 
     @property
     def sync(self) -> bool:
@@ -143,6 +145,18 @@ class ParameterServerService:
             Topology.stand_aside(mesh, options, outside=self.ranks)
         self.serve_with(optimizer_factory(optimizer))
 
+    def serve_beside(
+        self, optimizer: torch.optim.Optimizer, mesh: Mesh, options: DoorwayOptions
+    ) -> ServingThread:
+        """:meth:`serve` from a thread, once the groups every rank makes together are made
+        (on this thread, so their order is the other ranks'); the caller goes on."""
+        check_optimizer(optimizer, self.cfg.update_on_server)
+        if self.sync:
+            Topology.stand_aside(mesh, options, outside=self.ranks)
+        thread = ServingThread(self, optimizer_factory(optimizer))
+        thread.start()
+        return thread
+
     def serve_with(self, make_optimizer: Any) -> NoReturn:
         """Serve until every worker has left or died, then end the process (ServerExit)."""
         assert self.link is not None, "start() first"
@@ -163,6 +177,7 @@ class ParameterServerService:
             len(self.workers),
         )
         server = Server(self.link, index, len(self.servers), self.workers, make_optimizer, settings)
+        self.serving = server
         try:
             summary = server.run()
         finally:
@@ -181,6 +196,30 @@ class ParameterServerService:
         if self._setup_group is not None:
             dist.destroy_process_group(self._setup_group)
             self._setup_group = None
+
+
+class ServingThread(threading.Thread):
+    """A server's loop beside other work in its process (:meth:`~ParameterServerService.
+    serve_beside`); ``summary`` is what it served, once the workers have left."""
+
+    def __init__(self, service: ParameterServerService, make_optimizer: Any) -> None:
+        super().__init__(name="longboat-ps-server", daemon=True)
+        self.service, self.make_optimizer = service, make_optimizer
+        self.summary: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.service.serve_with(self.make_optimizer)
+        except ServerExit as done:
+            self.summary = done.summary
+        except BaseException as e:  # kept for the caller, which joins
+            self.error = e
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the server holds now (values and optimizer state)."""
+        server = self.service.serving
+        return server.memory() if server is not None else {}
 
 
 def optimizer_factory(optimizer: torch.optim.Optimizer) -> Any:
