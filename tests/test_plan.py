@@ -163,24 +163,29 @@ def test_parameter_server_rows_equal_a_real_run(ranks, mode):
     assert moved == 2 * push
 
 
-def _live_peak(strategy: str, extra: dict[str, Any]) -> int:
-    """The live-tensor peak of a real run (setup and two steps), by the planner's tracker."""
+def _live_peak(strategy: str, extra: dict[str, Any]) -> tuple[int, int]:
+    """The live-tensor peak of a real run (setup and two steps), by the planner's tracker, and
+    the largest ZeRO unit shard's bytes (0 for other strategies)."""
     import longboat
 
     tracker = LiveBytes()
     with tracker:
         torch.manual_seed(0)
         net = GPT(**GPT_ARGS)
-        engine = longboat.initialize(
-            net, OPTIMIZERS["adamw"](net.parameters()), _config(strategy, "gpt", extra)
-        )
+        # Without the desync check: each asynchronous collective in flight holds its
+        # fingerprint exchange (a few hundred bytes), and how many are in flight at the peak
+        # depends on when the reductions finish. The plan leaves control traffic out.
+        cfg = {**_config(strategy, "gpt", extra), "comm": {"desync_check": False}}
+        engine = longboat.initialize(net, OPTIMIZERS["adamw"](net.parameters()), cfg)
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             x, y = synthetic_tokens(MICRO, GPT_ARGS["seq_len"], GPT_ARGS["vocab_size"], gen)
             engine.backward(gpt_loss(engine(x), y))
             engine.step()
+        units = getattr(engine.strategy, "units", [])
+        shard = max((u.shard_numel * u.dtype.itemsize for u in units), default=0)
         engine.close()
-    return tracker.max_peak
+    return tracker.max_peak, shard
 
 
 @pytest.mark.parametrize(
@@ -203,10 +208,16 @@ def test_peak_equals_the_live_tensor_peak_of_a_real_run(ranks, strategy, extra):
         [strategy],
     )
     predicted = plan.strategies[0].peak
-    for rank, real in enumerate(ranks(2, _live_peak, strategy, extra)):
+    for rank, (real, shard) in enumerate(ranks(2, _live_peak, strategy, extra)):
         # The real run's batches are drawn as one sequence of seq_len + 1 and sliced
-        # (synthetic_tokens): a few hundred bytes the planner's zeros do not have.
-        assert abs(predicted - real) <= 1024, f"rank {rank}: plan {predicted}, real {real}"
+        # (synthetic_tokens): a few hundred bytes the planner's zeros do not have. Besides,
+        # gloo's reduce-scatter stages its output in tensors torch allocates on this thread
+        # and frees when the work object goes: a ZeRO unit whose reduction is still in flight
+        # at the peak adds its shard (seen once in 16 runs on a loaded machine), which the plan
+        # leaves to the communication library.
+        assert -1024 <= real - predicted <= 1024 + shard, (
+            f"rank {rank}: plan {predicted}, real {real}"
+        )
 
 
 def test_bf16_shrinks_activations_and_fp16_plans_alike():
