@@ -352,8 +352,11 @@ def test_monitor_shows_each_workers_staleness_and_the_comm_log_counts_pushes(ran
     got = ranks(3, _monitored, cfg)
     rows = list(csv.DictReader((tmp_path / "longboat" / "metrics.csv").open()))
     assert len(rows) == got[0]["steps"] == 4
-    for row in rows:  # every worker within the bound of the furthest
-        assert 0 <= float(row["staleness_w0"]) <= 1 and 0 <= float(row["staleness_w1"]) <= 1
+    # Pushes behind the furthest worker: at most staleness + 1, as the furthest may have
+    # pushed the clock whose pull then waits for the slowest (what it reads is at most
+    # staleness clocks old; the pulls' bound is test_async_and_ssp_converge_on_digits's).
+    for row in rows:
+        assert 0 <= float(row["staleness_w0"]) <= 2 and 0 <= float(row["staleness_w1"]) <= 2
     pushes = got[2]["served"]["traffic"]["push"]["messages"]
     assert pushes == 2 * 4  # two workers, one key, four steps
     # each worker's comm log: a pull at the start, then a push and a pull per step
