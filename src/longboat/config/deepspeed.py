@@ -210,7 +210,7 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
         z = data["zero_optimization"]
         if not isinstance(z, Mapping):
             raise ConfigError(f"DeepSpeed key 'zero_optimization' must be an object, got {z!r}")
-        extra = sorted(set(z) - {"stage", "reduce_bucket_size"})
+        extra = sorted(set(z) - {"stage", "reduce_bucket_size", "offload_optimizer"})
         if extra:
             raise ConfigError(
                 "DeepSpeed key(s) "
@@ -233,7 +233,34 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
             raise ConfigError(
                 f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is invalid; use 0, 1, 2 or 3"
             )
+        if "offload_optimizer" in z:
+            _offload_optimizer(z["offload_optimizer"], stage, put)
     return out, src
+
+
+# DeepSpeed's offload_optimizer block: device none/cpu/nvme; nvme_path; buffer_count (its swap
+# buffers: here the units in memory at once); pin_memory matters with an accelerator only.
+_OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "disk"}
+
+
+def _offload_optimizer(block: Any, stage: Any, put: Any) -> None:
+    key = "zero_optimization.offload_optimizer"
+    b = _block(block, key, {"device", "nvme_path", "buffer_count", "pin_memory"})
+    device = b.get("device", "none")
+    if device not in _OFFLOAD_DEVICES:
+        raise ConfigError(
+            f"DeepSpeed key '{key}.device' = {device!r} is invalid; use none, cpu or nvme"
+        )
+    if _OFFLOAD_DEVICES[device] != "none" and stage not in (1, 2, 3):
+        raise ConfigError(
+            f"DeepSpeed key '{key}.device' = {device!r} needs zero_optimization.stage 1, 2 or 3 "
+            f"(got {stage!r}): offload moves sharded optimizer state"
+        )
+    put("zero.offload_optimizer.device", _OFFLOAD_DEVICES[device], f"{key}.device")
+    if "nvme_path" in b:
+        put("zero.offload_optimizer.path", b["nvme_path"], f"{key}.nvme_path")
+    if "buffer_count" in b:
+        put("zero.offload_optimizer.buffer_count", b["buffer_count"], f"{key}.buffer_count")
 
 
 # DeepSpeed's ``pipeline`` block (runtime/config.py's defaults). ``pipe_partitioned`` and

@@ -50,6 +50,34 @@ class ReplicateConfig(_Section):
     )
 
 
+class OffloadConfig(_Section):
+    """Where a ZeRO rank keeps its optimizer state between steps ([Note: optimizer state
+    offload] in ``strategies/zero_offload.py``)."""
+
+    device: Literal["none", "cpu", "disk"] = Field(
+        "none",
+        description="none: with the parameters; cpu: in CPU memory (where the compute device "
+        "is the CPU, that is already so); disk: in files under `path`, read back unit by unit "
+        "for the optimizer step",
+    )
+    path: str | None = Field(None, description="disk: a directory for the swap files")
+    buffer_count: int = Field(
+        2,
+        ge=1,
+        description="disk: units whose state is in memory at once during the step (the one "
+        "stepping and those read ahead of it)",
+    )
+
+    @model_validator(mode="after")
+    def _disk_needs_a_path(self) -> OffloadConfig:
+        if self.device == "disk" and not self.path:
+            raise ValueError(
+                "zero.offload_optimizer.device = 'disk' needs zero.offload_optimizer.path: a "
+                "directory on a disk with room for the optimizer state"
+            )
+        return self
+
+
 class ZeroConfig(_Section):
     """Sharded data parallelism (ZeRO): stage 1 shards optimizer state, 2 also gradients,
     3 also parameters."""
@@ -69,6 +97,10 @@ class ZeroConfig(_Section):
         description="stage 3 with no unit_classes: smallest module (in parameters) made a unit",
     )
     prefetch: bool = Field(True, description="stage 3: gather the next unit while this one runs")
+    offload_optimizer: OffloadConfig = Field(
+        default_factory=OffloadConfig,
+        description="where the optimizer state lives between steps (DeepSpeed's offload_optimizer)",
+    )
 
 
 class MeshConfig(_Section):

@@ -84,7 +84,13 @@ def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
         update["mesh"] = type(base.mesh)()
         update["pipeline"] = type(base.pipeline)()
     if strategy.startswith("zero-"):
-        update["zero"] = base.zero.model_copy(update={"stage": int(strategy[-1])})
+        # Offloaded optimizer state is not planned yet: the plan keeps it with the parameters.
+        update["zero"] = base.zero.model_copy(
+            update={
+                "stage": int(strategy[-1]),
+                "offload_optimizer": type(base.zero.offload_optimizer)(),
+            }
+        )
     return base.model_copy(update=update)
 
 

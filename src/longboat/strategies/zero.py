@@ -61,7 +61,11 @@ from torch.utils.hooks import RemovableHandle
 from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
 from longboat.config import ConfigError
-from longboat.observe.memory import optimizer_state_tensors
+from longboat.observe.memory import (
+    expected_bytes,
+    optimizer_state_bytes_per_param,
+    optimizer_state_tensors,
+)
 from longboat.optim import describe_elementwise, has_step_hooks, is_elementwise
 from longboat.strategies import zero_state
 from longboat.strategies.base import StrategyContext
@@ -69,6 +73,7 @@ from longboat.strategies.buffers import BufferSync
 from longboat.strategies.flat import FlatUnit, UnitState
 from longboat.strategies.pieces import PieceSource, RankState
 from longboat.strategies.zero_gather import Gathering
+from longboat.strategies.zero_offload import StateSwap, check_room
 from longboat.strategies.zero_policy import ZeroPolicy
 from longboat.strategies.zero_units import bucket_units, module_units
 
@@ -103,6 +108,7 @@ class Zero:
         self._wire = ctx.wire_dtype
         # Stages 2-3 on one data-parallel rank: no reduction at all (see _on_grad).
         self._alone = self.policy.shard_grads and self.dp.world_size == 1
+        self._swap: StateSwap | None = None  # [Note: optimizer state offload]
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -167,6 +173,7 @@ class Zero:
             grp["params"] = [pc for u in self.units if u.group == g for *_, pc in u.pieces]
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._swap = self._offload(optimizer)
         if self.policy.shard_params:
             self._gathering = Gathering(
                 self.units,
@@ -177,6 +184,27 @@ class Zero:
             )
             self._hooks += self._gathering.install()
         return model
+
+    def _offload(self, optimizer: torch.optim.Optimizer) -> StateSwap | None:
+        """The swap files of [Note: optimizer state offload], when the config asks for disk."""
+        cfg = self.cfg.offload_optimizer
+        if cfg.device == "cpu" and any(u.device.type != "cpu" for u in self.units):
+            raise ConfigError(
+                "zero.offload_optimizer.device = 'cpu' with parameters on an accelerator: "
+                "stepping the optimizer on the CPU is not implemented yet; remove the key"
+            )
+        if cfg.device != "disk" or not self.units:  # 'cpu' on a CPU: the state is there
+            return None
+        if has_step_hooks(optimizer):
+            raise ConfigError(
+                "zero.offload_optimizer.device = 'disk' steps the optimizer unit by unit, "
+                "which step hooks would see several times per step; remove the hooks or the key"
+            )
+        swap = StateSwap(cfg, self.units, self.ctx.world.rank)
+        with contextlib.suppress(ValueError):  # an optimizer without a known formula
+            k = optimizer_state_bytes_per_param(optimizer)
+            check_room(swap.dir, k * sum(u.shard_numel for u in self.units))
+        return swap
 
     def _build(self, u: FlatUnit) -> None:
         for i, p in enumerate(u.params):
@@ -362,7 +390,10 @@ class Zero:
             for i, a, b, piece in u.pieces:
                 piece.grad = grad[a:b] if i in used else None
         if self._gathering is not None:
-            optimizer.step()
+            if self._swap is not None:
+                self._swap.step(optimizer, lambda u: _step_unit(optimizer, u))
+            else:
+                optimizer.step()
             self._gathering.free_all()  # a buffer gathered before the step holds stale values
             self._gathering.drop_spares()
         else:
@@ -383,25 +414,24 @@ class Zero:
         unit's all-gather starting while the next unit steps (as replicate's buckets do,
         [Note: optimizer overlap] in ``replicate.py``)."""
         by_unit = is_elementwise(optimizer) and not has_step_hooks(optimizer)
-        if not by_unit:
-            optimizer.step()
-        grads = {id(pc): pc.grad for u in self.units for *_, pc in u.pieces}
-        if by_unit:
-            for u in self.units:
-                for *_, pc in u.pieces:
-                    pc.grad = None
         handles = []
-        for u in self.units:
-            if by_unit:  # steps only pieces with a gradient: this unit's
-                for *_, pc in u.pieces:
-                    pc.grad = grads[id(pc)]
-                optimizer.step()
-                for *_, pc in u.pieces:
-                    pc.grad = None
+
+        def gather(u: FlatUnit) -> None:
             assert u.shard is not None and u.flat_param is not None
             handles.append(
                 self.comm.all_gather(u.flat_param, u.shard.clone(), async_op=True, tag=u.tag)
             )
+
+        if self._swap is not None:  # by unit, each with its state brought in
+            self._swap.step(optimizer, lambda u: (_step_unit(optimizer, u), gather(u)))
+        elif by_unit:
+            for u in self.units:
+                _step_unit(optimizer, u)
+                gather(u)
+        else:
+            optimizer.step()
+            for u in self.units:
+                gather(u)
         for h in handles:
             h.wait()
 
@@ -436,7 +466,13 @@ class Zero:
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
-        return zero_state.rank_state(self.units, model, optimizer, self.dp, self.replicas)
+        if self._swap is None:
+            return zero_state.rank_state(self.units, model, optimizer, self.dp, self.replicas)
+        self._swap.bring_all(optimizer)  # the pieces copy what they hold; then out again
+        try:
+            return zero_state.rank_state(self.units, model, optimizer, self.dp, self.replicas)
+        finally:
+            self._swap.drop_all(optimizer)
 
     def load_checkpoint_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, source: PieceSource
@@ -444,8 +480,20 @@ class Zero:
         if self._gathering is not None:
             self._gathering.free_all()  # a buffer gathered earlier would be stale after this
         zero_state.load(self.units, model, optimizer, source)
+        if self._swap is not None:
+            self._swap.store_all(optimizer)
+
+    def expected_memory(self, a: int, k: int) -> dict[str, int]:
+        """[Note: memory formulas] for this stage; offloaded optimizer state is on disk."""
+        out = expected_bytes(self.name, a, self.comm.world_size, k)
+        if self._swap is not None:
+            out["optimizer_state"] = 0
+        return out
 
     def close(self) -> None:
+        if self._swap is not None:
+            self._swap.close()
+            self._swap = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -458,6 +506,21 @@ class Zero:
                     p.data = u.view(u.flat_param, i).clone()  # type: ignore[arg-type]
                 u.flat_param, u.state = None, UnitState.SHARDED
             self._gathering.drop_spares()
+
+
+def _step_unit(optimizer: torch.optim.Optimizer, u: FlatUnit) -> None:
+    """Step ``u``'s pieces alone: an element-wise optimizer steps only parameters with a
+    gradient, so the others' gradients are set aside for the call."""
+    mine = {id(pc) for *_, pc in u.pieces}
+    held = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and id(p) not in mine:
+                held.append((p, p.grad))
+                p.grad = None
+    optimizer.step()
+    for p, g in held:
+        p.grad = g
 
 
 def _completed(handle: object) -> bool:

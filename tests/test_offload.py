@@ -1,0 +1,214 @@
+"""ZeRO with its optimizer state offloaded to disk ([Note: optimizer state offload]): the plain
+PyTorch loop of ``reference.py`` step for step, checkpoints to and from runs without offload,
+the swap files' life, and the config (longboat's keys and DeepSpeed's)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import harness
+import pytest
+import reference
+import torch
+
+from longboat.config import ConfigError, load_config
+from longboat.strategies.zero_offload import SWAP_DIR, check_room, remove_stale
+
+STEPS = 6
+GLOBAL_BATCH = 16
+# stage 3: units that every rank runs (the routed experts inside one), besides the root
+UNITS = {1: {"bucket_mb": 0.001}, 2: {"bucket_mb": 0.001}, 3: {"unit_classes": ["Experts", "LSTM"]}}
+
+
+def _zero(stage: int, path: Path | None, buffer_count: int = 2) -> dict:
+    zero: dict = {"stage": stage, **UNITS[stage]}
+    if path is not None:
+        zero["offload_optimizer"] = {
+            "device": "disk",
+            "path": str(path),
+            "buffer_count": buffer_count,
+        }
+    return {"strategy": "zero", "zero": zero}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2])
+def test_offloaded_zero_equals_plain_pytorch(ranks, tmp_path, stage, world):
+    # AdamW (two moments per element on disk, its step count in memory), clipping and
+    # accumulation; units of odd sizes; the zoo model has a routed (conditionally used), a
+    # never-used and a frozen parameter, and BatchNorm buffers.
+    recipe = reference.Recipe(model="zoo", optimizer="adamw", clip=0.5)
+    harness.run_and_compare(
+        ranks,
+        world,
+        _zero(stage, tmp_path, buffer_count=1 + stage % 2),
+        recipe,
+        STEPS,
+        2,
+        GLOBAL_BATCH,
+        tol=1e-5,
+    )
+    assert not list((tmp_path / SWAP_DIR).glob("*.bin")), "files left after close()"
+
+
+def _offloaded_run(cfg: dict, steps: int) -> dict:
+    """Train ``steps`` steps; what the swap directory and the engine hold before close()."""
+    import longboat
+
+    recipe = reference.Recipe(model="zoo", optimizer="adamw")
+    model, opt, _ = recipe.build()
+    engine = longboat.initialize(model, opt, cfg)
+    data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
+    for batch in engine.loader(data):
+        _, *rest = batch
+        engine.backward(reference.forward_loss(engine, rest))
+        engine.step()
+    swap = engine.strategy._swap
+    path = Path(cfg["zero"]["offload_optimizer"]["path"]) / SWAP_DIR
+    out = {
+        "files": sorted(f.name for f in path.glob("*.bin")),
+        "disk_bytes": swap.disk_bytes,
+        "in_memory": sum(
+            t.numel() for s in engine.optimizer.state.values() for t in s.values() if t.dim() > 0
+        ),
+        "report": engine.memory_report().measured["optimizer_state"],
+        "expected": engine.memory_report().expected["optimizer_state"],
+        "moved": swap.moved,
+        "pid": os.getpid(),
+    }
+    engine.close()
+    return out
+
+
+def test_state_lives_in_files_between_steps_and_they_go_at_close(ranks, tmp_path):
+    cfg = {**harness.QUIET, **_zero(2, tmp_path), "batch": {"train_batch_size": 8}}
+    got = ranks(2, _offloaded_run, cfg, 3)
+    for rank, r in enumerate(got):
+        # one file per unit, named by rank and process; nothing of AdamW's moments in memory
+        mine = [f for f in r["files"] if f.startswith(f"rank{rank}.")]
+        assert mine and all(f.startswith(f"rank{rank}.pid{r['pid']}.unit") for f in mine)
+        assert r["in_memory"] == 0 and r["report"] == 0 and r["expected"] == 0
+        # two moments of fp32 per element of this rank's shards, on disk
+        assert r["disk_bytes"] > 0 and r["disk_bytes"] % 8 == 0
+        # each of 3 steps reads (but the first) and writes every unit's state
+        assert r["moved"] == (2 * 3 - 1) * r["disk_bytes"]
+    assert not list((tmp_path / SWAP_DIR).glob("*.bin"))
+
+
+def _save_or_load(cfg: dict, directory: str, steps: int) -> dict:
+    import longboat
+
+    recipe = reference.Recipe(model="zoo", optimizer="adamw")
+    model, opt, _ = recipe.build()
+    engine = longboat.initialize(model, opt, cfg)
+    if steps:
+        data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
+        for batch in engine.loader(data):
+            _, *rest = batch
+            engine.backward(reference.forward_loss(engine, rest))
+            engine.step()
+        engine.save_checkpoint(directory, "saved")
+    else:
+        engine.load_checkpoint(directory, "saved")
+    out = {
+        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
+        "optim": harness.optimizer_pieces(engine),
+    }
+    engine.close()
+    return out
+
+
+def test_checkpoints_move_between_offloaded_and_in_memory_runs(ranks, tmp_path):
+    base = {**harness.QUIET, "batch": {"train_batch_size": 8}}
+    ckpt = str(tmp_path / "ckpt")
+    saved = ranks(2, _save_or_load, {**base, **_zero(2, tmp_path / "a")}, ckpt, 3)
+    plain = ranks(1, _save_or_load, {**base, **_zero(1, None)}, ckpt, 0)
+    back = ranks(2, _save_or_load, {**base, **_zero(3, tmp_path / "b")}, ckpt, 0)
+    want = harness.assemble(saved)
+    assert any(k == "exp_avg" for v in want.values() for k in v)
+    for res in (plain, back):
+        got = harness.assemble(res)
+        assert got.keys() == want.keys()
+        for name, keys in want.items():
+            for k, v in keys.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    assert reference.max_rel_diff({k: got[name][k]}, {k: v}) == 0.0, (name, k)
+                else:
+                    assert got[name][k] == v, (name, k)
+        assert reference.max_rel_diff(res[0]["state"], saved[0]["state"]) == 0.0
+
+
+def test_a_crashed_runs_files_are_removed_and_a_live_ones_kept(tmp_path):
+    d = tmp_path / SWAP_DIR
+    d.mkdir()
+    dead, live = d / "rank0.pid999999999.unit0.bin", d / f"rank0.pid{os.getpid()}.unit0.bin"
+    other = d / "notes.txt"
+    for f in (dead, live, other):
+        f.write_bytes(b"x")
+    assert remove_stale(d) == [dead]
+    assert not dead.exists() and live.exists() and other.exists()
+
+
+def test_a_disk_too_small_is_refused_with_the_numbers(tmp_path, monkeypatch):
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=3 * 2**20))
+    with pytest.raises(ConfigError) as e:
+        check_room(tmp_path / SWAP_DIR, 10 * 2**20)
+    assert "10.0 MiB" in str(e.value) and "3.0 MiB free" in str(e.value)
+    assert "zero.offload_optimizer.path" in str(e.value)
+    check_room(tmp_path / SWAP_DIR, 2**20)  # enough room: no error
+
+
+def test_a_path_that_is_not_a_writable_directory_is_refused(ranks, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    cfg = {**harness.QUIET, **_zero(2, not_a_dir), "batch": {"train_batch_size": 8}}
+    with pytest.raises(Exception, match=r"zero.offload_optimizer.path = .* is not a writable"):
+        ranks(1, _offloaded_run, cfg, 1)
+
+
+def test_config_keys_and_deepspeeds(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("needs zero.offload_optimizer.path")):
+        load_config({"strategy": "zero", "zero": {"offload_optimizer": {"device": "disk"}}})
+    cfg = load_config(
+        {
+            "train_batch_size": 8,
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {
+                    "device": "nvme",
+                    "nvme_path": str(tmp_path),
+                    "buffer_count": 4,
+                    "pin_memory": True,  # meaningful with an accelerator only
+                },
+            },
+        }
+    )
+    off = cfg.zero.offload_optimizer
+    assert (cfg.strategy, cfg.zero.stage) == ("zero", 3)
+    assert (off.device, off.path, off.buffer_count) == ("disk", str(tmp_path), 4)
+    with pytest.raises(ConfigError, match=re.escape("offload_optimizer.device' = 'tape'")):
+        load_config(
+            {
+                "train_batch_size": 8,
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "tape"}},
+            }
+        )
+    with pytest.raises(ConfigError, match=re.escape("offload_optimizer.ratio")):
+        load_config(
+            {
+                "train_batch_size": 8,
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"ratio": 0.5}},
+            }
+        )
+    with pytest.raises(ConfigError, match=re.escape("zero_optimization.offload_param")):
+        load_config(
+            {
+                "train_batch_size": 8,
+                "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+            }
+        )
