@@ -53,6 +53,7 @@ unit's tag); put such modules inside a unit that always runs.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -391,7 +392,7 @@ class Zero:
                 piece.grad = grad[a:b] if i in used else None
         if self._gathering is not None:
             if self._swap is not None:
-                self._swap.step(optimizer, lambda u: _step_unit(optimizer, u))
+                self._each_unit(optimizer, lambda u: None)
             else:
                 optimizer.step()
             self._gathering.free_all()  # a buffer gathered before the step holds stale values
@@ -422,18 +423,37 @@ class Zero:
                 self.comm.all_gather(u.flat_param, u.shard.clone(), async_op=True, tag=u.tag)
             )
 
-        if self._swap is not None:  # by unit, each with its state brought in
-            self._swap.step(optimizer, lambda u: (_step_unit(optimizer, u), gather(u)))
-        elif by_unit:
-            for u in self.units:
-                _step_unit(optimizer, u)
-                gather(u)
+        if by_unit or self._swap is not None:  # _offload refused step hooks
+            self._each_unit(optimizer, gather)
         else:
             optimizer.step()
             for u in self.units:
                 gather(u)
         for h in handles:
             h.wait()
+
+    def _each_unit(self, optimizer: torch.optim.Optimizer, after: Any) -> None:
+        """Step unit by unit, then ``after(unit)``: every piece's gradient is set aside and each
+        unit's given back for its own ``step()`` (an element-wise optimizer steps only pieces
+        with a gradient); with offload, each unit's state is brought in around it."""
+        grads = {id(pc): pc.grad for u in self.units for *_, pc in u.pieces}
+        for u in self.units:
+            for *_, pc in u.pieces:
+                pc.grad = None
+
+        def step_unit(u: FlatUnit) -> None:
+            for *_, pc in u.pieces:
+                pc.grad = grads[id(pc)]
+            optimizer.step()
+            for *_, pc in u.pieces:
+                pc.grad = None
+            after(u)
+
+        if self._swap is not None:
+            self._swap.step(optimizer, step_unit)
+        else:
+            for u in self.units:
+                step_unit(u)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -506,21 +526,6 @@ class Zero:
                     p.data = u.view(u.flat_param, i).clone()  # type: ignore[arg-type]
                 u.flat_param, u.state = None, UnitState.SHARDED
             self._gathering.drop_spares()
-
-
-def _step_unit(optimizer: torch.optim.Optimizer, u: FlatUnit) -> None:
-    """Step ``u``'s pieces alone: an element-wise optimizer steps only parameters with a
-    gradient, so the others' gradients are set aside for the call."""
-    mine = {id(pc) for *_, pc in u.pieces}
-    held = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None and id(p) not in mine:
-                held.append((p, p.grad))
-                p.grad = None
-    optimizer.step()
-    for p, g in held:
-        p.grad = g
 
 
 def _completed(handle: object) -> bool:
