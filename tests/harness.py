@@ -6,8 +6,13 @@ replay the run (which samples each rank saw in each micro-batch) and what it is 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
 from typing import Any
 
+import pytest
 import reference
 import torch
 from torch.utils.data import TensorDataset
@@ -277,3 +282,22 @@ def run_and_compare(
     buffers = frozenset(n for n, _ in recipe.build()[0].named_buffers()) if own_buffers else None
     compare(results, plain, tol, buffers or frozenset())
     return results, plain
+
+
+def longboat_run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``longboat run ...`` with stdout and stderr together; on a timeout its whole process
+    group is killed and the test fails with what it printed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "longboat.cli", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"longboat run timed out after {timeout} s:\n{out}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, "")

@@ -16,6 +16,7 @@ import torch
 from longboat.config import ConfigError, load_config
 from longboat.strategies.zero_offload import SWAP_DIR, check_room, remove_stale
 
+SCRIPTS = Path(__file__).parent / "launch_scripts"
 STEPS = 6
 GLOBAL_BATCH = 16
 # stage 3: units that every rank runs (the routed experts inside one), besides the root
@@ -212,3 +213,34 @@ def test_config_keys_and_deepspeeds(tmp_path):
                 "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
             }
         )
+
+
+def test_a_crash_mid_step_resumes_from_the_last_checkpoint_and_no_swap_file_is_trusted(
+    tmp_path,
+):
+    # ZeRO-2 at 2 ranks, checkpoints every 5 steps; rank 1 is SIGKILLed in step 8's optimizer
+    # step after half its units' state was rewritten. The restarted job removes the dead
+    # processes' swap files, resumes from step 5 and ends where a run without the crash ends.
+    script = str(SCRIPTS / "offload_crash.py")
+    whole = harness.longboat_run("-n", "2", script, str(tmp_path / "a"), str(tmp_path / "sa"))
+    crashed = harness.longboat_run(
+        "-n",
+        "2",
+        "--max-restarts",
+        "1",
+        script,
+        str(tmp_path / "b"),
+        str(tmp_path / "sb"),
+        "--crash",
+    )
+    assert whole.returncode == 0, whole.stdout
+    assert crashed.returncode == 0, crashed.stdout
+    out = crashed.stdout
+    assert "left by a process that no longer runs" in out, out
+    assert "[rank0]: resumed at step 5" in out and "[rank1]: resumed at step 5" in out, out
+
+    def digests(text: str) -> list[str]:
+        return sorted(ln.split("]: ", 1)[1] for ln in text.splitlines() if "finished at step" in ln)
+
+    assert digests(out) == digests(whole.stdout) and len(digests(out)) == 2, (out, whole.stdout)
+    assert not list((tmp_path / "sb" / SWAP_DIR).glob("*.bin"))

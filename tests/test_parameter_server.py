@@ -3,10 +3,7 @@ faults and state."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import harness
@@ -186,28 +183,10 @@ def test_checkpoint_reshards_to_replicate_and_back(ranks, tmp_path, writer):
                     assert got[name][k] == v, (name, k)
 
 
-def _longboat_run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """``longboat run ...``; on a timeout its whole process group is killed."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "longboat.cli", "run", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"longboat run timed out after {timeout} s:\n{out}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, "")
-
-
 def test_async_worker_killed_mid_run_is_dropped_and_the_others_finish():
     # 3 workers and a server under longboat run: the launcher keeps the survivors running
     script = SCRIPTS / "ps_worker_dies.py"
-    res = _longboat_run("-n", "4", str(script), "--die-rank", "1", "--die-at", "20")
+    res = harness.longboat_run("-n", "4", str(script), "--die-rank", "1", "--die-at", "20")
     out = res.stdout
     assert res.returncode == 0, out
     assert (
@@ -229,7 +208,7 @@ def test_a_server_that_dies_stops_the_job_naming_it_and_a_restart_resumes(tmp_pa
     # 2 workers and a server in sync mode, checkpointing every 10 steps; the server's
     # optimizer kills its process at its 25th step in the first attempt only.
     script = SCRIPTS / "ps_server_dies.py"
-    res = _longboat_run("-n", "3", str(script), str(tmp_path / "ckpt"))
+    res = harness.longboat_run("-n", "3", str(script), str(tmp_path / "ckpt"))
     out = res.stdout
     assert res.returncode == 128 + signal.SIGKILL, out
     assert "longboat: rank 2 was killed by SIGKILL" in out, out
@@ -241,7 +220,9 @@ def test_a_server_that_dies_stops_the_job_naming_it_and_a_restart_resumes(tmp_pa
         ), out
     assert "restart it from the last checkpoint" in out
     # with a restart, the job resumes from the step-20 checkpoint and finishes
-    res = _longboat_run("-n", "3", "--max-restarts", "1", str(script), str(tmp_path / "again"))
+    res = harness.longboat_run(
+        "-n", "3", "--max-restarts", "1", str(script), str(tmp_path / "again")
+    )
     out = res.stdout
     assert res.returncode == 0, out
     for r in (0, 1):

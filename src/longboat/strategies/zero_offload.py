@@ -23,6 +23,7 @@ across runs: state comes back from checkpoints).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +37,7 @@ from longboat.config import ConfigError
 from longboat.strategies.flat import FlatUnit
 
 SWAP_DIR = "longboat-swap"
+log = logging.getLogger("longboat")
 _KEY = "zero.offload_optimizer"
 
 
@@ -115,6 +117,13 @@ class StateSwap:
                 "a directory this process may create files in"
             ) from None
         self.stale = remove_stale(self.dir)
+        if self.stale:
+            log.warning(
+                "zero: removed %d swap file(s) under %s left by a process that no longer runs "
+                "(a crashed run's; state comes back from checkpoints)",
+                len(self.stale),
+                self.dir,
+            )
         self.files = {
             u.index: _UnitFile(self.dir / f"rank{rank}.pid{os.getpid()}.unit{u.index}.bin")
             for u in units
