@@ -244,3 +244,70 @@ def test_a_crash_mid_step_resumes_from_the_last_checkpoint_and_no_swap_file_is_t
 
     assert digests(out) == digests(whole.stdout) and len(digests(out)) == 2, (out, whole.stdout)
     assert not list((tmp_path / "sb" / SWAP_DIR).glob("*.bin"))
+
+
+def _real_offloaded(cfg: dict) -> dict:
+    """One real step of the plan tests' GPT with the optimizer state on disk: memory_report's
+    bytes, and the swap's."""
+    from test_plan import GPT_ARGS, MICRO
+
+    import longboat
+    from longboat.models import GPT, gpt_loss, synthetic_tokens
+
+    torch.manual_seed(0)
+    net = GPT(**GPT_ARGS)
+    engine = longboat.initialize(net, torch.optim.AdamW(net.parameters(), lr=1e-4), cfg)
+    x, y = synthetic_tokens(
+        MICRO, GPT_ARGS["seq_len"], GPT_ARGS["vocab_size"], torch.Generator().manual_seed(1)
+    )
+    engine.backward(gpt_loss(engine(x), y))
+    engine.step()
+    out = {"measured": engine.memory_report().measured, **engine.strategy.offloaded}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_plan_counts_what_stays_in_memory_and_what_goes_to_disk(ranks, tmp_path, stage):
+    from test_plan import GPT_ARGS, MICRO, _config
+
+    from longboat.plan import make_plan, resolve
+
+    base = _config(f"zero-{stage}", "gpt", {})
+    plan = make_plan(
+        resolve("gpt", GPT_ARGS), load_config(base), 2, MICRO, "adamw", [f"zero-{stage}+offload"]
+    )
+    row = plan.strategies[0]
+    cfg = {
+        **base,
+        "zero": {**base["zero"], "offload_optimizer": {"device": "disk", "path": str(tmp_path)}},
+    }
+    for r, real in enumerate(ranks(2, _real_offloaded, cfg)):
+        if r == 0:  # the plan's figures are rank 0's
+            assert row.model_state == real["measured"]
+            assert row.model_state["optimizer_state"] == 0
+            assert row.disk == real["disk"] > 0
+            # after one real step the state was written once; a planned step reads and writes it
+            assert real["moved"] == real["disk"] and row.disk_moved == 2 * real["disk"]
+
+
+def test_plan_recommends_offload_when_nothing_else_fits():
+    from typer.testing import CliRunner
+
+    from longboat.cli import app
+
+    args = ["plan", "--model", "gpt", "--model-args", '{"d_model": 64, "n_layers": 2}']
+    args += ["--world-size", "2", "--json"]
+    import json
+
+    full = json.loads(CliRunner().invoke(app, args).output)
+    peaks = {s["strategy"]: s["peak"] for s in full["strategies"]}
+    budget = min(peaks.values()) - 1  # nothing of the default strategies fits
+    res = CliRunner().invoke(app, [*args, "--budget", str(budget)])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    rows = {s["strategy"]: s for s in got["strategies"]}
+    assert got["recommended"].endswith("+offload"), got["recommended"]
+    rec = rows[got["recommended"]]
+    assert rec["fits"] and rec["disk"] > 0 and rec["model_state"]["optimizer_state"] == 0
+    assert not any(rows[s]["fits"] for s in peaks)

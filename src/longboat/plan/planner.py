@@ -9,9 +9,11 @@ without a budget), the one that communicates least per step wins, in the order r
 zero-1, zero-2, zero-3: replicate all-reduces gradients once; zero-1 and zero-2 send the same
 bytes per step (reduce-scatter plus all-gather of parameters), but with gradient accumulation
 zero-2 reduce-scatters after every micro-batch and zero-1 only at the boundary; zero-3 gathers
-parameters again in forward and backward; a parameter server comes last, as it needs server
-ranks beside the workers and every worker's push and pull pass through them. At one rank the
-only strategy is single.
+parameters again in forward and backward. Then ZeRO with its optimizer state on disk
+(``zero-N+offload``): it moves the state through the disk twice per step, so it is planned only
+when a budget is given and nothing else fits (or when asked for). A parameter server comes last,
+as it needs server ranks beside the workers and every worker's push and pull pass through them.
+At one rank the only strategy is single.
 
 [Note: planning roles] A strategy whose ranks are not alike (a parameter server's workers and
 servers) is planned by its own module, a row per role (:data:`ROLES`); it is planned when
@@ -35,18 +37,22 @@ from longboat.plan.stages import Shapes, each_stage
 from longboat.plan.target import PlanInputError, Target, whole_model_params
 
 STRATEGIES = ("single", "replicate", "zero-1", "zero-2", "zero-3")
+#: ZeRO with its optimizer state on disk: planned where nothing else fits a budget, or asked for.
+OFFLOADED = ("zero-1+offload", "zero-2+offload", "zero-3+offload")
+OFFLOAD_PATH = "<planned>"  # the planner's run on fake tensors writes no file
 PREFERENCE = (  # see [Note: recommendation]
     "replicate",
     "zero-1",
     "zero-2",
     "zero-3",
+    *OFFLOADED,
     "parameter_server",
 )
 #: Planned by their own module, a row per role ([Note: planning roles]).
 ROLES: dict[str, Callable[..., list[tuple[str, Simulated]]]] = {
     "parameter_server": parameter_server_roles,
 }
-KNOWN = (*STRATEGIES, *ROLES)
+KNOWN = (*STRATEGIES, *OFFLOADED, *ROLES)
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4),
@@ -84,13 +90,13 @@ def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
         update["mesh"] = type(base.mesh)()
         update["pipeline"] = type(base.pipeline)()
     if strategy.startswith("zero-"):
-        # Offloaded optimizer state is not planned yet: the plan keeps it with the parameters.
-        update["zero"] = base.zero.model_copy(
-            update={
-                "stage": int(strategy[-1]),
-                "offload_optimizer": type(base.zero.offload_optimizer)(),
-            }
-        )
+        stage, offload = strategy.removeprefix("zero-").partition("+")[::2]
+        zero = {"stage": int(stage)}
+        if offload:  # [Note: recommendation]: where nothing else fits
+            zero["offload_optimizer"] = type(base.zero.offload_optimizer)(
+                device="disk", path=OFFLOAD_PATH
+            )
+        update["zero"] = base.zero.model_copy(update=zero)
     return base.model_copy(update=update)
 
 
@@ -111,6 +117,8 @@ class StrategyPlan:
     #: with tensor parallelism: bytes each divided layer sends per step, by module name
     tp_layers: dict[str, int] = field(default_factory=dict)
     role: str = ""  # a strategy whose ranks differ: which ([Note: planning roles])
+    disk: int = 0  # optimizer state on disk (zero-N+offload)
+    disk_moved: int = 0  # ... and read and written per step
 
     @property
     def comm_total(self) -> int:
@@ -190,6 +198,58 @@ def _recommend(
     return None, f"none of {names} fits in {budget:,} bytes per rank"
 
 
+def _plan_one(
+    target: Target,
+    base: Config,
+    name: str,
+    world_size: int,
+    micro_batch: int,
+    make: Callable[[Any], torch.optim.Optimizer],
+    budget: int | None,
+    rank: int,
+) -> tuple[list[StrategyPlan], int]:
+    """Strategy ``name``'s rows (one, or one per pipeline rank or role) and the trainable
+    parameters its simulation counted."""
+    cfg = strategy_config(base, name, micro_batch)
+    # single is one process on its own, whatever the world size (for comparison).
+    n = 1 if name == "single" else world_size
+
+    def one(r: int, shapes: Shapes | None = None) -> Simulated:
+        return simulate(target, cfg, n, micro_batch, make, rank=r, shapes=shapes)
+
+    roles: list[str] = []
+    trainable = 0
+    if name in ROLES:
+        rows = ROLES[name](target, cfg, n, micro_batch, make)
+        roles, sims = [r for r, _ in rows], [s for _, s in rows]
+        trainable = sims[0].trainable_params
+    elif (mesh := _mesh(cfg, n)).pp > 1:
+        sims = each_stage(mesh, one)  # a row per pipeline rank: they hold different layers
+    else:
+        sims = [one(min(rank, n - 1))]
+        trainable = sims[0].trainable_params
+    plans = [
+        StrategyPlan(
+            strategy=name,
+            role=role,
+            world_size=n,
+            model_state=sim.model_state,
+            activations=sim.activations,
+            transient=sim.transient,
+            peak=sim.peak,
+            comm_bytes=sim.comm_bytes,
+            fits=None if budget is None else sim.peak <= budget,
+            stages=sim.stages,
+            in_flight=sim.in_flight,
+            tp_layers=sim.tp_layers,
+            disk=sim.disk,
+            disk_moved=sim.disk_moved,
+        )
+        for sim, role in zip(sims, roles or [""] * len(sims), strict=True)
+    ]
+    return plans, trainable
+
+
 def make_plan(
     target: Target,
     base: Config,
@@ -213,47 +273,25 @@ def make_plan(
         raise PlanInputError(
             f"--optimizer {optimizer!r} is unknown; choose from {', '.join(OPTIMIZERS)}"
         )
+    make = OPTIMIZERS[optimizer]
     plans: list[StrategyPlan] = []
     trainable = 0
-    make = OPTIMIZERS[optimizer]
     for name in strategies:
-        cfg = strategy_config(base, name, micro_batch)
-        # single is one process on its own, whatever the world size (for comparison).
-        n = 1 if name == "single" else world_size
-
-        def one(r: int, shapes: Shapes | None = None, cfg: Config = cfg, n: int = n) -> Simulated:
-            return simulate(target, cfg, n, micro_batch, make, rank=r, shapes=shapes)
-
-        roles: list[str] = []
-        if name in ROLES:
-            rows = ROLES[name](target, cfg, n, micro_batch, make)
-            roles, sims = [r for r, _ in rows], [s for _, s in rows]
-            trainable = sims[0].trainable_params
-        elif (mesh := _mesh(cfg, n)).pp > 1:
-            sims = each_stage(mesh, one)  # a row per pipeline rank: they hold different layers
-        else:
-            sims = [one(min(rank, n - 1))]
-            trainable = sims[0].trainable_params
-        plans += [
-            StrategyPlan(
-                strategy=name,
-                role=role,
-                world_size=n,
-                model_state=sim.model_state,
-                activations=sim.activations,
-                transient=sim.transient,
-                peak=sim.peak,
-                comm_bytes=sim.comm_bytes,
-                fits=None if budget is None else sim.peak <= budget,
-                stages=sim.stages,
-                in_flight=sim.in_flight,
-                tp_layers=sim.tp_layers,
-            )
-            for sim, role in zip(sims, roles or [""] * len(sims), strict=True)
-        ]
+        rows, trainable = _plan_one(target, base, name, world_size, micro_batch, make, budget, rank)
+        plans += rows
     if base.mesh.pp > 1:
         trainable = whole_model_params(target)
     recommended, reason = _recommend(plans, world_size, budget)
+    planned = {p.strategy for p in plans}
+    if (
+        recommended is None
+        and budget is not None
+        and base.mesh.pp == base.mesh.tp == 1
+        and not planned & set(OFFLOADED)
+    ):  # nothing fits: ZeRO with its optimizer state on disk ([Note: recommendation])
+        for name in OFFLOADED:
+            plans += _plan_one(target, base, name, world_size, micro_batch, make, budget, rank)[0]
+        recommended, reason = _recommend(plans, world_size, budget)
     return Plan(
         model=target.name,
         trainable_params=trainable,
@@ -272,6 +310,7 @@ def make_plan(
 __all__ = [
     "CATEGORIES",
     "KNOWN",
+    "OFFLOADED",
     "OPTIMIZERS",
     "PREFERENCE",
     "STRATEGIES",

@@ -138,6 +138,12 @@ def render(plan: Plan, width: int = 120) -> str:
     for s in plan.strategies:
         parts = ", ".join(f"{op} {_mib(b)} MiB" for op, b in sorted(s.comm_bytes.items()))
         lines.append(f"  {_row_name(s):<25} {parts or 'none'}")
+    for s in plan.strategies:
+        if s.disk:
+            lines.append(
+                f"  {_row_name(s):<25} optimizer state on disk: {_mib(s.disk)} MiB, read and "
+                f"written per step: {_mib(s.disk_moved)} MiB"
+            )
     layered = next((s for s in plan.strategies if s.tp_layers), None)
     if layered is not None:
         lines.append(

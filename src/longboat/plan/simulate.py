@@ -160,6 +160,13 @@ class Simulated:
     in_flight: int = 0  # most micro-batches whose backward had not run yet (pipeline)
     #: bytes each tensor-parallel layer sends per step, by module name
     tp_layers: dict[str, int] = field(default_factory=dict)
+    #: with ZeRO's optimizer state offloaded: its bytes on disk, and read and written per step
+    disk: int = 0
+    disk_moved: int = 0
+
+
+def _offloaded(strategy: Any) -> dict[str, int]:
+    return getattr(strategy, "offloaded", None) or {"disk": 0, "moved": 0}
 
 
 def simulate(
@@ -225,7 +232,9 @@ def simulate(
                 if step == 1:
                     sent.clear()  # the first step's are the same; count one step
                     layers.clear()
+                    moved = _offloaded(engine.strategy)["moved"]
                 steps.step()
+            off = _offloaded(engine.strategy)
             state = measure(engine.strategy.memory_tensors(opt))
             trainable = engine.trainable_params
             name = engine.strategy.name
@@ -244,6 +253,8 @@ def simulate(
         stages=steps.stages,
         in_flight=steps.in_flight,
         tp_layers=dict(layers),
+        disk=off["disk"],
+        disk_moved=off["moved"] - moved,
     )
 
 

@@ -202,10 +202,19 @@ class Zero:
                 "which step hooks would see several times per step; remove the hooks or the key"
             )
         swap = StateSwap(cfg, self.units, self.ctx.world.rank)
-        with contextlib.suppress(ValueError):  # an optimizer without a known formula
-            k = optimizer_state_bytes_per_param(optimizer)
-            check_room(swap.dir, k * sum(u.shard_numel for u in self.units))
+        if not swap.dry:
+            with contextlib.suppress(ValueError):  # an optimizer without a known formula
+                k = optimizer_state_bytes_per_param(optimizer)
+                check_room(swap.dir, k * sum(u.shard_numel for u in self.units))
         return swap
+
+    @property
+    def offloaded(self) -> dict[str, int] | None:
+        """With [Note: optimizer state offload]: bytes of optimizer state on disk, and bytes
+        read and written so far."""
+        if self._swap is None:
+            return None
+        return {"disk": self._swap.disk_bytes, "moved": self._swap.moved}
 
     def _build(self, u: FlatUnit) -> None:
         for i, p in enumerate(u.params):

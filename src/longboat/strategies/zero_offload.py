@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from longboat.config import ConfigError
 from longboat.strategies.flat import FlatUnit
@@ -106,6 +107,22 @@ class StateSwap:
                 "is implemented for CPU training only so far; remove the key"
             )
         self.dir = Path(cfg.path) / SWAP_DIR
+        # ``longboat plan`` runs the step on fake tensors: no files then; reads allocate what a
+        # real read allocates, and both count their bytes.
+        self.dry = any(isinstance(u.shard, FakeTensor) for u in units)
+        self.files = {
+            u.index: _UnitFile(self.dir / f"rank{rank}.pid{os.getpid()}.unit{u.index}.bin")
+            for u in units
+        }
+        self.scalars: dict[int, dict[str, Any]] = {}  # per piece (its id): non-tensor state
+        self.moved = 0  # bytes read and written, in all
+        self.stale: list[Path] = []
+        if not self.dry:
+            self._prepare(cfg.path)
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="longboat-swap")
+
+    def _prepare(self, path: str) -> None:
+        """The directory made and probed; a crashed run's files removed."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             probe = self.dir / f".probe.{os.getpid()}"
@@ -113,7 +130,7 @@ class StateSwap:
             probe.unlink()
         except OSError as e:
             raise ConfigError(
-                f"{_KEY}.path = {cfg.path!r} is not a writable directory ({e.strerror}); give "
+                f"{_KEY}.path = {path!r} is not a writable directory ({e.strerror}); give "
                 "a directory this process may create files in"
             ) from None
         self.stale = remove_stale(self.dir)
@@ -124,17 +141,13 @@ class StateSwap:
                 len(self.stale),
                 self.dir,
             )
-        self.files = {
-            u.index: _UnitFile(self.dir / f"rank{rank}.pid{os.getpid()}.unit{u.index}.bin")
-            for u in units
-        }
-        self.scalars: dict[int, dict[str, Any]] = {}  # per piece (its id): non-tensor state
-        self.moved = 0  # bytes read and written, in all
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="longboat-swap")
 
     # -- files ---------------------------------------------------------------------------------
 
     def _write(self, f: _UnitFile, tensors: list[torch.Tensor]) -> None:
+        if self.dry:
+            self.moved += sum(t.numel() * t.element_size() for t in tensors)
+            return
         fd = os.open(f.path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             buffers = [_as_bytes(t) for t in tensors]
@@ -146,6 +159,9 @@ class StateSwap:
 
     def _read(self, f: _UnitFile) -> list[torch.Tensor]:
         tensors = [torch.empty(n, dtype=dt) for _, _, n, dt in f.layout]
+        if self.dry:
+            self.moved += f.nbytes
+            return tensors
         fd = os.open(f.path, os.O_RDONLY)
         try:
             got = os.preadv(fd, [_as_bytes(t) for t in tensors], 0)
@@ -196,6 +212,15 @@ class StateSwap:
             elif id(piece) in self.scalars and self.scalars[id(piece)]:
                 optimizer.state[piece] = dict(self.scalars[id(piece)])
 
+    def _submit(self, fn: Any, *args: Any) -> Future[Any]:
+        """On the I/O thread; in the planner's run on this one (its fake tensors are this
+        thread's)."""
+        if not self.dry:
+            return self._io.submit(fn, *args)
+        done: Future[Any] = Future()
+        done.set_result(fn(*args))
+        return done
+
     def step(self, optimizer: torch.optim.Optimizer, step_unit: Any) -> None:
         """Step every unit with its state brought in (``step_unit(u)`` steps ``u``'s pieces
         only), reading ahead and writing behind on the I/O thread."""
@@ -204,7 +229,7 @@ class StateSwap:
 
         def ahead(i: int) -> None:
             if i < len(units) and self.files[units[i].index].layout:
-                reads[i] = self._io.submit(self._read, self.files[units[i].index])
+                reads[i] = self._submit(self._read, self.files[units[i].index])
 
         for i in range(min(self.buffer_count, len(units))):
             ahead(i)
@@ -215,7 +240,7 @@ class StateSwap:
             step_unit(u)
             tensors = self._take(u, optimizer)
             if tensors:
-                writes.append(self._io.submit(self._write, self.files[u.index], tensors))
+                writes.append(self._submit(self._write, self.files[u.index], tensors))
             del tensors
             ahead(i + self.buffer_count)
         for w in writes:
@@ -248,6 +273,8 @@ class StateSwap:
     def close(self) -> None:
         """Stop the I/O thread and remove this rank's files."""
         self._io.shutdown(wait=True)
+        if self.dry:
+            return
         for f in self.files.values():
             with contextlib.suppress(FileNotFoundError):
                 f.path.unlink()
