@@ -11,7 +11,8 @@ bytes per step (reduce-scatter plus all-gather of parameters), but with gradient
 zero-2 reduce-scatters after every micro-batch and zero-1 only at the boundary; zero-3 gathers
 parameters again in forward and backward. Then ZeRO with its optimizer state on disk
 (``zero-N+offload``): it moves the state through the disk twice per step, so it is planned only
-when a budget is given and nothing else fits (or when asked for). A parameter server comes last,
+when a budget is given and nothing else fits (``longboat plan`` without ``--strategies``), or
+when asked for. A parameter server comes last,
 as it needs server ranks beside the workers and every worker's push and pull pass through them.
 At one rank the only strategy is single.
 
@@ -259,8 +260,11 @@ def make_plan(
     strategies: Sequence[str] = STRATEGIES,
     budget: int | None = None,
     rank: int = 0,
+    try_offload: bool = True,
 ) -> Plan:
-    """Simulate each of ``strategies`` at ``world_size`` ranks and recommend one.
+    """Simulate each of ``strategies`` at ``world_size`` ranks and recommend one; with
+    ``try_offload``, when a budget is given and none fits, ZeRO with its optimizer state on
+    disk too ([Note: recommendation]).
 
     The figures are those of ``rank`` (default 0). Ranks differ by a few bytes under ZeRO: the
     padding of each unit sits on the last rank, and per-parameter optimizer scalars (Adam's
@@ -284,7 +288,8 @@ def make_plan(
     recommended, reason = _recommend(plans, world_size, budget)
     planned = {p.strategy for p in plans}
     if (
-        recommended is None
+        try_offload
+        and recommended is None
         and budget is not None
         and base.mesh.pp == base.mesh.tp == 1
         and not planned & set(OFFLOADED)

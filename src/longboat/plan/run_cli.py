@@ -93,6 +93,7 @@ def run_plan(
             optimizer,
             names,
             parse_bytes(budget) if budget else None,
+            try_offload=not strategies,  # the user's own list is the user's choice
         )
     except TypeError as e:  # the model's constructor refused the arguments
         raise PlanInputError(f"--model {model!r} with --model-args {kwargs}: {e}") from None
