@@ -301,3 +301,30 @@ def longboat_run(*args: str, timeout: float = 240) -> subprocess.CompletedProces
         out, _ = proc.communicate()
         pytest.fail(f"longboat run timed out after {timeout} s:\n{out}")
     return subprocess.CompletedProcess(args, proc.returncode, out, "")
+
+
+def save_or_load(cfg: dict, directory: str, steps: int) -> dict:
+    """Train ``steps`` steps and save (steps > 0), or load the latest checkpoint; the state
+    the engine holds then, and its optimizer state as checkpoint pieces."""
+    recipe = reference.Recipe(model="zoo", optimizer="adamw")
+    model, opt, _ = recipe.build()
+    try:
+        engine = longboat.initialize(model, opt, cfg)
+    except longboat.ps.ServerExit as served:
+        return {"served": served.summary}
+    if steps:
+        data = data_for(recipe, engine.batch.train_batch_size * steps)
+        for batch in engine.loader(data):
+            _, *rest = batch
+            engine.backward(reference.forward_loss(engine, rest))
+            if engine.step() and engine.global_step == steps:
+                break
+        engine.save_checkpoint(directory, "saved")
+    else:
+        engine.load_checkpoint(directory, "saved")
+    out = {
+        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
+        "optim": optimizer_pieces(engine),
+    }
+    engine.close()
+    return out

@@ -98,35 +98,12 @@ def test_state_lives_in_files_between_steps_and_they_go_at_close(ranks, tmp_path
     assert not list((tmp_path / SWAP_DIR).glob("*.bin"))
 
 
-def _save_or_load(cfg: dict, directory: str, steps: int) -> dict:
-    import longboat
-
-    recipe = reference.Recipe(model="zoo", optimizer="adamw")
-    model, opt, _ = recipe.build()
-    engine = longboat.initialize(model, opt, cfg)
-    if steps:
-        data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
-        for batch in engine.loader(data):
-            _, *rest = batch
-            engine.backward(reference.forward_loss(engine, rest))
-            engine.step()
-        engine.save_checkpoint(directory, "saved")
-    else:
-        engine.load_checkpoint(directory, "saved")
-    out = {
-        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
-        "optim": harness.optimizer_pieces(engine),
-    }
-    engine.close()
-    return out
-
-
 def test_checkpoints_move_between_offloaded_and_in_memory_runs(ranks, tmp_path):
     base = {**harness.QUIET, "batch": {"train_batch_size": 8}}
     ckpt = str(tmp_path / "ckpt")
-    saved = ranks(2, _save_or_load, {**base, **_zero(2, tmp_path / "a")}, ckpt, 3)
-    plain = ranks(1, _save_or_load, {**base, **_zero(1, None)}, ckpt, 0)
-    back = ranks(2, _save_or_load, {**base, **_zero(3, tmp_path / "b")}, ckpt, 0)
+    saved = ranks(2, harness.save_or_load, {**base, **_zero(2, tmp_path / "a")}, ckpt, 3)
+    plain = ranks(1, harness.save_or_load, {**base, **_zero(1, None)}, ckpt, 0)
+    back = ranks(2, harness.save_or_load, {**base, **_zero(3, tmp_path / "b")}, ckpt, 0)
     want = harness.assemble(saved)
     assert any(k == "exp_avg" for v in want.values() for k in v)
     for res in (plain, back):

@@ -121,47 +121,18 @@ def test_async_and_ssp_converge_on_digits(ranks, mode, staleness):
     assert not any(w["dead"] for w in server["workers"])
 
 
-def _save_or_load(cfg: dict, directory: str, steps: int) -> dict:
-    """Train ``steps`` steps and save (steps > 0), or load the latest checkpoint; the state
-    the engine holds then, and its optimizer state as checkpoint pieces."""
-    import longboat
-
-    recipe = reference.Recipe(model="zoo", optimizer="adamw")
-    model, opt, _ = recipe.build()
-    try:
-        engine = longboat.initialize(model, opt, cfg)
-    except longboat.ps.ServerExit as served:
-        return {"served": served.summary}
-    if steps:
-        data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
-        for batch in engine.loader(data):
-            _, *rest = batch
-            engine.backward(reference.forward_loss(engine, rest))
-            if engine.step() and engine.global_step == steps:
-                break
-        engine.save_checkpoint(directory, "saved")
-    else:
-        engine.load_checkpoint(directory, "saved")
-    out = {
-        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
-        "optim": harness.optimizer_pieces(engine),
-    }
-    engine.close()
-    return out
-
-
 @pytest.mark.parametrize("writer", ["sync", "async"])
 def test_checkpoint_reshards_to_replicate_and_back(ranks, tmp_path, writer):
     base = {**harness.QUIET, "batch": {"train_batch_size": 8}}
     ps = {**base, **_ps(1, writer)}
-    saved = [r for r in ranks(3, _save_or_load, ps, str(tmp_path), 3) if "served" not in r]
+    saved = [r for r in ranks(3, harness.save_or_load, ps, str(tmp_path), 3) if "served" not in r]
     # the servers' AdamW state went into the checkpoint: replicate at 2 ranks reads it whole
-    replicated = ranks(2, _save_or_load, {**base, "strategy": "replicate"}, str(tmp_path), 0)
+    replicated = ranks(2, harness.save_or_load, {**base, "strategy": "replicate"}, str(tmp_path), 0)
     # and a parameter-server job (the other mode) takes it back onto its servers
     other = "async" if writer == "sync" else "sync"
     back = [
         r
-        for r in ranks(3, _save_or_load, {**base, **_ps(1, other)}, str(tmp_path), 0)
+        for r in ranks(3, harness.save_or_load, {**base, **_ps(1, other)}, str(tmp_path), 0)
         if "served" not in r
     ]
     # What the file holds, as replicate reads it whole. In sync mode it is what the workers
