@@ -126,23 +126,14 @@ class MetaService:
         pass
 
 
-@dataclass(frozen=True)
-class ServerRow:
-    """What one server holds and moves per step."""
-
-    model_state: dict[str, int]
-    transient: int
-    peak: int
-    comm_bytes: dict[str, int]
-
-
 def _server_row(
     index: int,
     keys: list[tuple[KeyLayout, torch.dtype]],
     settings: Settings,
     workers: int,
     make_optimizer: Callable[[Any], torch.optim.Optimizer],
-) -> ServerRow:
+    worker: Simulated,
+) -> Simulated:
     held_n = held_pushes(settings)
     tracker = LiveBytes()
     state: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
@@ -179,10 +170,14 @@ def _server_row(
             if opt is not None:
                 state["optimizer_state"] += sum(_nbytes(t) for t in optimizer_state_tensors(opt))
     total = sum(state.values())
-    return ServerRow(
+    return Simulated(
+        strategy=worker.strategy,
+        world_size=worker.world_size,
+        trainable_params=worker.trainable_params,
         model_state=state,
-        transient=max(tracker.max_peak - total, 0),
         peak=tracker.max_peak,
+        activations=0,
+        transient=max(tracker.max_peak - total, 0),
         comm_bytes=comm,
     )
 
@@ -220,23 +215,10 @@ def parameter_server_roles(
     )
     rows = [("worker", worker)]
     for s in range(ps.servers):
-        row = _server_row(s, keys, settings, workers, make_optimizer)
         rows.append(
-            (
-                f"server {s}",
-                Simulated(
-                    strategy=worker.strategy,
-                    world_size=world_size,
-                    trainable_params=worker.trainable_params,
-                    model_state=row.model_state,
-                    peak=row.peak,
-                    activations=0,
-                    transient=row.transient,
-                    comm_bytes=row.comm_bytes,
-                ),
-            )
+            (f"server {s}", _server_row(s, keys, settings, workers, make_optimizer, worker))
         )
     return rows
 
 
-__all__ = ["MetaConnection", "MetaService", "ServerRow", "parameter_server_roles"]
+__all__ = ["MetaConnection", "MetaService", "parameter_server_roles"]
