@@ -278,8 +278,8 @@ class StateSwap:
         for f in self.files.values():
             with contextlib.suppress(FileNotFoundError):
                 f.path.unlink()
-        with contextlib.suppress(OSError):
-            self.dir.rmdir()  # only when no other rank's files remain
+        # The directory stays: other ranks share it, and one that has not written its first
+        # file yet would find it gone.
 
 
 __all__ = ["SWAP_DIR", "StateSwap", "check_room", "remove_stale"]
