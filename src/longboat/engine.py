@@ -105,8 +105,24 @@ class Engine:
             self.tensor,
             topology.rank,
         )
+        if any(p.is_meta for p in model.parameters()) and not getattr(
+            self.strategy, "deferred_init", False
+        ):
+            raise ConfigError(
+                f"the model's parameters are on the meta device, which strategy "
+                f"{self.strategy.name!r} cannot make: build the model on a device, or use "
+                "strategy 'zero' with zero.stage = 3 (it makes them unit by unit)"
+            )
         self.module = self.strategy.setup(model, optimizer)
         self.precision = Precision(config.precision, device_for(world))
+        # Gradients a strategy keeps out of memory ([Note: parameter offload]).
+        self._held = getattr(self.strategy, "held_gradients", lambda: None)()
+        if self._held is not None and self.precision.checks_overflow:
+            raise ConfigError(
+                "precision fp16 checks every gradient for overflow, which "
+                "zero.offload_param.device = 'disk' keeps on disk: use bf16 or fp32, or remove "
+                "the key"
+            )
         self.micro_step = 0
         self.global_step = 0  # optimizer steps taken or skipped (as DeepSpeed's global_steps)
         self.skipped_steps = 0  # fp16 steps skipped for a gradient overflow
@@ -234,6 +250,7 @@ class Engine:
                     self.device,
                     not_counted=ties.counted_elsewhere(self.strategy.tied_gradient)
                     + self.tensor.counted_elsewhere(self.strategy),
+                    held=self._held,
                 )
         # A skipped step still runs the strategy's step bookkeeping ([Note: skipped step]).
         self.strategy.optimizer_step(SkippedStep(self.optimizer) if skip else self.optimizer)
@@ -390,6 +407,7 @@ class Engine:
             world_size=n,
             measured=measure(self.strategy.memory_tensors(self.optimizer)),
             expected=formula(a, k) if formula else expected_bytes(self.strategy.name, a, n, k),
+            on_disk=dict(getattr(self.strategy, "on_disk", None) or {}),
         )
 
     @property

@@ -8,6 +8,8 @@ summed over each of those groups, so data, tensor and pipeline sharding compose.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from longboat.comm.protocol import Comm
@@ -20,16 +22,29 @@ def _squares(grads: list[torch.Tensor], device: torch.device | str) -> torch.Ten
     return sq.pow(2).sum()
 
 
+class HeldGradients(Protocol):
+    """Gradients a strategy keeps out of memory (on disk): it knows their sum of squares, and
+    scales them when it brings them back."""
+
+    def gradient_squares(self) -> torch.Tensor: ...
+
+    def scale_gradients(self, coef: torch.Tensor) -> None: ...
+
+
 def global_norm(
     grads: list[torch.Tensor],
     groups: list[Comm],
     device: torch.device | str = "cpu",
     minus: list[torch.Tensor] | None = None,
+    held: HeldGradients | None = None,
 ) -> torch.Tensor:
     """The 2-norm of all gradients of the model, the same value on every rank (fp32). A rank
     without gradients contributes zero, on ``device`` (the data plane's). ``minus``: parts of
-    ``grads`` another rank counts, taken out of this rank's sum."""
+    ``grads`` another rank counts, taken out of this rank's sum; ``held``: this rank's
+    gradients kept out of memory, counted too."""
     total = _squares(grads, device)
+    if held is not None:
+        total = total + held.gradient_squares().to(total.device)
     if minus:
         total = (total - _squares(minus, device)).clamp(min=0.0)
     for comm in groups:
@@ -43,6 +58,7 @@ def clip_by_global_norm_(
     groups: list[Comm],
     device: torch.device | str = "cpu",
     not_counted: list[torch.Tensor] | None = None,
+    held: HeldGradients | None = None,
 ) -> torch.Tensor:
     """Scale ``grads`` in place so their global norm is at most ``max_norm``; return the norm
     before clipping. Same rule as ``torch.nn.utils.clip_grad_norm_``. ``not_counted``: copies
@@ -52,8 +68,10 @@ def clip_by_global_norm_(
     skip = {(t.data_ptr(), t.numel()) for t in not_counted or []}
     counted = [g for g in grads if (g.data_ptr(), g.numel()) not in skip]
     inside = [t for t in not_counted or [] if (t.data_ptr(), t.numel()) not in whole]
-    norm = global_norm(counted, groups, device, minus=inside)
+    norm = global_norm(counted, groups, device, minus=inside, held=held)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
+    if held is not None:
+        held.scale_gradients(coef)
     return norm

@@ -1,6 +1,7 @@
-"""ZeRO-2 with its optimizer state on disk (argv[2]) on digits, checkpointing every 5 steps into
-argv[1] and resuming from the latest there. With ``--crash``, rank 1 SIGKILLs itself in the
-first attempt in the middle of step 8's optimizer step, after some units' state was rewritten.
+"""ZeRO-3 with its parameters, gradients and optimizer state on disk (argv[2]) on digits,
+checkpointing every 5 steps into argv[1] and resuming from the latest there. With ``--crash``,
+rank 1 SIGKILLs itself in the first attempt in the middle of step 8's optimizer step, after some
+units' parameters and state were rewritten.
 Prints where it resumed, and at the end a digest of the parameters."""
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ model = DigitsCNN()
 config = {
     "strategy": "zero",
     "zero": {
-        "stage": 2,
-        "bucket_mb": 0.01,  # several units, so the crash falls between two of them
+        "stage": 3,
+        "unit_min_params": 100,  # each layer a unit, so the crash falls between two of them
         "offload_optimizer": {"device": "disk", "path": str(args.swap)},
+        "offload_param": {"device": "disk", "path": str(args.swap)},
     },
     "batch": {"train_batch_size": 32},
     "log": {"progress": False},
@@ -43,9 +45,9 @@ config = {
 engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 if args.crash and first_attempt and engine.world.rank == 1:
-    swap = engine.strategy._swap
-    units = swap.units
-    step_of = swap.step
+    stream = engine.strategy._stream
+    units = stream.units
+    step_of = stream.step
 
     def dying_step(optimizer, step_unit):  # type: ignore[no-untyped-def]
         def one(u):  # type: ignore[no-untyped-def]
@@ -55,7 +57,7 @@ if args.crash and first_attempt and engine.world.rank == 1:
 
         step_of(optimizer, one)
 
-    swap.step = dying_step
+    stream.step = dying_step
 if args.checkpoints.exists():
     engine.load_checkpoint(args.checkpoints)
     print(f"resumed at step {engine.global_step}", flush=True)

@@ -210,7 +210,9 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
         z = data["zero_optimization"]
         if not isinstance(z, Mapping):
             raise ConfigError(f"DeepSpeed key 'zero_optimization' must be an object, got {z!r}")
-        extra = sorted(set(z) - {"stage", "reduce_bucket_size", "offload_optimizer"})
+        extra = sorted(
+            set(z) - {"stage", "reduce_bucket_size", "offload_optimizer", "offload_param"}
+        )
         if extra:
             raise ConfigError(
                 "DeepSpeed key(s) "
@@ -234,17 +236,21 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
                 f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is invalid; use 0, 1, 2 or 3"
             )
         if "offload_optimizer" in z:
-            _offload_optimizer(z["offload_optimizer"], stage, put)
+            _offload(z["offload_optimizer"], "offload_optimizer", stage, put)
+        if "offload_param" in z:
+            _offload(z["offload_param"], "offload_param", stage, put)
     return out, src
 
 
-# DeepSpeed's offload_optimizer block: device none/cpu/nvme; nvme_path; buffer_count (its swap
-# buffers: here the units in memory at once); pin_memory matters with an accelerator only.
+# DeepSpeed's offload_optimizer and offload_param blocks: device none/cpu/nvme; nvme_path;
+# buffer_count (its swap buffers: here the units in memory at once); pin_memory matters with an
+# accelerator only. offload_param's buffer_size and max_in_cpu size DeepSpeed's own parameter
+# buffers, which have no counterpart here (each unit's shard is its own buffer): refused.
 _OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "disk"}
 
 
-def _offload_optimizer(block: Any, stage: Any, put: Any) -> None:
-    key = "zero_optimization.offload_optimizer"
+def _offload(block: Any, name: str, stage: Any, put: Any) -> None:
+    key = f"zero_optimization.{name}"
     b = _block(block, key, {"device", "nvme_path", "buffer_count", "pin_memory"})
     device = b.get("device", "none")
     if device not in _OFFLOAD_DEVICES:
@@ -254,13 +260,13 @@ def _offload_optimizer(block: Any, stage: Any, put: Any) -> None:
     if _OFFLOAD_DEVICES[device] != "none" and stage not in (1, 2, 3):
         raise ConfigError(
             f"DeepSpeed key '{key}.device' = {device!r} needs zero_optimization.stage 1, 2 or 3 "
-            f"(got {stage!r}): offload moves sharded optimizer state"
+            f"(got {stage!r}): offload moves sharded state"
         )
-    put("zero.offload_optimizer.device", _OFFLOAD_DEVICES[device], f"{key}.device")
+    put(f"zero.{name}.device", _OFFLOAD_DEVICES[device], f"{key}.device")
     if "nvme_path" in b:
-        put("zero.offload_optimizer.path", b["nvme_path"], f"{key}.nvme_path")
+        put(f"zero.{name}.path", b["nvme_path"], f"{key}.nvme_path")
     if "buffer_count" in b:
-        put("zero.offload_optimizer.buffer_count", b["buffer_count"], f"{key}.buffer_count")
+        put(f"zero.{name}.buffer_count", b["buffer_count"], f"{key}.buffer_count")
 
 
 # DeepSpeed's ``pipeline`` block (runtime/config.py's defaults). ``pipe_partitioned`` and

@@ -3,7 +3,7 @@ the whole configuration of a run."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -54,6 +54,9 @@ class OffloadConfig(_Section):
     """Where a ZeRO rank keeps its optimizer state between steps ([Note: optimizer state
     offload] in ``strategies/zero_offload.py``)."""
 
+    _key: ClassVar[str] = "zero.offload_optimizer"
+    _what: ClassVar[str] = "the optimizer state"
+
     device: Literal["none", "cpu", "disk"] = Field(
         "none",
         description="none: with the parameters; cpu: in CPU memory (where the compute device "
@@ -72,10 +75,25 @@ class OffloadConfig(_Section):
     def _disk_needs_a_path(self) -> OffloadConfig:
         if self.device == "disk" and not self.path:
             raise ValueError(
-                "zero.offload_optimizer.device = 'disk' needs zero.offload_optimizer.path: a "
-                "directory on a disk with room for the optimizer state"
+                f"{self._key}.device = 'disk' needs {self._key}.path: a directory on a disk "
+                f"with room for {self._what}"
             )
         return self
+
+
+class OffloadParamConfig(OffloadConfig):
+    """Where a ZeRO-3 rank keeps its parameter and gradient shards between uses ([Note:
+    parameter offload] in ``strategies/zero_shard_swap.py``)."""
+
+    _key: ClassVar[str] = "zero.offload_param"
+    _what: ClassVar[str] = "the parameter and gradient shards"
+
+    device: Literal["none", "cpu", "disk"] = Field(
+        "none",
+        description="none: in memory; cpu: in CPU memory (where the compute device is the CPU, "
+        "that is already so); disk: in files under `path`, each unit's parameter shard read "
+        "before its gather and its gradient shard written after its reduction (stage 3 only)",
+    )
 
 
 class ZeroConfig(_Section):
@@ -101,6 +119,21 @@ class ZeroConfig(_Section):
         default_factory=OffloadConfig,
         description="where the optimizer state lives between steps (DeepSpeed's offload_optimizer)",
     )
+    offload_param: OffloadParamConfig = Field(
+        default_factory=OffloadParamConfig,
+        description="stage 3: where parameter and gradient shards live between uses "
+        "(DeepSpeed's offload_param)",
+    )
+
+    @model_validator(mode="after")
+    def _param_offload_needs_stage_3(self) -> ZeroConfig:
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(
+                f"zero.offload_param.device = {self.offload_param.device!r} needs zero.stage = 3 "
+                f"(got {self.stage}): only stage 3 shards the parameters; set stage = 3 or "
+                "remove the key"
+            )
+        return self
 
 
 class MeshConfig(_Section):

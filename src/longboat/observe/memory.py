@@ -27,7 +27,7 @@ most ``n - 1`` elements per unit, counted in the measurement, not in the formula
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -110,6 +110,8 @@ class MemoryReport:
     world_size: int
     measured: dict[str, int]
     expected: dict[str, int]
+    #: model state kept on disk, per category (offload; empty without)
+    on_disk: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -133,6 +135,8 @@ class MemoryReport:
             f"  {'total':<22} {self.total / 2**20:10.2f} MiB   "
             f"formula {self.expected_total / 2**20:10.2f} MiB"
         )
+        for c, n in self.on_disk.items():
+            rows.append(f"  {c + ' on disk':<22} {n / 2**20:10.2f} MiB")
         return "\n".join(rows)
 
 

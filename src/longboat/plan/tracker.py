@@ -2,9 +2,11 @@
 
 A :class:`LiveBytes` dispatch mode sees every operator's outputs. Each new storage is counted
 once, when it first appears, and uncounted when Python frees it (a weak reference's callback);
-views share their base's storage and add nothing. On fake (meta) tensors this gives, without
-allocating anything, the bytes a real run would hold at every moment: its peak is what the
-caching allocator (GPU) or ``malloc`` (CPU) must provide for tensors.
+views share their base's storage and add nothing; a storage resized in place (ZeRO-3's freed
+buffers, [Note: storage resize] in ``strategies/storage.py``) counts its new size. On fake
+(meta) tensors this gives, without allocating anything, the bytes a real run would hold at
+every moment: its peak is what the caching allocator (GPU) or ``malloc`` (CPU) must provide for
+tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+_RESIZE = getattr(
+    getattr(getattr(torch.ops, "inductor", None), "resize_storage_bytes_", None), "default", None
+)
+
 
 class LiveBytes(TorchDispatchMode):
     """Track the bytes of live tensor storages created while the mode is active."""
@@ -27,6 +33,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0  # since the last reset_peak()
         self.max_peak = 0  # since the mode was created
         self._refs: dict[int, weakref.ref[Any]] = {}
+        self._size: dict[int, int] = {}  # bytes counted for each live storage
 
     def reset_peak(self) -> None:
         """Start a new peak from what is live now."""
@@ -40,15 +47,31 @@ class LiveBytes(TorchDispatchMode):
             return  # a view of (or the same) storage already counted
         n = st.nbytes()
 
-        def gone(_ref: Any, n: int = n, key: int = key) -> None:
-            self.live -= n
+        def gone(_ref: Any, key: int = key) -> None:
             if self._refs.get(key) is _ref:
                 del self._refs[key]
+                self.live -= self._size.pop(key)
 
         self._refs[key] = weakref.ref(st, gone)
+        self._size[key] = n
+        self._add(n)
+
+    def _add(self, n: int) -> None:
         self.live += n
         self.peak = max(self.peak, self.live)
         self.max_peak = max(self.max_peak, self.live)
+
+    def _resized(self, t: torch.Tensor) -> None:
+        """``t``'s storage changed size in place: count its new size."""
+        st = t.untyped_storage()
+        key = id(st)
+        ref = self._refs.get(key)
+        if ref is None or ref() is not st:
+            self._track(t)  # not seen before (made outside the mode)
+            return
+        n = st.nbytes()
+        self._add(n - self._size[key])
+        self._size[key] = n
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
@@ -57,6 +80,9 @@ class LiveBytes(TorchDispatchMode):
             # so 0 would not). See [Note: fake tensors] in simulate.py.
             return 1
         out = func(*args, **(kwargs or {}))
+        if func is _RESIZE:
+            self._resized(args[0])
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t)

@@ -53,6 +53,9 @@ class FlatUnit:
     offsets: list[int] = field(default_factory=list)
     shard: nn.Parameter | None = None
     flat_param: torch.Tensor | None = None
+    #: stage 3: the buffer this unit is gathered into, its memory freed between uses ([Note:
+    #: storage resize] in ``storage.py``)
+    full: torch.Tensor | None = None
     flat_grad: torch.Tensor | None = None
     grad_shard: torch.Tensor | None = None
     shard_empty: bool = True  # no gradient reduced into grad_shard since the last step

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.hooks import RemovableHandle
 
 from longboat.comm.order import InOrder
@@ -73,9 +74,12 @@ from longboat.strategies.base import StrategyContext
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.flat import FlatUnit, UnitState
 from longboat.strategies.pieces import PieceSource, RankState
+from longboat.strategies.storage import free_storage
 from longboat.strategies.zero_gather import Gathering
-from longboat.strategies.zero_offload import StateSwap, check_room
+from longboat.strategies.zero_init import left_on_meta, materialize
+from longboat.strategies.zero_offload import StateSwap, UnitStream, check_room
 from longboat.strategies.zero_policy import ZeroPolicy
+from longboat.strategies.zero_shard_swap import ShardSwap
 from longboat.strategies.zero_units import bucket_units, module_units
 
 
@@ -107,9 +111,16 @@ class Zero:
         self._usage_handle: object | None = None
         self._reduce_replicas = False  # a step's shards still to be averaged across replicas
         self._wire = ctx.wire_dtype
-        # Stages 2-3 on one data-parallel rank: no reduction at all (see _on_grad).
-        self._alone = self.policy.shard_grads and self.dp.world_size == 1
+        # [Note: parameter offload]: stage 3's shards on disk between uses
+        self._params_on_disk = self.cfg.offload_param.device == "disk"
+        # Stages 2-3 on one data-parallel rank: no reduction at all (see _on_grad); with the
+        # gradient shard on disk, the reduction (a copy) still lands it there.
+        self._alone = (
+            self.policy.shard_grads and self.dp.world_size == 1 and not self._params_on_disk
+        )
         self._swap: StateSwap | None = None  # [Note: optimizer state offload]
+        self._shards: ShardSwap | None = None
+        self._stream: UnitStream | None = None  # steps units with their offloaded parts
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -126,9 +137,12 @@ class Zero:
                 "strategy 'zero' needs a fresh optimizer (it re-targets the "
                 "optimizer at flat shards); build it before stepping it"
             )
+        # [Note: deferred init]: the engine let only stage 3 have parameters on the meta device
+        deferred = any(p.is_meta for p in model.parameters())
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
-                self.dp.broadcast(t.data, src=0)
+                if not t.is_meta:  # [Note: deferred init]: made and broadcast unit by unit
+                    self.dp.broadcast(t.data, src=0)
         self._buffers = BufferSync(model, self.dp)
         group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
         params = [
@@ -151,9 +165,15 @@ class Zero:
         # [Note: tied weights] in tied.py: a weight tied across pipeline stages gets a unit of
         # its own, so its shards line up rank for rank on every stage that holds it.
         pieces = [(m, chunk) for m, ps in pieces for chunk in _isolate(ps, self.ctx.isolated)]
+        if self._params_on_disk:  # [Note: parameter offload]: each unit's shards out once built
+            self._check_params_offload(model)
+            dry = any(isinstance(p, FakeTensor) for p in params)
+            self._shards = ShardSwap(self.cfg.offload_param, self.ctx.world.rank, dry)
         module_names = {id(m): n or "root" for n, m in model.named_modules()}
         param_names = {id(p): n for n, p in model.named_parameters()}
         for module, ps in pieces:
+            if deferred:
+                materialize(ps, model, self.dp)
             u = FlatUnit(
                 len(self.units),
                 ps,
@@ -169,12 +189,16 @@ class Zero:
             u.tag = f"unit {u.index}: {what}"
             self._build(u)
             self.units.append(u)
+            if self._shards is not None:
+                self._shards.adopt(u)
         self._order = InOrder(len(self.units), self._reduce)
         for g, grp in enumerate(optimizer.param_groups):
             grp["params"] = [pc for u in self.units if u.group == g for *_, pc in u.pieces]
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self._swap = self._offload(optimizer)
+        if deferred:
+            left_on_meta(model)
+        self._offload(optimizer)
         if self.policy.shard_params:
             self._gathering = Gathering(
                 self.units,
@@ -182,39 +206,92 @@ class Zero:
                 model,
                 self.cfg.prefetch,
                 lambda: self._order.advance(self._unit_done),
+                shards=self._shards,
             )
             self._hooks += self._gathering.install()
         return model
 
-    def _offload(self, optimizer: torch.optim.Optimizer) -> StateSwap | None:
-        """The swap files of [Note: optimizer state offload], when the config asks for disk."""
+    def _offload(self, optimizer: torch.optim.Optimizer) -> None:
+        """The swap files of [Note: optimizer state offload] and [Note: parameter offload],
+        when the config asks for disk, and the stream that steps units through them."""
         cfg = self.cfg.offload_optimizer
-        if cfg.device == "cpu" and any(u.device.type != "cpu" for u in self.units):
-            raise ConfigError(
-                "zero.offload_optimizer.device = 'cpu' with parameters on an accelerator: "
-                "stepping the optimizer on the CPU is not implemented yet; remove the key"
-            )
-        if cfg.device != "disk" or not self.units:  # 'cpu' on a CPU: the state is there
-            return None
+        for key, c in (("offload_optimizer", cfg), ("offload_param", self.cfg.offload_param)):
+            if c.device == "cpu" and any(u.device.type != "cpu" for u in self.units):
+                raise ConfigError(
+                    f"zero.{key}.device = 'cpu' with parameters on an accelerator: keeping "
+                    "state in CPU memory beside an accelerator is not implemented yet; remove "
+                    "the key"
+                )
+        if not self.units or (cfg.device != "disk" and self._shards is None):
+            return  # 'cpu' on a CPU: the state is there already
         if has_step_hooks(optimizer):
             raise ConfigError(
-                "zero.offload_optimizer.device = 'disk' steps the optimizer unit by unit, "
-                "which step hooks would see several times per step; remove the hooks or the key"
+                "zero offload to disk steps the optimizer unit by unit, which step hooks would "
+                "see several times per step; remove the hooks or the offload keys"
             )
-        swap = StateSwap(cfg, self.units, self.ctx.world.rank)
-        if not swap.dry:
-            with contextlib.suppress(ValueError):  # an optimizer without a known formula
-                k = optimizer_state_bytes_per_param(optimizer)
-                check_room(swap.dir, k * sum(u.shard_numel for u in self.units))
-        return swap
+        dry = any(isinstance(u.shard, FakeTensor) for u in self.units)
+        homes: list[Any] = []
+        if cfg.device == "disk":
+            self._swap = StateSwap(cfg, self.units, self.ctx.world.rank)
+            if not dry:
+                with contextlib.suppress(ValueError):  # an optimizer without a known formula
+                    k = optimizer_state_bytes_per_param(optimizer)
+                    check_room(self._swap.dir, k * sum(u.shard_numel for u in self.units))
+            homes.append(self._swap)
+        ahead = cfg.buffer_count if cfg.device == "disk" else self.cfg.offload_param.buffer_count
+        self._stream = UnitStream(homes, self.units, ahead, dry)
+        if self._shards is not None:
+            self._shards.submit = self._stream.submit
+            homes.insert(0, self._shards)  # parameters and gradients before the state
+
+    def _check_params_offload(self, model: nn.Module) -> None:
+        """What [Note: parameter offload] does not combine with yet, refused by name."""
+        mesh = self.ctx.topology.mesh
+        for axis, size in (("pp", mesh.pp), ("tp", mesh.tp), ("dp_replicate", mesh.dp_replicate)):
+            if size > 1:
+                raise ConfigError(
+                    f"zero.offload_param.device = 'disk' with mesh.{axis} = {size}: parameter "
+                    f"offload is implemented for plain ZeRO-3 (mesh.{axis} = 1) so far; remove "
+                    "the key or the axis"
+                )
+        device = next(model.parameters()).device
+        if device.type not in ("cpu", "meta"):
+            raise ConfigError(
+                f"zero.offload_param.device = 'disk' with parameters on {device}: offload to "
+                "disk is implemented for CPU training only so far; remove the key"
+            )
 
     @property
     def offloaded(self) -> dict[str, int] | None:
-        """With [Note: optimizer state offload]: bytes of optimizer state on disk, and bytes
-        read and written so far."""
-        if self._swap is None:
+        """With offload to disk: bytes on disk, and bytes read and written so far (``moved``:
+        both)."""
+        if self._stream is None:
             return None
-        return {"disk": self._swap.disk_bytes, "moved": self._swap.moved}
+        homes = [h for h in (self._swap, self._shards) if h is not None]
+        return {
+            "disk": sum(self.on_disk.values()),
+            "moved": sum(h.moved for h in homes),
+            "read": sum(h.read_bytes for h in homes),
+            "written": sum(h.written_bytes for h in homes),
+        }
+
+    @property
+    def deferred_init(self) -> bool:
+        """Whether a model on the meta device can be made here ([Note: deferred init])."""
+        return self.policy.shard_params
+
+    @property
+    def on_disk(self) -> dict[str, int]:
+        """Bytes of model state this rank keeps on disk, per category."""
+        out = dict(self._shards.disk_bytes) if self._shards is not None else {}
+        if self._swap is not None:
+            out["optimizer_state"] = self._swap.disk_bytes
+        return out
+
+    def held_gradients(self) -> ShardSwap | None:
+        """Gradients kept out of memory ([Note: parameter offload]): the engine's clipping
+        asks them for their sum of squares and hands them its factor."""
+        return self._shards
 
     def _build(self, u: FlatUnit) -> None:
         for i, p in enumerate(u.params):
@@ -308,7 +385,12 @@ class Zero:
         # precision.communication_data_type: gradients travel (and are summed) in that
         # dtype, and land back in the fp32 shard in wait_gradients.
         send = u.flat_grad if self._wire in (None, u.dtype) else u.flat_grad.to(self._wire)
-        if self.policy.shard_grads and u.shard_empty and send.dtype == u.dtype:
+        if (
+            self.policy.shard_grads
+            and u.shard_empty
+            and send.dtype == u.dtype
+            and self._shards is None  # on disk: the shard has no memory to land in
+        ):
             # [Note: reduce in place] The shard holds nothing yet this step: the reduction
             # lands in it directly, and no shard-size buffer per unit in flight is needed
             # (with every unit in flight at the end of a backward, 2 bytes per parameter in fp32
@@ -325,7 +407,10 @@ class Zero:
         u.reduce_handle.wait()  # type: ignore[union-attr]
         u.reduce_handle = None
         assert u.reduced is not None
-        if self.policy.shard_grads:
+        if self._shards is not None:  # [Note: parameter offload]: to the unit's file
+            self._shards.land(u, u.reduced)
+            u.flat_grad = None
+        elif self.policy.shard_grads:
             assert u.grad_shard is not None
             if u.reduced is not u.grad_shard:  # [Note: reduce in place]
                 u.grad_shard.add_(u.reduced)
@@ -377,7 +462,16 @@ class Zero:
         return [self.comm]  # shards are disjoint within the shard group, equal across replicas
 
     def local_gradients(self) -> list[torch.Tensor]:
+        if self._shards is not None:  # on disk: see held_gradients
+            return []
         return [u.grad_view() for u in self.units]
+
+    def _grad_pieces(self, u: FlatUnit) -> list[torch.Tensor]:
+        """The optimizer's gradient views, one per piece of ``u``'s shard."""
+        if self._shards is not None:
+            return self._shards.grad_pieces[u.index]
+        grad = u.grad_view()
+        return [grad[a:b] for _, a, b, _ in u.pieces]
 
     def tied_gradient(self, param: nn.Parameter) -> torch.Tensor:
         u, _ = self.where[id(param)]
@@ -396,20 +490,22 @@ class Zero:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.wait_gradients()
         for u, used in zip(self.units, self._used_by_any_rank(), strict=True):
-            grad = u.grad_view()
-            for i, a, b, piece in u.pieces:
-                piece.grad = grad[a:b] if i in used else None
+            views = self._grad_pieces(u)
+            for (i, *_, piece), g in zip(u.pieces, views, strict=True):
+                piece.grad = g if i in used else None
         if self._gathering is not None:
-            if self._swap is not None:
+            self._gathering.free_all()  # a buffer gathered before the step holds stale values
+            if self._stream is not None:
                 self._each_unit(optimizer, lambda u: None)
             else:
                 optimizer.step()
-            self._gathering.free_all()  # a buffer gathered before the step holds stale values
-            self._gathering.drop_spares()
         else:
             self._step_and_gather(optimizer)
+        if self._shards is not None:
+            self._shards.step_over()
         for u in self.units:
-            u.grad_view().zero_()
+            if self._shards is None:  # on disk, the next step's first reduction overwrites it
+                u.grad_view().zero_()
             u.shard_empty = True
             u.used.clear()
             for *_, piece in u.pieces:
@@ -432,7 +528,7 @@ class Zero:
                 self.comm.all_gather(u.flat_param, u.shard.clone(), async_op=True, tag=u.tag)
             )
 
-        if by_unit or self._swap is not None:  # _offload refused step hooks
+        if by_unit or self._stream is not None:  # _offload refused step hooks
             self._each_unit(optimizer, gather)
         else:
             optimizer.step()
@@ -458,8 +554,8 @@ class Zero:
                 pc.grad = None
             after(u)
 
-        if self._swap is not None:
-            self._swap.step(optimizer, step_unit)
+        if self._stream is not None:
+            self._stream.step(optimizer, step_unit)
         else:
             for u in self.units:
                 step_unit(u)
@@ -471,8 +567,6 @@ class Zero:
         params += [u.flat_param for u in self.units if u.flat_param is not None]
         grads = [t for u in self.units for t in (u.flat_grad, u.grad_shard) if t is not None]
         comm = [u.reduced for u in self.units if u.reduced is not None]
-        if self._gathering is not None:
-            comm += self._gathering.spare_buffers()
         return {
             "parameters": params,
             "gradients": grads,
@@ -495,28 +589,47 @@ class Zero:
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
-        if self._swap is None:
+        if self._stream is None:
             return zero_state.rank_state(self.units, model, optimizer, self.dp, self.replicas)
-        self._swap.bring_all(optimizer)  # the pieces copy what they hold; then out again
+        # The pieces copy what they hold; then out again.
+        if self._gathering is not None:
+            self._gathering.free_all()
+        if self._shards is not None:
+            self._shards.bring_all_params()
+        if self._swap is not None:
+            self._swap.bring_all(optimizer)
         try:
-            return zero_state.rank_state(self.units, model, optimizer, self.dp, self.replicas)
+            state = zero_state.rank_state(self.units, model, optimizer, self.dp, self.replicas)
+            if self._shards is not None:  # the pieces are views of shards about to be dropped
+                shards = {u.shard.untyped_storage().data_ptr() for u in self.units}  # type: ignore[union-attr]
+                for pc in state.pieces:
+                    if pc.tensor.untyped_storage().data_ptr() in shards:
+                        pc.tensor = pc.tensor.clone()
+            return state
         finally:
-            self._swap.drop_all(optimizer)
+            if self._swap is not None:
+                self._swap.drop_all(optimizer)
+            if self._shards is not None:
+                self._shards.drop_all_params()
 
     def load_checkpoint_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, source: PieceSource
     ) -> None:
         if self._gathering is not None:
             self._gathering.free_all()  # a buffer gathered earlier would be stale after this
+        if self._shards is not None:
+            self._shards.bring_all_params()
         zero_state.load(self.units, model, optimizer, source)
         if self._swap is not None:
             self._swap.store_all(optimizer)
+        if self._shards is not None:
+            self._shards.store_all_params()
 
     def expected_memory(self, a: int, k: int) -> dict[str, int]:
         """[Note: memory formulas] for this stage; offloaded optimizer state is on disk."""
         out = expected_bytes(self.name, a, self.comm.world_size, k)
-        if self._swap is not None:
-            out["optimizer_state"] = 0
+        for category in self.on_disk:
+            out[category] = 0
         return out
 
     def close(self) -> None:
@@ -534,7 +647,14 @@ class Zero:
                 for i, p in enumerate(u.params):
                     p.data = u.view(u.flat_param, i).clone()  # type: ignore[arg-type]
                 u.flat_param, u.state = None, UnitState.SHARDED
-            self._gathering.drop_spares()
+                if u.full is not None:
+                    free_storage(u.full)
+        if self._shards is not None:  # after the gathers above, which read its files
+            self._shards.close()
+            self._shards = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
 
 def _completed(handle: object) -> bool:

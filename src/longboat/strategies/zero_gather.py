@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from longboat.comm.protocol import Comm
 from longboat.strategies.flat import FlatUnit, UnitState
+from longboat.strategies.storage import alloc_storage, free_storage
 
 
 class Gathering:
@@ -38,8 +39,11 @@ class Gathering:
         root: nn.Module,
         prefetch: bool,
         on_unit_done: Callable[[], None],
+        shards: Any = None,
     ) -> None:
         self.units = units
+        # [Note: parameter offload]: shards read before their gather, dropped after it
+        self.shards = shards
         self.comm = comm
         self.root = root
         self.prefetch = prefetch
@@ -47,9 +51,6 @@ class Gathering:
         self.held = False  # gathered_parameters(): every unit stays gathered
         self._order: list[FlatUnit] = []  # the first training forward's order of units
         self._recording = True
-        # A freed unit's gather buffer, kept for the next gather of a unit of the same size
-        # (a fresh buffer of tens of MiB costs more than the gather itself on a CPU).
-        self._spare: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def install(self) -> list[RemovableHandle]:
         """Forward hooks on every unit's module."""
@@ -78,14 +79,19 @@ class Gathering:
         if u.state is not UnitState.SHARDED:
             return
         assert u.shard is not None
+        if self.shards is not None:
+            self.shards.bring_param(u)
         if self.comm.world_size == 1:  # the shard is the whole unit: nothing to copy
             u.flat_param, u.state = u.shard, UnitState.UNSHARDED
             return
-        full = self._spare.pop((u.padded, u.dtype, u.device), None)
-        if full is None:
-            full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
-        u.gather_handle = self.comm.all_gather(full, u.shard, async_op=async_op, tag=u.tag)
-        u.flat_param, u.state = full, UnitState.GATHERING
+        # [Note: storage resize]: the unit's own buffer, its memory given back for the gather
+        # (never another unit's: views of it that autograd saved must see this unit's values)
+        if u.full is None:
+            u.full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
+        else:
+            alloc_storage(u.full)
+        u.gather_handle = self.comm.all_gather(u.full, u.shard, async_op=async_op, tag=u.tag)
+        u.flat_param, u.state = u.full, UnitState.GATHERING
 
     def ready(self, u: FlatUnit) -> None:
         """Make ``u``'s parameters usable: gather (or finish a prefetch) and point at it."""
@@ -94,6 +100,8 @@ class Gathering:
             u.gather_handle.wait()  # type: ignore[union-attr]
             u.gather_handle = None
             u.state = UnitState.UNSHARDED
+            if self.shards is not None:
+                self.shards.drop_param(u)
         assert u.flat_param is not None
         u.point_params_at(u.flat_param)
 
@@ -104,21 +112,18 @@ class Gathering:
         if u.state is UnitState.GATHERING:  # a prefetch in flight must land before its buffer goes
             u.gather_handle.wait()  # type: ignore[union-attr]
             u.gather_handle = None
+            if self.shards is not None:
+                self.shards.drop_param(u)
         u.release_params()
         if u.flat_param is not u.shard:
-            self._spare[(u.padded, u.dtype, u.device)] = u.flat_param  # type: ignore[assignment]
+            free_storage(u.flat_param)  # type: ignore[arg-type]
+        elif self.shards is not None:  # one rank: the shard itself was the gathered unit
+            self.shards.drop_param(u)
         u.flat_param, u.state = None, UnitState.SHARDED
 
     def free_all(self) -> None:
         for u in self.units:
             self.free(u)
-
-    def spare_buffers(self) -> list[torch.Tensor]:
-        """Gather buffers kept for reuse (communication buffers, in memory reports)."""
-        return list(self._spare.values())
-
-    def drop_spares(self) -> None:
-        self._spare.clear()
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:

@@ -23,13 +23,15 @@ across runs: state comes back from checkpoints).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -92,11 +94,163 @@ class _UnitFile:
 
 
 def _as_bytes(t: torch.Tensor) -> Any:
-    return t.detach().contiguous().view(torch.uint8).numpy()
+    """The bytes of a contiguous CPU tensor as a writable buffer, for ``pwritev``/``preadv``.
+    Through ctypes, not ``numpy()``: a storage numpy has seen can no longer be resized, and
+    [Note: parameter offload] frees shards by resizing their storage."""
+    assert t.is_contiguous()
+    return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
 
 
-class StateSwap:
-    """The swap files of one rank's units (see [Note: optimizer state offload])."""
+def open_dir(path: str, key: str) -> Path:
+    """``<path>/longboat-swap``, made and probed; a crashed run's files in it removed."""
+    directory = Path(path) / SWAP_DIR
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"{key}.path = {path!r} is not a writable directory ({e.strerror}); give "
+            "a directory this process may create files in"
+        ) from None
+    stale = remove_stale(directory)
+    if stale:
+        log.warning(
+            "zero: removed %d swap file(s) under %s left by a process that no longer runs "
+            "(a crashed run's; state comes back from checkpoints)",
+            len(stale),
+            directory,
+        )
+    return directory
+
+
+class SwapFiles:
+    """Whole-file reads and writes of tensors, and the bytes they moved. ``dry`` (the
+    planner's run on fake tensors): no file is touched, reads allocate what a real read
+    allocates, and both count their bytes."""
+
+    def __init__(self, dry: bool) -> None:
+        self.dry = dry
+        self.read_bytes = 0
+        self.written_bytes = 0
+        self._lock = threading.Lock()  # reads and writes count from two threads
+
+    @property
+    def moved(self) -> int:
+        """Bytes read and written, in all."""
+        return self.read_bytes + self.written_bytes
+
+    def _count(self, n: int, written: bool) -> None:
+        with self._lock:
+            if written:
+                self.written_bytes += n
+            else:
+                self.read_bytes += n
+
+    def write(self, path: Path, tensors: list[torch.Tensor]) -> None:
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        if not self.dry:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                tensors = [t.detach().contiguous() for t in tensors]  # alive while written
+                os.pwritev(fd, [_as_bytes(t) for t in tensors], 0)
+                os.ftruncate(fd, n)
+            finally:
+                os.close(fd)
+        self._count(n, written=True)
+
+    def read_into(self, path: Path, tensors: list[torch.Tensor]) -> None:
+        """Fill ``tensors`` (contiguous) from the file, which must hold exactly their bytes."""
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        if not self.dry:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [_as_bytes(t) for t in tensors], 0)
+            finally:
+                os.close(fd)
+            if got != n:
+                raise RuntimeError(
+                    f"swap file {path} holds {got} bytes where {n} were written: it was "
+                    "changed or truncated while training ran"
+                )
+        self._count(n, written=False)
+
+
+class UnitHome(Protocol):
+    """Where part of a unit's state lives between steps (see :func:`step_units`)."""
+
+    def bring(self, u: FlatUnit) -> Any:
+        """On the I/O thread, ahead of ``u``'s step: read what the step needs."""
+
+    def install(self, u: FlatUnit, optimizer: torch.optim.Optimizer, brought: Any) -> None:
+        """Before ``u`` steps: put what :meth:`bring` read where the optimizer finds it."""
+
+    def take(self, u: FlatUnit, optimizer: torch.optim.Optimizer) -> Any:
+        """After ``u`` stepped: take out what goes back to disk."""
+
+    def store(self, u: FlatUnit, taken: Any) -> None:
+        """On the I/O thread: write it."""
+
+
+class UnitStream:
+    """Steps units one by one with their offloaded parts brought in: each home's :meth:`bring`
+    runs on one I/O thread up to ``ahead`` units ahead of the unit stepping, and its
+    :meth:`store` behind it, so the disk works while the optimizer computes."""
+
+    def __init__(self, homes: list[UnitHome], units: list[FlatUnit], ahead: int, dry: bool):
+        self.homes = homes
+        self.units = units
+        self.ahead = ahead
+        self.dry = dry
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="longboat-swap")
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        """On the I/O thread; in the planner's run on this one (its fake tensors are this
+        thread's)."""
+        if not self.dry:
+            return self._io.submit(fn, *args)
+        done: Future[Any] = Future()
+        done.set_result(fn(*args))
+        return done
+
+    def step(self, optimizer: torch.optim.Optimizer, step_unit: Any) -> None:
+        """``step_unit(u)`` for every unit (it steps ``u``'s pieces only), each with its state
+        brought in around it."""
+        units, homes = self.units, self.homes
+        reads: dict[int, Future[list[Any]]] = {}
+
+        def ahead(i: int) -> None:
+            if i < len(units):
+                reads[i] = self.submit(lambda u: [h.bring(u) for h in homes], units[i])
+
+        for i in range(min(self.ahead, len(units))):
+            ahead(i)
+        writes = []
+        for i, u in enumerate(units):
+            for h, b in zip(homes, reads.pop(i).result(), strict=True):
+                h.install(u, optimizer, b)
+            step_unit(u)
+            taken = [h.take(u, optimizer) for h in homes]
+            writes.append(
+                self.submit(
+                    lambda u, taken: [h.store(u, t) for h, t in zip(homes, taken, strict=True)],
+                    u,
+                    taken,
+                )
+            )
+            del taken
+            ahead(i + self.ahead)
+        for w in writes:
+            w.result()
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+
+
+class StateSwap(SwapFiles):
+    """The optimizer-state swap files of one rank's units (see [Note: optimizer state
+    offload]): a :class:`UnitHome`."""
 
     def __init__(self, cfg: Any, units: list[FlatUnit], rank: int) -> None:
         self.units = units
@@ -106,78 +260,24 @@ class StateSwap:
                 f"{_KEY}.device = 'disk' with parameters on {units[0].device}: offload to disk "
                 "is implemented for CPU training only so far; remove the key"
             )
+        super().__init__(dry=any(isinstance(u.shard, FakeTensor) for u in units))
         self.dir = Path(cfg.path) / SWAP_DIR
-        # ``longboat plan`` runs the step on fake tensors: no files then; reads allocate what a
-        # real read allocates, and both count their bytes.
-        self.dry = any(isinstance(u.shard, FakeTensor) for u in units)
+        if not self.dry:
+            self.dir = open_dir(cfg.path, _KEY)
         self.files = {
             u.index: _UnitFile(self.dir / f"rank{rank}.pid{os.getpid()}.unit{u.index}.bin")
             for u in units
         }
         self.scalars: dict[int, dict[str, Any]] = {}  # per piece (its id): non-tensor state
-        self.moved = 0  # bytes read and written, in all
-        self.stale: list[Path] = []
-        if not self.dry:
-            self._prepare(cfg.path)
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="longboat-swap")
-
-    def _prepare(self, path: str) -> None:
-        """The directory made and probed; a crashed run's files removed."""
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe.{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise ConfigError(
-                f"{_KEY}.path = {path!r} is not a writable directory ({e.strerror}); give "
-                "a directory this process may create files in"
-            ) from None
-        self.stale = remove_stale(self.dir)
-        if self.stale:
-            log.warning(
-                "zero: removed %d swap file(s) under %s left by a process that no longer runs "
-                "(a crashed run's; state comes back from checkpoints)",
-                len(self.stale),
-                self.dir,
-            )
-
-    # -- files ---------------------------------------------------------------------------------
-
-    def _write(self, f: _UnitFile, tensors: list[torch.Tensor]) -> None:
-        if self.dry:
-            self.moved += sum(t.numel() * t.element_size() for t in tensors)
-            return
-        fd = os.open(f.path, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            buffers = [_as_bytes(t) for t in tensors]
-            os.pwritev(fd, buffers, 0)
-            os.ftruncate(fd, sum(b.nbytes for b in buffers))
-        finally:
-            os.close(fd)
-        self.moved += sum(t.numel() * t.element_size() for t in tensors)
 
     def _read(self, f: _UnitFile) -> list[torch.Tensor]:
         tensors = [torch.empty(n, dtype=dt) for _, _, n, dt in f.layout]
-        if self.dry:
-            self.moved += f.nbytes
-            return tensors
-        fd = os.open(f.path, os.O_RDONLY)
-        try:
-            got = os.preadv(fd, [_as_bytes(t) for t in tensors], 0)
-        finally:
-            os.close(fd)
-        if got != f.nbytes:
-            raise RuntimeError(
-                f"swap file {f.path} holds {got} bytes where {f.nbytes} were written: it was "
-                "changed or truncated while training ran"
-            )
-        self.moved += got
+        self.read_into(f.path, tensors)
         return tensors
 
     # -- optimizer state in and out --------------------------------------------------------------
 
-    def _take(self, u: FlatUnit, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    def take(self, u: FlatUnit, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """Remove ``u``'s pieces' state from the optimizer: tensors to write (the file's layout
         follows them), scalars kept here."""
         f = self.files[u.index]
@@ -197,10 +297,12 @@ class StateSwap:
         f.layout = layout
         return tensors
 
-    def _put(
-        self, u: FlatUnit, optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]
+    def install(
+        self, u: FlatUnit, optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor] | None
     ) -> None:
         """Give ``u``'s pieces their state back, as the file holds it."""
+        if tensors is None:
+            return
         f = self.files[u.index]
         by_piece: dict[int, dict[str, Any]] = {}
         for (j, k, _, _), t in zip(f.layout, tensors, strict=True):
@@ -212,58 +314,28 @@ class StateSwap:
             elif id(piece) in self.scalars and self.scalars[id(piece)]:
                 optimizer.state[piece] = dict(self.scalars[id(piece)])
 
-    def _submit(self, fn: Any, *args: Any) -> Future[Any]:
-        """On the I/O thread; in the planner's run on this one (its fake tensors are this
-        thread's)."""
-        if not self.dry:
-            return self._io.submit(fn, *args)
-        done: Future[Any] = Future()
-        done.set_result(fn(*args))
-        return done
+    def bring(self, u: FlatUnit) -> list[torch.Tensor] | None:
+        f = self.files[u.index]
+        return self._read(f) if f.layout else None  # no state yet: the first step
 
-    def step(self, optimizer: torch.optim.Optimizer, step_unit: Any) -> None:
-        """Step every unit with its state brought in (``step_unit(u)`` steps ``u``'s pieces
-        only), reading ahead and writing behind on the I/O thread."""
-        units = self.units
-        reads: dict[int, Future[list[torch.Tensor]]] = {}
-
-        def ahead(i: int) -> None:
-            if i < len(units) and self.files[units[i].index].layout:
-                reads[i] = self._submit(self._read, self.files[units[i].index])
-
-        for i in range(min(self.buffer_count, len(units))):
-            ahead(i)
-        writes = []
-        for i, u in enumerate(units):
-            if i in reads:
-                self._put(u, optimizer, reads.pop(i).result())
-            step_unit(u)
-            tensors = self._take(u, optimizer)
-            if tensors:
-                writes.append(self._submit(self._write, self.files[u.index], tensors))
-            del tensors
-            ahead(i + self.buffer_count)
-        for w in writes:
-            w.result()
+    def store(self, u: FlatUnit, tensors: list[torch.Tensor]) -> None:
+        if tensors:
+            self.write(self.files[u.index].path, tensors)
 
     def bring_all(self, optimizer: torch.optim.Optimizer) -> None:
         """Every unit's state into the optimizer (a checkpoint reads it there)."""
         for u in self.units:
-            f = self.files[u.index]
-            if f.layout:
-                self._put(u, optimizer, self._read(f))
+            self.install(u, optimizer, self.bring(u))
 
     def drop_all(self, optimizer: torch.optim.Optimizer) -> None:
         """Take every unit's state out of memory again; the files hold it unchanged."""
         for u in self.units:
-            self._take(u, optimizer)
+            self.take(u, optimizer)
 
     def store_all(self, optimizer: torch.optim.Optimizer) -> None:
         """Write every unit's state (loaded from a checkpoint) to its file, out of memory."""
         for u in self.units:
-            tensors = self._take(u, optimizer)
-            if tensors:
-                self._write(self.files[u.index], tensors)
+            self.store(u, self.take(u, optimizer))
 
     @property
     def disk_bytes(self) -> int:
@@ -271,8 +343,7 @@ class StateSwap:
         return sum(f.nbytes for f in self.files.values())
 
     def close(self) -> None:
-        """Stop the I/O thread and remove this rank's files."""
-        self._io.shutdown(wait=True)
+        """Remove this rank's files."""
         if self.dry:
             return
         for f in self.files.values():
@@ -282,4 +353,13 @@ class StateSwap:
         # file yet would find it gone.
 
 
-__all__ = ["SWAP_DIR", "StateSwap", "check_room", "remove_stale"]
+__all__ = [
+    "SWAP_DIR",
+    "StateSwap",
+    "SwapFiles",
+    "UnitHome",
+    "UnitStream",
+    "check_room",
+    "open_dir",
+    "remove_stale",
+]
