@@ -21,9 +21,12 @@ ZeRO-3 shards them over ``--world-size`` ranks, and ``zero.offload_param`` and
   the limit assumes the two ranks' transfers overlap, so it is one rank's bytes over one
   stream's bandwidth.
 
+The same model and steps then run again with everything in memory (ZeRO-3 without offload: it
+fits this machine, not the budget), for the step time offload costs.
+
 Usage::
 
-    python benchmarks/offload_headline.py          # about 5 minutes here
+    python benchmarks/offload_headline.py          # about 4 minutes here
 
 Writes ``benchmarks/results/offload_headline.json`` (``--out`` to change) with the config,
 versions and machine.
@@ -36,7 +39,6 @@ import datetime
 import json
 import mmap
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -75,6 +77,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-test-mib", type=int, default=512, help="file size of the disk test")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument(
+        "--no-compare-in-memory",
+        dest="compare_in_memory",
+        action="store_false",
+        help="skip the run with everything in memory",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
 
@@ -102,11 +110,31 @@ def _config(args: argparse.Namespace, swap: str | None) -> dict[str, Any]:
     }
 
 
+def _run(args: argparse.Namespace, swap: str | None) -> list[dict[str, Any]]:
+    """One job of ``--world-size`` ranks; each rank's result."""
+    with tempfile.TemporaryDirectory(prefix="ranks-") as out_dir:
+        os.environ.update(MALLOC)
+        mp.spawn(_worker, args=(args, free_port(), swap, out_dir), nprocs=args.world_size)
+        ranks = [
+            json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(args.world_size)
+        ]
+    err = next((r for r in ranks if r.get("error")), None)
+    if err:
+        sys.exit(f"rank {err['rank']} failed:\n{err['traceback']}")
+    return ranks
+
+
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set (``VmHWM``). Not ``ru_maxrss``: that one keeps, across
+    the ``exec`` that starts a spawned rank, the resident set of the parent it was forked from."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, swap: str, out_dir: str) -> None:
+def _worker(rank: int, args: argparse.Namespace, port: int, swap: str | None, out_dir: str) -> None:
     join_loopback(rank, args.world_size, port, args.threads, args.timeout)
     import longboat
 
@@ -124,12 +152,13 @@ def _worker(rank: int, args: argparse.Namespace, port: int, swap: str, out_dir: 
         steps = []
         for i in range(args.warmup + args.steps):
             x, y = synthetic_tokens(args.micro_batch, args.seq_len, args.vocab, gen)
-            before = engine.strategy.offloaded
+            nothing = {"read": 0, "written": 0}
+            before = engine.strategy.offloaded or nothing
             t = time.perf_counter()
             engine.backward(gpt_loss(engine(x), y))
             engine.step()
             wall = time.perf_counter() - t
-            after = engine.strategy.offloaded
+            after = engine.strategy.offloaded or nothing
             if i >= args.warmup:
                 steps.append(
                     {
@@ -222,34 +251,22 @@ def main(argv: list[str] | None = None) -> None:
                 f"read {v['read_bytes_per_s'] / 2**30:.2f} GiB/s",
                 flush=True,
             )
-        with tempfile.TemporaryDirectory(prefix="ranks-") as out_dir:
-            os.environ.update(MALLOC)
-            mp.spawn(
-                _worker,
-                args=(args, free_port(), swap, out_dir),
-                nprocs=args.world_size,
-                join=True,
-            )
-            ranks = [
-                json.loads(Path(out_dir, f"rank{r}.json").read_text())
-                for r in range(args.world_size)
-            ]
+        ranks = _run(args, swap)
         left = sorted(f.name for f in Path(swap).rglob("*.bin"))
-    err = next((r for r in ranks if r.get("error")), None)
-    if err:
-        sys.exit(f"rank {err['rank']} failed:\n{err['traceback']}")
+    # The same model and steps with everything in memory (it fits this machine, not the
+    # budget): what offload costs in step time.
+    plain = _run(args, None) if args.compare_in_memory else []
     summary = []
-    for r in ranks:
+    for r, p in zip(ranks, plain or [None] * len(ranks), strict=True):
         wall = statistics.median(s["wall_s"] for s in r["steps"])
         read = statistics.median(s["read_bytes"] for s in r["steps"])
         written = statistics.median(s["written_bytes"] for s in r["steps"])
-        moved = read + written
         # The time one stream needs to read and write the step's bytes, one after the other.
         limits = {
             k: read / v["read_bytes_per_s"] + written / v["write_bytes_per_s"]
             for k, v in disk.items()
         }
-        row = {
+        row: dict[str, Any] = {
             "rank": r["rank"],
             "peak_rss_bytes": r["peak_rss_bytes"],
             "within_budget": r["peak_rss_bytes"] <= budget,
@@ -259,14 +276,26 @@ def main(argv: list[str] | None = None) -> None:
             "disk_limit_s": limits,
             "step_over_disk_limit": {k: wall / v for k, v in limits.items()},
         }
-        summary.append(row)
-        print(
-            f"rank {r['rank']}: peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB "
-            f"(budget {args.budget_mib:.0f}: {'within' if row['within_budget'] else 'OVER'}), "
-            f"step {wall:.2f} s, moved {moved / 2**30:.2f} GiB/step, disk limit "
-            f"{limits['page_cache']:.2f} s cached / {limits['direct']:.2f} s direct",
-            flush=True,
+        line = (
+            f"rank {r['rank']}: peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB (budget "
+            f"{args.budget_mib:.0f}: {'within' if row['within_budget'] else 'OVER'}), step "
+            f"{wall:.2f} s, moved {(read + written) / 2**30:.2f} GiB/step, disk limit "
+            f"{limits['page_cache']:.2f} s cached / {limits['direct']:.2f} s direct"
         )
+        if p is not None:
+            in_memory = statistics.median(s["wall_s"] for s in p["steps"])
+            row.update(
+                in_memory_peak_rss_bytes=p["peak_rss_bytes"],
+                in_memory_median_step_s=in_memory,
+                offloaded_over_in_memory=wall / in_memory,
+            )
+            line += (
+                f"; in memory: step {in_memory:.2f} s "
+                f"(offloaded/in memory {wall / in_memory:.2f}), peak RSS "
+                f"{p['peak_rss_bytes'] / 2**20:,.0f} MiB"
+            )
+        summary.append(row)
+        print(line, flush=True)
     out = {
         "benchmark": "offload_headline",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -285,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         "summary": summary,
         "swap_files_left": left,
         "ranks": ranks,
+        "ranks_in_memory": plain,
         "versions": versions(),
         "machine": machine(),
         "wall_time_s": time.time() - t0,
