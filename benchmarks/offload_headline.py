@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         "adamw",
         ["zero-3"],
     )
-    in_memory = plan.strategies[0]
-    print(f"ZeRO-3 without offload, planned peak per rank: {in_memory.peak / 2**20:,.0f} MiB")
+    planned = plan.strategies[0]
+    print(f"ZeRO-3 without offload, planned peak per rank: {planned.peak / 2**20:,.0f} MiB")
     args.path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="offload-", dir=args.path) as swap:
         disk = {
@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None) -> None:
             "state_over_budget": state / budget,
         },
         "planned_zero3_without_offload": {
-            "peak_bytes": in_memory.peak,
-            "model_state_bytes": in_memory.model_state,
+            "peak_bytes": planned.peak,
+            "model_state_bytes": planned.model_state,
         },
         "malloc_env": MALLOC,
         "disk": disk,
