@@ -400,6 +400,13 @@ class Zero:
             u.reduced = torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
         u.shard_empty = False
         u.reduce_handle = self.comm.reduce_scatter(u.reduced, send, async_op=True, tag=u.tag)
+        if self._shards is not None:
+            # [Note: parameter offload]: memory is what offload is for, so at most
+            # buffer_count reductions (each a full-size gradient buffer and a shard) are in
+            # flight; without a bound, a backward that outruns the wire holds every unit's.
+            flying = [v for v in self.units[: index + 1] if v.reduced is not None]
+            for v in flying[: max(len(flying) - self._shards.limit, 0)]:
+                self._land(v)
 
     def _land(self, u: FlatUnit) -> None:
         """Wait for ``u``'s reduce-scatter; its result joins the gradient shard (stages 2-3,
