@@ -64,7 +64,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--layers", type=int, default=21)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=64)
