@@ -279,3 +279,52 @@ def test_deepspeeds_offload_param_is_translated(tmp_path):
                 },
             }
         )
+
+
+class _Slow:
+    """A collective's handle that never reports itself complete before it is waited for, as
+    on a wire slower than the backward."""
+
+    def __init__(self, handle: object) -> None:
+        self.handle = handle
+
+    def wait(self) -> None:
+        self.handle.wait()  # type: ignore[attr-defined]
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def _most_in_flight(cfg: dict) -> int:
+    """The most gradient reductions in flight at once during two steps of a GPT whose four
+    units' reductions never finish early."""
+    import longboat
+    from longboat.models import GPT, gpt_loss, synthetic_tokens
+
+    net = GPT(**GPT_ARGS)
+    engine = longboat.initialize(net, torch.optim.AdamW(net.parameters()), cfg)
+    zero, most = engine.strategy, 0
+    launch = zero.comm.reduce_scatter
+
+    def counted(out: torch.Tensor, inp: torch.Tensor, **kw: object) -> _Slow:
+        nonlocal most
+        most = max(most, sum(u.reduced is not None for u in zero.units))
+        return _Slow(launch(out, inp, **kw))
+
+    zero.comm.reduce_scatter = counted
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = synthetic_tokens(4, GPT_ARGS["seq_len"], 128, g)
+        engine.backward(gpt_loss(engine(x), y))
+        engine.step()
+    engine.close()
+    return most
+
+
+def test_reductions_in_flight_are_bounded_by_buffer_count(ranks, tmp_path):
+    # Without the bound, a backward that outran the wire held every unit's full-size gradient
+    # buffer and shard at its end (2.4 GiB peak RSS per rank in offload_headline, 0.9 with it).
+    gpt = _zero3(tmp_path, buffer_count=1, units={"unit_classes": ["_Block"]})
+    cfg = {**harness.QUIET, **gpt, "batch": {"train_batch_size": 8}}
+    # each launch sees at most buffer_count earlier reductions, besides its own
+    assert ranks(2, _most_in_flight, cfg) == [2, 2]
