@@ -10,7 +10,8 @@ zero-1, zero-2, zero-3: replicate all-reduces gradients once; zero-1 and zero-2 
 bytes per step (reduce-scatter plus all-gather of parameters), but with gradient accumulation
 zero-2 reduce-scatters after every micro-batch and zero-1 only at the boundary; zero-3 gathers
 parameters again in forward and backward. Then ZeRO with its optimizer state on disk
-(``zero-N+offload``): it moves the state through the disk twice per step, so it is planned only
+(``zero-N+offload``; ``zero-3+offload`` keeps its parameter and gradient shards there too): it
+moves the state through the disk at least twice per step, so it is planned only
 when a budget is given and nothing else fits (``longboat plan`` without ``--strategies``), or
 when asked for. A parameter server comes last,
 as it needs server ranks beside the workers and every worker's push and pull pass through them.
@@ -38,7 +39,8 @@ from longboat.plan.stages import Shapes, each_stage
 from longboat.plan.target import PlanInputError, Target, whole_model_params
 
 STRATEGIES = ("single", "replicate", "zero-1", "zero-2", "zero-3")
-#: ZeRO with its optimizer state on disk: planned where nothing else fits a budget, or asked for.
+#: ZeRO with its optimizer state (and, stage 3, its parameters and gradients) on disk: planned
+#: where nothing else fits a budget, or asked for.
 OFFLOADED = ("zero-1+offload", "zero-2+offload", "zero-3+offload")
 OFFLOAD_PATH = "<planned>"  # the planner's run on fake tensors writes no file
 PREFERENCE = (  # see [Note: recommendation]
@@ -92,11 +94,17 @@ def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
         update["pipeline"] = type(base.pipeline)()
     if strategy.startswith("zero-"):
         stage, offload = strategy.removeprefix("zero-").partition("+")[::2]
-        zero = {"stage": int(stage)}
+        zero: dict[str, Any] = {"stage": int(stage)}
+        if int(stage) != 3:  # parameters are sharded, and so offloaded, by stage 3 only
+            zero["offload_param"] = type(base.zero.offload_param)()
         if offload:  # [Note: recommendation]: where nothing else fits
             zero["offload_optimizer"] = type(base.zero.offload_optimizer)(
                 device="disk", path=OFFLOAD_PATH
             )
+            if int(stage) == 3:  # and stage 3's parameters and gradients too
+                zero["offload_param"] = type(base.zero.offload_param)(
+                    device="disk", path=OFFLOAD_PATH
+                )
         update["zero"] = base.zero.model_copy(update=zero)
     return base.model_copy(update=update)
 
@@ -118,7 +126,7 @@ class StrategyPlan:
     #: with tensor parallelism: bytes each divided layer sends per step, by module name
     tp_layers: dict[str, int] = field(default_factory=dict)
     role: str = ""  # a strategy whose ranks differ: which ([Note: planning roles])
-    disk: int = 0  # optimizer state on disk (zero-N+offload)
+    disk: int = 0  # model state on disk (offload)
     disk_moved: int = 0  # ... and read and written per step
 
     @property

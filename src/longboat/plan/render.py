@@ -141,7 +141,7 @@ def render(plan: Plan, width: int = 120) -> str:
     for s in plan.strategies:
         if s.disk:
             lines.append(
-                f"  {_row_name(s):<25} optimizer state on disk: {_mib(s.disk)} MiB, read and "
+                f"  {_row_name(s):<25} model state on disk: {_mib(s.disk)} MiB, read and "
                 f"written per step: {_mib(s.disk_moved)} MiB"
             )
     layered = next((s for s in plan.strategies if s.tp_layers), None)

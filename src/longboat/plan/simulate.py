@@ -160,7 +160,7 @@ class Simulated:
     in_flight: int = 0  # most micro-batches whose backward had not run yet (pipeline)
     #: bytes each tensor-parallel layer sends per step, by module name
     tp_layers: dict[str, int] = field(default_factory=dict)
-    #: with ZeRO's optimizer state offloaded: its bytes on disk, and read and written per step
+    #: with ZeRO's state offloaded: its bytes on disk, and read and written per step
     disk: int = 0
     disk_moved: int = 0
 
