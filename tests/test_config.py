@@ -146,16 +146,35 @@ def test_deepspeed_dialect_translates():
             {"train_batch_size": 8, "zero_optimization": {"stage": 4}},
             ["zero_optimization.stage", "4"],
         ),
+        (  # a misspelt key, with the key meant
+            {
+                "train_batch_size": 8,
+                "zero_optimization": {"stage": 3, "stage3_param_persitence_threshold": 10},
+            },
+            ["zero_optimization.stage3_param_persitence_threshold", "stage3_param_persistence"],
+        ),
+        ({"train_batch_size": 8, "gradient_clippping": 1.0}, ["did you mean 'gradient_clipping'"]),
         (
-            {"train_batch_size": 8, "zero_optimization": {"stage": 0, "overlap_comm": True}},
-            ["zero_optimization.overlap_comm"],
+            {"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": True}},
+            ["zero_optimization.cpu_offload", "offload_optimizer"],
+        ),
+        (
+            {"train_batch_size": 8, "zero_optimization": {"zero_hpz_partition_size": 8}},
+            ["zero_optimization.zero_hpz_partition_size", "mesh.dp_shard"],
+        ),
+        ({"train_batch_size": 8, "elasticity": {"enabled": True}}, ["elasticity", "max-restarts"]),
+        ({"train_batch_size": 8, "data_types": {"grad_accum_dtype": "bf16"}}, ["grad_accum_dtype"]),
+        (
+            {"train_batch_size": 8, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}},
+            ["'bf16' and 'bfloat16'"],
         ),
         (
             {"train_batch_size": 8, "fp16": {"enabled": True, "consecutive_hysteresis": True}},
             ["fp16.consecutive_hysteresis"],
         ),
         ({"train_batch_size": 8, "bf16": {"enabled": True, "loss_scale": 0}}, ["bf16.loss_scale"]),
-        ({"train_batch_size": 8, "fp16": {"enabled": "auto"}}, ["fp16.enabled", "auto"]),
+        ({"train_batch_size": 8, "fp16": {"enabled": "auto"}}, ["fp16.enabled", "auto", "fp16="]),
+        ({"train_batch_size": 8, "steps_per_print": "auto"}, ["steps_per_print", "does not"]),
         (
             {"train_batch_size": 8, "communication_data_type": "int8"},
             ["communication_data_type", "int8"],
@@ -290,3 +309,122 @@ def test_explain_shows_values_and_sources(tmp_path):
     assert "t.toml" in lines["batch.train_batch_size"]
     assert "auto -> replicate" in lines["strategy"]
     assert "default" in lines["replicate.bucket_mb"]
+
+
+def test_deepspeed_keys_without_effect_are_accepted_with_one_line_each(caplog):
+    import logging
+
+    ds = {
+        "train_batch_size": 8,
+        "steps_per_print": 50,
+        "prescale_gradients": False,
+        "zero_allow_untested_optimizer": True,
+        "wandb": {"enabled": False},  # off: trains the same
+        "bfloat16": {"enabled": True},  # DeepSpeed's other name for bf16
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "stage3_param_persistence_threshold": 1e4,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+            "zero_hpz_partition_size": 1,  # DeepSpeed's default: off
+        },
+    }
+    with caplog.at_level(logging.INFO, logger="longboat"):
+        cfg = load_config(ds)
+    assert cfg.monitor.every == 50 and cfg.precision.dtype == "bf16"
+    assert (cfg.zero.stage, cfg.zero.prefetch) == (3, False)  # prefetch bucket 0: none
+    said = [r.getMessage() for r in caplog.records if "has no effect here" in r.getMessage()]
+    for key in (
+        "'prescale_gradients'",
+        "'zero_allow_untested_optimizer'",
+        "'zero_optimization.overlap_comm'",
+        "'zero_optimization.contiguous_gradients'",
+        "'zero_optimization.stage3_param_persistence_threshold'",
+        "'zero_optimization.stage3_gather_16bit_weights_on_model_save'",
+    ):
+        assert sum(key in m for m in said) == 1, (key, said)
+    assert not any("steps_per_print" in m or "wandb" in m for m in said)  # translated / off
+
+
+# Hugging Face's DeepSpeed integration docs' style: every value the Trainer knows is "auto".
+HF_AUTO = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "overlap_comm": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+TRAINER = {
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "max_grad_norm": 1.0,
+    "learning_rate": 3e-4,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_epsilon": 1e-8,
+    "weight_decay": 0.1,
+    "warmup_steps": 100,
+    "fp16": False,
+    "bf16": True,
+    "hidden_size": 512,
+}
+
+
+def test_hugging_faces_auto_values_resolve_from_the_trainers_arguments():
+    cfg = load_config(HF_AUTO, trainer_args=TRAINER)
+    assert (cfg.batch.micro_batch_size, cfg.batch.gradient_accumulation_steps) == (4, 2)
+    assert cfg.batch.train_batch_size is None  # derived from the world size, as the Trainer does
+    assert cfg.gradient_clipping == 1.0 and cfg.precision.dtype == "bf16"
+    assert cfg.optimizer is not None and cfg.optimizer.params == {
+        "lr": 3e-4,
+        "betas": [0.9, 0.95],
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+    }
+    assert cfg.scheduler is not None and cfg.scheduler.params == {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 3e-4,
+        "warmup_num_steps": 100,
+    }
+    assert cfg.zero.bucket_mb == 512 * 512 * 4 / 2**20  # hidden_size squared elements
+
+
+def test_an_auto_without_its_trainer_argument_names_both():
+    with pytest.raises(ConfigError) as e:
+        load_config(HF_AUTO, trainer_args={k: v for k, v in TRAINER.items() if k != "adam_beta2"})
+    msg = str(e.value)
+    assert "'optimizer.params.betas' = 'auto'" in msg and "adam_beta2=" in msg, msg
+    with pytest.raises(ConfigError, match="'train_micro_batch_size_per_gpu' = 'auto'"):
+        load_config({"train_micro_batch_size_per_gpu": "auto"})
+
+
+def test_config_explain_takes_trainer_arguments(tmp_path):
+    from typer.testing import CliRunner
+
+    from longboat.cli import app
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(HF_AUTO))
+    args = [f"--trainer-arg={k}={json.dumps(v)}" for k, v in TRAINER.items()]
+    res = CliRunner().invoke(app, ["config", "explain", str(p), "--world-size", "2", *args])
+    assert res.exit_code == 0, res.output
+    assert "train_batch_size" in res.output and "16" in res.output  # 4 x 2 x 2 ranks
+    res = CliRunner().invoke(app, ["config", "explain", str(p), "--world-size", "2"])
+    assert res.exit_code == 2 and "'auto'" in res.output, res.output

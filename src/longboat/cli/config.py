@@ -26,6 +26,13 @@ def config_explain(
     model_args: str | None = typer.Option(
         None, "--model-args", help="JSON keyword arguments for --model"
     ),
+    trainer_arg: list[str] = typer.Option(
+        [],
+        "--trainer-arg",
+        metavar="NAME=VALUE",
+        help="a Hugging Face TrainingArguments value that the config's 'auto' values resolve "
+        "from (repeatable), e.g. per_device_train_batch_size=8",
+    ),
 ) -> None:
     """Show the resolved configuration and how derived values (the batch triple) follow;
     with ``--model``, the layers and parameters of each pipeline stage."""
@@ -36,12 +43,26 @@ def config_explain(
     if world_size < 1:
         raise usage_error(f"--world-size {world_size} is invalid: use 1 or more")
     try:
-        text = config.explain(file, world_size)
+        text = config.explain(file, world_size, _trainer_args(trainer_arg))
         if model is not None:
             text += "\n" + _stages(file, world_size, model, model_args)
     except config.ConfigError as e:
         raise usage_error(str(e)) from None
     print(text)
+
+
+def _trainer_args(pairs: list[str]) -> dict[str, object]:
+    """``NAME=VALUE`` pairs; a value is read as JSON (numbers, true/false), else as text."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not name:
+            raise usage_error(f"--trainer-arg {pair!r} is invalid: write NAME=VALUE")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name] = value
+    return out
 
 
 def _stages(file: Path, world_size: int, spec: str, model_args: str | None) -> str:

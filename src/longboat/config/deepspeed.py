@@ -1,16 +1,24 @@
 """The DeepSpeed JSON dialect, translated into longboat's own config keys.
 
-Only keys longboat implements are accepted; every other DeepSpeed key is named in a
-:class:`~longboat.config.ConfigError` rather than silently ignored, so a DeepSpeed config never
-trains with settings its author did not get.
+Keys with a meaning here keep DeepSpeed's; keys that have no effect here are accepted with one
+log line saying why, features longboat lacks are accepted while switched off, and everything
+else is named in a :class:`~longboat.config.ConfigError` (with the real key a misspelt one is
+closest to) rather than silently ignored, so a DeepSpeed config never trains with settings its
+author did not get ([Note: DeepSpeed keys] in ``deepspeed_keys.py``). Hugging Face's ``"auto"``
+values resolve from the Trainer's arguments ([Note: auto values] in ``deepspeed_auto.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
+from longboat.config import deepspeed_keys as keys
+from longboat.config.deepspeed_auto import resolve_auto
 from longboat.config.errors import ConfigError
+
+log = logging.getLogger("longboat")
 
 # Keys whose presence at the top level marks a mapping as DeepSpeed's (longboat nests these).
 _MARKERS = frozenset(
@@ -44,6 +52,9 @@ _SUPPORTED = frozenset(
         "comms_logger",
         "pipeline",
         "activation_checkpointing",
+        "steps_per_print",
+        "bfloat16",
+        "data_types",
     }
 )
 
@@ -107,15 +118,43 @@ def _block(block: Any, key: str, allowed: set[str]) -> Mapping[str, Any]:
     return block
 
 
-def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """Translate a DeepSpeed config into longboat's keys, with the source of each key."""
-    unknown = sorted(set(data) - _SUPPORTED)
+def _screen(data: Mapping[str, Any], where: str) -> None:
+    """Refuse unknown keys (with the near-miss) and features switched on that longboat lacks;
+    log the keys that have no effect here ([Note: DeepSpeed keys])."""
+    known = _SUPPORTED | set(keys.NO_EFFECT) | set(keys.OFF_ONLY)
+    unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(
-            f"DeepSpeed config in {where}: key(s) {', '.join(repr(k) for k in unknown)} are not "
-            "supported yet; remove them or use longboat's own config keys "
-            "(see `longboat config explain`)"
+            f"DeepSpeed config in {where}: key(s) "
+            + ", ".join(f"{k!r}{keys.near_miss(k, known)}" for k in unknown)
+            + " are not DeepSpeed keys longboat knows; remove them or use longboat's own "
+            "config keys (see `longboat config explain`)"
         )
+    for k in sorted(set(data) & set(keys.OFF_ONLY)):
+        if not keys.disabled(data[k]):
+            raise ConfigError(
+                f"DeepSpeed key '{k}' is switched on in {where}: {keys.OFF_ONLY[k]}; switch it "
+                'off ("enabled": false) or remove it'
+            )
+    for k in sorted(set(data) & set(keys.NO_EFFECT)):
+        if keys.NO_EFFECT[k]:
+            log.info("DeepSpeed key '%s' has no effect here: %s", k, keys.NO_EFFECT[k])
+
+
+def translate(
+    data: Mapping[str, Any], where: str, trainer_args: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Translate a DeepSpeed config into longboat's keys, with the source of each key.
+    ``trainer_args``: Hugging Face Trainer arguments that ``"auto"`` values resolve from."""
+    data = resolve_auto(data, where, trainer_args)
+    if "bfloat16" in data:  # DeepSpeed's other name for the bf16 block
+        if "bf16" in data:
+            raise ConfigError(
+                f"DeepSpeed keys 'bf16' and 'bfloat16' are both in {where}: they name the same "
+                "block; keep one"
+            )
+        data = {("bf16" if k == "bfloat16" else k): v for k, v in data.items()}
+    _screen(data, where)
     out: dict[str, Any] = {}
     src: dict[str, str] = {}
 
@@ -187,6 +226,15 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
                 if k == "output_path" and v == "":
                     continue  # DeepSpeed's default: keep longboat's ("runs")
                 put(f"{key}.{k}", v, f"{ds_key}.{k}")
+    if "steps_per_print" in data:  # DeepSpeed's progress line every N steps
+        put("monitor.every", data["steps_per_print"], "steps_per_print")
+    if "data_types" in data:
+        b = _block(data["data_types"], "data_types", {"grad_accum_dtype"})
+        if b.get("grad_accum_dtype") not in (None, "fp32"):
+            raise ConfigError(
+                f"DeepSpeed key 'data_types.grad_accum_dtype' = {b['grad_accum_dtype']!r} is not "
+                "supported: gradients accumulate in fp32 here; set it to 'fp32' or remove it"
+            )
     if "wall_clock_breakdown" in data:
         put("profile.wall_clock_breakdown", data["wall_clock_breakdown"], "wall_clock_breakdown")
     if "flops_profiler" in data:
@@ -210,15 +258,7 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
         z = data["zero_optimization"]
         if not isinstance(z, Mapping):
             raise ConfigError(f"DeepSpeed key 'zero_optimization' must be an object, got {z!r}")
-        extra = sorted(
-            set(z) - {"stage", "reduce_bucket_size", "offload_optimizer", "offload_param"}
-        )
-        if extra:
-            raise ConfigError(
-                "DeepSpeed key(s) "
-                + ", ".join(f"'zero_optimization.{k}'" for k in extra)
-                + " are not supported yet; remove them"
-            )
+        _screen_zero(z, where)
         stage = z.get("stage", 0)
         if stage == 0:
             put("strategy", "replicate", "zero_optimization.stage")
@@ -235,11 +275,44 @@ def translate(data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict
             raise ConfigError(
                 f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is invalid; use 0, 1, 2 or 3"
             )
+        prefetch = z.get("stage3_prefetch_bucket_size")
+        if prefetch == 0 and stage == 3:  # DeepSpeed prefetches nothing then
+            put("zero.prefetch", False, "zero_optimization.stage3_prefetch_bucket_size")
         if "offload_optimizer" in z:
             _offload(z["offload_optimizer"], "offload_optimizer", stage, put)
         if "offload_param" in z:
             _offload(z["offload_param"], "offload_param", stage, put)
     return out, src
+
+
+# zero_optimization keys that are off at these values (DeepSpeed's defaults)
+_ZERO_OFF = {"zero_hpz_partition_size": (1,), "mics_shard_size": (-1, 0)}
+
+
+def _screen_zero(z: Mapping[str, Any], where: str) -> None:
+    """[Note: DeepSpeed keys] for ``zero_optimization``."""
+    known = keys.ZERO_TRANSLATED | set(keys.ZERO_NO_EFFECT) | set(keys.ZERO_REFUSED)
+    unknown = sorted(set(z) - known)
+    if unknown:
+        raise ConfigError(
+            f"DeepSpeed config in {where}: key(s) "
+            + ", ".join(f"'zero_optimization.{k}'{keys.near_miss(k, known)}" for k in unknown)
+            + " are not DeepSpeed keys longboat knows; remove them"
+        )
+    for k in sorted(set(z) & set(keys.ZERO_REFUSED)):
+        v = z[k]
+        if v in (False, None) or v in _ZERO_OFF.get(k, ()):
+            continue
+        raise ConfigError(
+            f"DeepSpeed key 'zero_optimization.{k}' = {v!r} in {where} is not supported: "
+            f"{keys.ZERO_REFUSED[k]}; remove it"
+        )
+    for k in sorted(set(z) & set(keys.ZERO_NO_EFFECT)):
+        log.info(
+            "DeepSpeed key 'zero_optimization.%s' has no effect here: %s",
+            k,
+            keys.ZERO_NO_EFFECT[k],
+        )
 
 
 # DeepSpeed's offload_optimizer and offload_param blocks: device none/cpu/nvme; nvme_path;

@@ -103,10 +103,14 @@ def _user_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:
     return keys
 
 
-def load(source: Config | Mapping[str, Any] | str | Path | None = None) -> LoadedConfig:
+def load(
+    source: Config | Mapping[str, Any] | str | Path | None = None,
+    trainer_args: Mapping[str, Any] | None = None,
+) -> LoadedConfig:
     """Load a config from a :class:`Config`, a dict, a file path, or ``None`` (all defaults).
 
-    A mapping in the DeepSpeed JSON dialect is recognised by its keys and translated.
+    A mapping in the DeepSpeed JSON dialect is recognised by its keys and translated; its
+    ``"auto"`` values resolve from ``trainer_args`` (Hugging Face ``TrainingArguments`` names).
     """
     if isinstance(source, Config):
         return LoadedConfig(source, {k: "given as Config" for k in source.model_fields_set})
@@ -124,7 +128,7 @@ def load(source: Config | Mapping[str, Any] | str | Path | None = None) -> Loade
         )
     where = origin.strip().removeprefix("in ") or "dict"
     if deepspeed.looks_like_deepspeed(data):
-        data, sources = deepspeed.translate(data, where)
+        data, sources = deepspeed.translate(data, where, trainer_args)
     else:
         sources = {k: f"set in {where}" for k in _user_keys(data)}
     try:
@@ -134,9 +138,12 @@ def load(source: Config | Mapping[str, Any] | str | Path | None = None) -> Loade
     return LoadedConfig(cfg, sources)
 
 
-def load_config(source: Config | Mapping[str, Any] | str | Path | None = None) -> Config:
+def load_config(
+    source: Config | Mapping[str, Any] | str | Path | None = None,
+    trainer_args: Mapping[str, Any] | None = None,
+) -> Config:
     """Load and validate a config; see :func:`load`."""
-    return load(source).config
+    return load(source, trainer_args).config
 
 
 def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
@@ -159,9 +166,13 @@ def _source_of(key: str, sources: dict[str, str]) -> str:
     return "default"
 
 
-def explain(source: Config | Mapping[str, Any] | str | Path | None, world_size: int) -> str:
+def explain(
+    source: Config | Mapping[str, Any] | str | Path | None,
+    world_size: int,
+    trainer_args: Mapping[str, Any] | None = None,
+) -> str:
     """Every resolved value at ``world_size`` processes and where it came from, as text."""
-    loaded = load(source)
+    loaded = load(source, trainer_args)
     cfg = loaded.config
     rows = []
     values = flatten(cfg)
