@@ -184,6 +184,14 @@ def test_deepspeed_dialect_translates():
             ["fp16.enabled", "bf16.enabled"],
         ),
         ({"train_batch_size": 8, "optimizer": {"params": {}}}, ["optimizer", "type"]),
+        (
+            {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {}}},
+            ["'optimizer.type' = 'OneBitAdam'", "torch.optim"],
+        ),
+        (
+            {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {}}},
+            ["'scheduler.type' = 'OneCycle'", "WarmupLR"],
+        ),
         ({"train_batch_size": 8, "pipeline": {"stages": 0}}, ["pipeline.stages", "0"]),
         ({"train_batch_size": 8, "pipeline": {"seed_layers": True}}, ["pipeline.seed_layers"]),
         (

@@ -141,6 +141,27 @@ def _screen(data: Mapping[str, Any], where: str) -> None:
             log.info("DeepSpeed key '%s' has no effect here: %s", k, keys.NO_EFFECT[k])
 
 
+def _check_type(ds_key: str, given: str, typ: str, where: str) -> None:
+    """Refuse a DeepSpeed optimizer or scheduler that is not a torch class (nor one of the
+    warm-up schedules longboat provides) before training, naming it."""
+    import torch
+
+    if ds_key == "optimizer":
+        cls = getattr(torch.optim, typ, None)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            return
+        what = "a torch.optim optimizer (DeepSpeed's own fused and 1-bit ones are not offered)"
+    else:
+        cls = getattr(torch.optim.lr_scheduler, typ, None)
+        if typ in ("WarmupLR", "WarmupDecayLR") or isinstance(cls, type):
+            return
+        what = "WarmupLR, WarmupDecayLR or a torch.optim.lr_scheduler class"
+    raise ConfigError(
+        f"DeepSpeed key '{ds_key}.type' = {given!r} in {where} is not {what}; choose one, or "
+        f"leave the '{ds_key}' block out and pass your own to longboat.initialize"
+    )
+
+
 def translate(
     data: Mapping[str, Any], where: str, trainer_args: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -192,6 +213,7 @@ def translate(
             else:
                 typ = _OPTIMIZERS.get(typ.lower(), typ)
             params.pop("torch_adam", None)
+        _check_type(ds_key, str(block["type"]), typ, where)
         put(ds_key, {"type": typ, "params": params}, ds_key)
 
     fp16 = _enabled(data.get("fp16", {}), "fp16")

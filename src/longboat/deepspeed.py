@@ -1,0 +1,290 @@
+"""DeepSpeed's call sites on longboat: a DeepSpeed training loop runs with one import changed.
+
+[Note: DeepSpeed call sites] ``import longboat.deepspeed as deepspeed`` gives a script written
+for DeepSpeed what it calls: ``deepspeed.add_config_arguments(parser)`` and
+``deepspeed.initialize(args=..., model=..., model_parameters=..., training_data=...,
+config=...)`` returning ``(engine, optimizer, training_dataloader, lr_scheduler)``; the engine
+answers ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``, ``engine.train_batch()``,
+``save_checkpoint(dir, tag, client_state)``, ``load_checkpoint(dir, tag)`` returning ``(path,
+client_state)``, ``engine.module``, ``global_steps``, ``get_lr()`` and the batch getters, with
+DeepSpeed's meanings. Underneath it is :func:`longboat.initialize` and its
+:class:`~longboat.engine.Engine`: the config is read in DeepSpeed's dialect
+(``config/deepspeed.py``) or longboat's own, the process group is joined from the launcher's
+environment (``longboat run``, torchrun; ``deepspeed``'s own launcher sets the same variables),
+and checkpoints are longboat's (they load at any world size and strategy, not into DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from longboat.config import ConfigError
+from longboat.engine import Engine
+from longboat.engine import initialize as _initialize
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line flags: ``--deepspeed``, ``--deepspeed_config FILE`` and the
+    ``--local_rank`` a launcher may pass."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (longboat)")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable it")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the config file")
+    if not any("--local_rank" in a.option_strings for a in parser._actions):
+        group.add_argument("--local_rank", type=int, default=-1, help="set by a launcher")
+    return parser
+
+
+class DeepSpeedEngine:
+    """A longboat :class:`~longboat.engine.Engine` behind DeepSpeed's engine methods."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    # -- training ------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        """The optimizer step at an accumulation boundary; between boundaries nothing (as
+        DeepSpeed's ``step()``, called after every micro-batch)."""
+        skipped = self.engine.skipped_steps
+        if self.engine.step():
+            self._applied = self.engine.skipped_steps == skipped
+
+    def train_batch(
+        self, data_iter: Iterator[Any] | None = None, loss_fn: Callable[..., Any] | None = None
+    ) -> torch.Tensor:
+        """One optimizer step on ``gradient_accumulation_steps()`` micro-batches drawn from
+        ``data_iter`` (default: the ``training_data`` loader given to :func:`initialize`), each
+        an ``(inputs, labels)`` pair, the loss ``loss_fn(outputs, labels)`` (default: the
+        module's ``loss_fn``, as DeepSpeed's ``PipelineModule`` has); returns the mean loss.
+        Runs through the pipeline schedule when ``mesh.pp > 1``."""
+        loss_fn = loss_fn or getattr(self.module, "loss_fn", None)
+        if loss_fn is None:
+            raise ConfigError(
+                "train_batch() needs a loss: give loss_fn=..., or set the module's loss_fn "
+                "attribute (DeepSpeed's PipelineModule(loss_fn=...))"
+            )
+        if data_iter is None:
+            if self.training_dataloader is None:
+                raise ConfigError(
+                    "train_batch() without data_iter needs training_data given to initialize()"
+                )
+            if self._data_iter is None:
+                self._data_iter = iter(_repeating(self.training_dataloader))
+            data_iter = self._data_iter
+        micro = list(itertools.islice(data_iter, self.gradient_accumulation_steps()))
+        if len(micro) < self.gradient_accumulation_steps():
+            raise StopIteration("data_iter ran out within a step")
+        batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
+        mean = self.engine.train_step(batch, lambda out, mb: loss_fn(out, mb[1]))
+        return torch.tensor(mean)
+
+    training_dataloader: Any = None
+    _data_iter: Iterator[Any] | None = None
+
+    def deepspeed_io(self, dataset: Any, **_: Any) -> Any:
+        """This rank's micro-batches of ``dataset`` (longboat's sharded, resumable loader)."""
+        return self.engine.loader(dataset)
+
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.engine.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        self.engine.eval()
+        return self
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, save_dir: str | Path, tag: Any = None, client_state: Any = None, **_: Any
+    ) -> bool:
+        """Save under ``save_dir/tag`` (default tag: ``global_step<N>``, DeepSpeed's); every
+        rank calls it."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        self.engine.save_checkpoint(save_dir, tag, client_state or {})
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        **_: Any,
+    ) -> tuple[str | None, Any]:
+        """Load ``load_dir/tag`` (default: the latest); ``(path, client_state)``, or ``(None,
+        None)`` when there is none, as DeepSpeed returns. Everything saved is loaded: the flags
+        that would load less are refused when set to do so."""
+        for name, full in (
+            ("load_module_strict", load_module_strict),
+            ("load_optimizer_states", load_optimizer_states),
+            ("load_lr_scheduler_states", load_lr_scheduler_states),
+            ("load_module_only", not load_module_only),
+        ):
+            if not full:
+                raise ConfigError(
+                    f"load_checkpoint({name}={not full if name == 'load_module_only' else full}) "
+                    "is not supported: longboat checkpoints load whole; leave it at its default"
+                )
+        loaded = self.engine.load_checkpoint(
+            load_dir, None if tag is None else str(tag), allow_missing=True
+        )
+        if loaded is None:
+            return None, None
+        return str(loaded.path), loaded.client_state
+
+    # -- what DeepSpeed's engine reports -------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.engine.scheduler
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_step
+
+    @property
+    def global_samples(self) -> int:
+        return self.engine.global_step * self.train_batch_size()
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.micro_step
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    @property
+    def global_rank(self) -> int:
+        return self.engine.world.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.engine.world.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.engine.optimizer.param_groups]
+
+    def train_batch_size(self) -> int:
+        return self.engine.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.batch.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_boundary
+
+    def zero_optimization_stage(self) -> int:
+        cfg = self.engine.config
+        return cfg.zero.stage if self.engine.strategy.name.startswith("zero") else 0
+
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped for an fp16 overflow."""
+        return self._applied
+
+    _applied = True
+
+    def destroy(self) -> None:
+        self.engine.close()
+
+
+def _repeating(loader: Iterable[Any]) -> Iterator[Any]:
+    """The loader's batches epoch after epoch (DeepSpeed's ``RepeatingLoader``)."""
+    while True:
+        yield from loader
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    config: Any = None,
+    config_params: Any = None,
+    **_: Any,
+) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, Any, Any]:
+    """DeepSpeed's ``deepspeed.initialize``: ``(engine, optimizer, training_dataloader,
+    lr_scheduler)``. The config is ``config`` (a dict or a path), else ``config_params``, else
+    ``args.deepspeed_config``; the optimizer is ``optimizer`` (or a callable given
+    ``model_parameters``), else the config's ``optimizer`` block over ``model_parameters``;
+    ``lr_scheduler`` may be a scheduler or a callable given the optimizer."""
+    if model is None:
+        raise ConfigError("deepspeed.initialize() needs model=...")
+    config = config if config is not None else config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ConfigError(
+            "deepspeed.initialize() needs a config: config=..., config_params=... or "
+            "args.deepspeed_config (add_config_arguments(parser), --deepspeed_config FILE)"
+        )
+    params = list(model_parameters) if model_parameters is not None else None
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params if params is not None else model.parameters())
+    if optimizer is None and params is not None and not _all_of(params, model):
+        raise ConfigError(
+            "deepspeed.initialize(model_parameters=...) names a subset or groups of the "
+            "model's parameters: build the optimizer yourself and pass optimizer=..."
+        )
+    scheduler = lr_scheduler
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        if optimizer is None:
+            raise ConfigError(
+                "a callable lr_scheduler needs the optimizer: pass optimizer=... as well"
+            )
+        scheduler = lr_scheduler(optimizer)
+    engine = _initialize(model, optimizer, config, scheduler=scheduler)
+    ds = DeepSpeedEngine(engine)
+    loader = ds.deepspeed_io(training_data) if training_data is not None else None
+    ds.training_dataloader = loader
+    return ds, engine.optimizer, loader, engine.scheduler
+
+
+def _all_of(params: list[Any], model: nn.Module) -> bool:
+    """Whether ``params`` are exactly the model's trainable parameters, ungrouped."""
+    if any(isinstance(p, dict) for p in params):
+        return False
+    mine = {id(p) for p in model.parameters() if p.requires_grad}
+    return {id(p) for p in params} == mine
+
+
+__all__ = ["DeepSpeedEngine", "add_config_arguments", "initialize"]
