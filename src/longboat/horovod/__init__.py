@@ -1,0 +1,2 @@
+"""Horovod's API on longboat: ``import longboat.horovod.torch as hvd`` (see
+:mod:`longboat.horovod.torch`)."""

@@ -1,0 +1,87 @@
+"""``longboat.horovod.torch``: Adasum against the published rule on known vectors, the
+collectives at 2 ranks, and a Horovod-style script under ``longboat run -n 2`` against the same
+training under ``replicate`` ([Note: Horovod API], [Note: Adasum])."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import harness
+import pytest
+import torch
+
+from longboat.horovod import adasum
+
+SCRIPTS = Path(__file__).parent / "launch_scripts"
+
+
+def test_adasum_follows_the_published_rule_on_known_vectors():
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0])
+    # a.b = 1, |a|^2 = 1, |b|^2 = 2: (1 - 1/2) a + (1 - 1/4) b
+    assert torch.allclose(adasum.pair(a, b), torch.tensor([1.25, 0.75]))
+    e1, e2 = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, -2.0, 0.0])
+    assert torch.equal(adasum.pair(e1, e2), e1 + e2)  # orthogonal: summed
+    v = torch.tensor([0.5, -1.5, 2.0])
+    assert torch.allclose(adasum.pair(v, v), v)  # equal: averaged
+    assert torch.allclose(adasum.pair(v, -v), torch.zeros(3))  # opposite: cancelled
+    assert torch.equal(adasum.pair(torch.zeros(3), v), v)  # a zero gradient adds nothing
+    g = [torch.randn(5, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    want = adasum.pair(adasum.pair(g[0], g[1]), adasum.pair(g[2], g[3]))
+    assert torch.equal(adasum.tree(g), want)  # ranks 0+1 and 2+3, then the two
+    with pytest.raises(ValueError, match="power-of-two"):
+        adasum.tree(g[:3])
+
+
+def _collectives() -> dict:
+    import longboat.horovod.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    x = torch.tensor([1.0, 2.0]) * (r + 1)
+    out = {
+        "size": hvd.size(),
+        "local": [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()],
+        "average": hvd.allreduce(x).tolist(),
+        "sum": hvd.allreduce(x, op=hvd.Sum).tolist(),
+        "fp16": hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16).tolist(),
+        "adasum": hvd.allreduce(x if r == 0 else torch.tensor([0.0, 3.0]), op=hvd.Adasum).tolist(),
+        "gather": hvd.allgather(torch.full((r + 1, 2), float(r))).tolist(),
+        "broadcast": hvd.broadcast(x, root_rank=1).tolist(),
+        # rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 2 and 1
+        "alltoall": hvd.alltoall(
+            torch.arange(3.0) + 10 * r, torch.tensor([1, 2] if r == 0 else [2, 1])
+        ).tolist(),
+        "object": hvd.broadcast_object({"from": r}, root_rank=0),
+    }
+    return out
+
+
+def test_the_collectives_at_two_ranks(ranks):
+    got = ranks(2, _collectives)
+    for r, out in enumerate(got):
+        assert out["size"] == 2 and out["local"] == [r, 2, 0, 1]
+        assert out["average"] == [1.5, 3.0] and out["sum"] == [3.0, 6.0] == out["fp16"]
+        # [1, 2] and [0, 3]: a.b = 6, |a|^2 = 5, |b|^2 = 9 -> 0.4 a + (2/3) b
+        assert out["adasum"] == pytest.approx([0.4, 2.8])
+        assert out["gather"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert out["broadcast"] == [2.0, 4.0]
+        assert out["object"] == {"from": 0}
+    assert got[0]["alltoall"] == [0.0, 10.0, 11.0] and got[1]["alltoall"] == [1.0, 2.0, 12.0]
+
+
+def _script(*flags: str) -> dict:
+    res = harness.longboat_run("-n", "2", str(SCRIPTS / "horovod_style.py"), *flags)
+    assert res.returncode == 0, res.stdout
+    line = next(ln for ln in res.stdout.splitlines() if '"losses"' in ln)
+    return json.loads(line.split("]: ", 1)[-1])
+
+
+def test_a_horovod_style_script_trains_as_replicate_does():
+    hvd, rep = _script(), _script("--replicate")
+    assert len(hvd["losses"]) == 6
+    for a, b in zip(hvd["losses"], rep["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (hvd["losses"], rep["losses"])
+    for k, v in rep["params"].items():
+        got, want = torch.tensor(hvd["params"][k]), torch.tensor(v)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), k
