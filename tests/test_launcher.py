@@ -101,6 +101,21 @@ def test_every_worker_line_has_one_rank_prefix(
     assert sorted(worker_err) == ["[rank0]: STDERR rank=0", "[rank1]: STDERR rank=1"]
 
 
+def test_local_ranks_filter_and_no_rank_prefix_as_torchrun_users_expect() -> None:
+    script = str(SCRIPTS / "torchrun_allreduce.py")
+    run = _run(
+        _cli("run", "-n", "2", "--standalone", "--local-ranks-filter", "1", "--no-rank-prefix",
+             script)
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    # rank 1's lines only, as the script printed them
+    assert [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")] == [
+        "RESULT rank=1 local_rank=1 world_size=2 sum=3 omp=1 args=[]"
+    ], run.stdout
+    assert "[rank" not in run.stdout and "STDERR rank=1" in run.stderr
+    assert "STDERR rank=0" not in run.stderr
+
+
 @pytest.mark.parametrize(
     ("mode", "named", "code"),
     [
@@ -177,6 +192,9 @@ def test_two_nodes_on_one_machine() -> None:
         (["run", "--master-port", "70000", "{script}"], "--master-port 70000 is not a TCP port"),
         (["run", "--master-port", "{busy_port}", "{script}"], "is already in use"),
         (["run", "-n", "two", "{script}"], "Invalid value for '-n' / '--nproc-per-node'"),
+        (["run", "--local-ranks-filter", "2", "{script}"], "--local-ranks-filter '2'"),
+        (["run", "--local-ranks-filter", "a", "{script}"], "--local-ranks-filter 'a' is invalid"),
+        (["run", "--standalone", "--nnodes", "2", "{script}"], "--standalone with --nnodes 2"),
         (["config", "explain", "no_such.toml", "--world-size", "2"], "'no_such.toml'"),
         (["config", "explain", "{bad_config}", "--world-size", "2"], "'batch.micro_batch_size'"),
     ],

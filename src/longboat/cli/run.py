@@ -47,6 +47,24 @@ def run(
         help="on SIGTERM/SIGINT, seconds the workers get to finish "
         "(e.g. write a final checkpoint) before they are killed",
     ),
+    local_ranks_filter: str | None = typer.Option(
+        None,
+        "--local-ranks-filter",
+        help="show only these local ranks' output, e.g. 0 or 0,2 (torchrun's flag); every "
+        "rank's output is still kept for failure reports",
+    ),
+    rank_prefix: bool = typer.Option(
+        True,
+        "--rank-prefix/--no-rank-prefix",
+        help="put [rankN]: before each worker output line (off for scripts that parse their "
+        "own output)",
+    ),
+    standalone: bool = typer.Option(
+        False,
+        "--standalone",
+        help="torchrun's single-node mode: what longboat run does by default (a free port on "
+        "this host); accepted for torchrun command lines",
+    ),
     doctor: bool = typer.Option(
         False,
         "--doctor",
@@ -56,6 +74,10 @@ def run(
     """Run SCRIPT on N processes per node (a drop-in for torchrun)."""
     from longboat.launch.run import LaunchUsageError, RunOptions, launch, validate
 
+    if standalone and nnodes != 1:
+        raise usage_error(
+            f"--standalone with --nnodes {nnodes}: standalone is one node; drop one of them"
+        )
     opts = RunOptions(
         script=script,
         script_args=tuple(script_args or ()),
@@ -68,6 +90,8 @@ def run(
         log_dir=log_dir,
         rdzv_timeout_s=rdzv_timeout,
         grace_period_s=grace_period,
+        local_ranks_filter=_ranks(local_ranks_filter, nproc_per_node),
+        rank_prefix=rank_prefix,
     )
     try:
         if doctor:
@@ -77,6 +101,26 @@ def run(
     except LaunchUsageError as e:
         raise usage_error(str(e)) from None
     raise typer.Exit(code)
+
+
+def _ranks(text: str | None, nproc_per_node: int) -> frozenset[int] | None:
+    """``--local-ranks-filter``'s comma-separated local ranks."""
+    if text is None:
+        return None
+    try:
+        ranks = frozenset(int(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise usage_error(
+            f"--local-ranks-filter {text!r} is invalid: give local ranks separated by commas, "
+            "e.g. 0 or 0,1"
+        ) from None
+    bad = sorted(r for r in ranks if not 0 <= r < nproc_per_node)
+    if bad or not ranks:
+        raise usage_error(
+            f"--local-ranks-filter {text!r}: local rank(s) {bad or 'none'} not in 0.."
+            f"{nproc_per_node - 1} (-n {nproc_per_node})"
+        )
+    return ranks
 
 
 def _preflight(opts: RunOptions) -> None:

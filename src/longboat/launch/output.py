@@ -23,14 +23,22 @@ _FAILED_MESSAGE = "failed (exitcode: %s) local_rank: %s"
 _ELASTIC_MP_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
-class _OnePrefixStream:
-    """A text stream proxy that writes ``[rankN]: [rankN]: x`` as ``[rankN]: x``."""
+_ANY_PREFIX = re.compile(r"^(\[rank\d+\]: )+")
 
-    def __init__(self, stream: TextIO) -> None:
+
+class _OnePrefixStream:
+    """A text stream proxy that writes ``[rankN]: [rankN]: x`` as ``[rankN]: x`` (or, without
+    prefixes, as ``x``)."""
+
+    def __init__(self, stream: TextIO, prefix: bool = True) -> None:
         self._stream = stream
+        self._prefix = prefix
 
     def write(self, text: str) -> int:
-        self._stream.write(_DOUBLE_PREFIX.sub(r"\1", text, count=1))
+        if self._prefix:
+            self._stream.write(_DOUBLE_PREFIX.sub(r"\1", text, count=1))
+        else:
+            self._stream.write(_ANY_PREFIX.sub("", text, count=1))
         return len(text)
 
     def flush(self) -> None:
@@ -77,15 +85,18 @@ class _FailureLogFilter(logging.Filter):
 
 
 @contextlib.contextmanager
-def worker_console(node_rank: int, nproc_per_node: int, max_restarts: int) -> Iterator[None]:
-    """For the duration of a launch: one rank prefix per line, no log lines we report better."""
+def worker_console(
+    node_rank: int, nproc_per_node: int, max_restarts: int, prefix: bool = True
+) -> Iterator[None]:
+    """For the duration of a launch: one rank prefix per line (or none), no log lines we report
+    better."""
     log_filter = _FailureLogFilter(node_rank, nproc_per_node, max_restarts)
     logger = logging.getLogger(_ELASTIC_MP_LOGGER)
     logger.addFilter(log_filter)
     try:
         with (
-            contextlib.redirect_stdout(_OnePrefixStream(sys.stdout)),  # type: ignore[type-var]
-            contextlib.redirect_stderr(_OnePrefixStream(sys.stderr)),  # type: ignore[type-var]
+            contextlib.redirect_stdout(_OnePrefixStream(sys.stdout, prefix)),  # type: ignore[type-var]
+            contextlib.redirect_stderr(_OnePrefixStream(sys.stderr, prefix)),  # type: ignore[type-var]
         ):
             yield
     finally:

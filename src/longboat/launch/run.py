@@ -66,6 +66,9 @@ class RunOptions:
     # On SIGTERM/SIGINT the agent forwards the signal to the workers and kills them only after
     # this many seconds: time for a final checkpoint (see Engine.should_stop).
     grace_period_s: int = 30
+    # torchrun's --local-ranks-filter: the local ranks whose output is shown (None: all)
+    local_ranks_filter: frozenset[int] | None = None
+    rank_prefix: bool = True  # "[rankN]: " before each worker output line
 
 
 def validate(opts: RunOptions) -> None:
@@ -230,7 +233,9 @@ def launch(opts: RunOptions) -> int:
         reports = stack.enter_context(report_dir(log_dir))
         stack.enter_context(wake_stopped_workers())
         stack.enter_context(reaper)
-        stack.enter_context(worker_console(opts.node_rank, opts.nproc_per_node, opts.max_restarts))
+        stack.enter_context(
+            worker_console(opts.node_rank, opts.nproc_per_node, opts.max_restarts, opts.rank_prefix)
+        )
         stack.enter_context(survivors.watching())
 
         rdzv_configs: dict[str, object] = {"rank": opts.node_rank, "timeout": opts.rdzv_timeout_s}
@@ -254,7 +259,13 @@ def launch(opts: RunOptions) -> int:
             # Prefixes are only applied to tee'd output: the agent redirects each stream to a
             # file under log_dir and tails it onto ours, adding the prefix to every line.
             log_line_prefix_template="[rank${rank}]: ",
-            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
+            logs_specs=DefaultLogsSpecs(
+                log_dir=str(log_dir),
+                tee=Std.ALL,
+                local_ranks_filter=(
+                    set(opts.local_ranks_filter) if opts.local_ranks_filter is not None else None
+                ),
+            ),
             # torch < 2.8 has no such field; its agent then always waits 30 s.
             **(
                 {"shutdown_timeout": opts.grace_period_s}
