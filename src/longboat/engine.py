@@ -24,6 +24,7 @@ from longboat import checkpoint
 from longboat.checkpoint.layout import default_tag
 from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
 from longboat.data import ShardedLoader, make_loader
+from longboat.evaluation import EvalLoader, reduce_metrics
 from longboat.grads import clip_by_global_norm_
 from longboat.mesh import Mesh, MeshError
 from longboat.observe.log import setup_logging
@@ -324,6 +325,32 @@ class Engine:
         return loader
 
     # -- state ---------------------------------------------------------------------------------
+
+    def eval_loader(
+        self,
+        dataset: Dataset,
+        *,
+        batch_size: int | None = None,
+        collate_fn: Callable[..., Any] | None = None,
+    ) -> EvalLoader:
+        """This rank's disjoint share of ``dataset`` for evaluation, in order, every sample on
+        exactly one data-parallel rank and every rank yielding as many batches (a rank whose
+        share ended gets empty ones); sum metrics over the ranks with :meth:`reduce_metrics`.
+        ``batch_size`` defaults to the micro-batch size. See [Note: exact evaluation] in
+        ``longboat/evaluation.py``."""
+        return EvalLoader(
+            dataset,
+            self.topology.coords["dp"],
+            self.topology.mesh.dp,
+            batch_size or self.batch.micro_batch_size,
+            collate_fn,
+            None if self.device.type == "cpu" else self.device,
+        )
+
+    def reduce_metrics(self, values: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
+        """``values`` (sums: correct answers, summed losses, counts) summed over the
+        data-parallel ranks, the same on every rank; every rank calls it."""
+        return reduce_metrics(values, self.topology.control("dp"))
 
     def gathered_parameters(self) -> AbstractContextManager[None]:
         """A context inside which every parameter is whole on every rank, so that one rank may
