@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
-from longboat import checkpoint
+from longboat import checkpoint, sync_batchnorm
 from longboat.checkpoint.layout import default_tag
 from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
 from longboat.data import ShardedLoader, make_loader
@@ -596,6 +596,13 @@ def assemble(
         cfg.tensor_parallel, topology.data("tp"), check_unused=topology.mesh.pp == 1
     )
     tensor.apply(model)
+    if cfg.sync_batchnorm:  # [Note: sync batchnorm]: before the strategy sees the modules
+        n = sync_batchnorm.convert(model, topology.data("dp"))
+        logging.getLogger("longboat").log(
+            logging.INFO if n else logging.WARNING,
+            "sync_batchnorm: %d batch norm layer(s) synchronised over the data-parallel ranks",
+            n,
+        )
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if device.type != "cpu":
         model.to(device)

@@ -382,6 +382,11 @@ class Config(_Section):
     )
     seed: int = 0
     gradient_clipping: float = Field(0.0, ge=0, description="max global grad norm; 0 = off")
+    sync_batchnorm: bool = Field(
+        False,
+        description="batch norm statistics over every data-parallel rank's samples, on any "
+        "device and under every strategy (longboat/sync_batchnorm.py)",
+    )
     batch: BatchConfig = Field(default_factory=BatchConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
