@@ -78,3 +78,84 @@ def test_loader_advances_epoch_by_itself():
 def test_too_small_dataset_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than one step"):
         ShardedSampler(5, 0, 2, 8, remainder="drop")
+
+
+class _Noisy(torch.utils.data.Dataset):
+    """Samples drawn with torch's RNG in the loading process: the worker seeds show."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), float(torch.rand(()))])
+
+
+@pytest.mark.parametrize("workers", [(2, 3, True), (1, None, False)])
+def test_worker_processes_load_what_a_resumed_loader_loads(workers):
+    from longboat.config import load_config
+
+    num_workers, prefetch, persistent = workers
+    cfg = load_config(
+        {
+            "data": {
+                "num_workers": num_workers,
+                "prefetch_factor": prefetch,
+                "persistent_workers": persistent,
+            }
+        }
+    ).data
+
+    def loader():
+        return make_loader(
+            _Noisy(),
+            rank=1,
+            world_size=2,
+            micro_batch_size=3,
+            train_batch_size=6,
+            shuffle=True,
+            seed=0,
+            remainder="drop",
+            announce=False,
+            num_workers=cfg.num_workers,
+            prefetch_factor=cfg.prefetch_factor,
+            persistent_workers=cfg.persistent_workers,
+        )
+
+    a = loader()
+    epochs = [[b.tolist() for b in a] for _ in range(2)]  # two epochs, workers kept or not
+    assert epochs[0] != epochs[1] and len(epochs[0]) == 4
+    # stop mid-epoch 1, resume in a new loader: the rest of that epoch, the same samples and
+    # the same random draws of the workers
+    b = loader()
+    list(b)
+    it = iter(b)
+    head = [next(it).tolist() for _ in range(2)]
+    c = loader()
+    c.load_state_dict(b.state_dict())
+    assert head + [x.tolist() for x in c] == epochs[1]
+
+
+def test_worker_options_need_workers():
+    from longboat.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data\.prefetch_factor needs worker processes"):
+        load_config({"data": {"prefetch_factor": 4}})
+
+
+def test_worker_count_does_not_change_the_draws():
+    def epoch(workers: int) -> list:
+        loader = make_loader(
+            _Noisy(),
+            rank=0,
+            world_size=1,
+            micro_batch_size=4,
+            train_batch_size=4,
+            shuffle=True,
+            seed=1,
+            remainder="drop",
+            announce=False,
+            num_workers=workers,
+        )
+        return [b.tolist() for b in loader]
+
+    assert epoch(1) == epoch(2)

@@ -5,12 +5,22 @@ every rank draws from the same seed and epoch (as ``DistributedSampler`` does). 
 of ``b``, micro-batch ``t`` on all ranks together is then exactly positions ``t*b*n ...
 (t+1)*b*n - 1`` of the permutation: the same samples a single process with a batch of ``b*n``
 would see at step ``t``. That is what lets every strategy be compared with ``single``.
+
+[Note: worker randomness] With worker processes (``data.num_workers > 0``) a dataset that draws
+random numbers in ``__getitem__`` (augmentations) would draw them from each worker's own stream,
+which depends on which worker got which batch and restarts when a run resumes mid-epoch, so a
+resumed run would see other draws than the run it continues. Instead, each sample is loaded with
+torch's, Python's and NumPy's generators seeded from the data seed, the epoch and the sample's
+position in the epoch's permutation: the same draws whatever the number of workers, and after a
+resume. (Without workers, samples draw from the training process's generators, which checkpoints
+restore.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from collections.abc import Callable, Iterator, Sized
 from contextlib import AbstractContextManager
 from typing import Any, Literal
@@ -51,6 +61,8 @@ class ShardedSampler(Sampler[int]):
         self.remainder = remainder
         self.epoch = 0
         self.start = 0  # positions of this rank's shard to skip (resuming mid-epoch)
+        # [Note: worker randomness]: yield (index, epoch, position) for _SeededSamples
+        self.tagged = False
         whole = length // step_samples * step_samples
         self.total = whole if remainder == "drop" or whole == length else whole + step_samples
         self.leftover = length - whole
@@ -68,10 +80,40 @@ class ShardedSampler(Sampler[int]):
         if self.total > self.length:  # pad by repeating from the start of the permutation
             order += (order * (self.total // self.length + 1))[: self.total - self.length]
         order = order[: self.total]
-        return iter(order[self.rank :: self.world_size][self.start :])
+        mine = order[self.rank :: self.world_size][self.start :]
+        if not self.tagged:
+            return iter(mine)
+        first = self.rank + self.start * self.world_size  # global position of mine[0]
+        return iter(
+            (i, self.epoch, first + k * self.world_size)  # type: ignore[misc]
+            for k, i in enumerate(mine)
+        )
 
     def __len__(self) -> int:
         return self.total // self.world_size - self.start
+
+
+class _SeededSamples(Dataset):
+    """``dataset`` whose samples load with generators seeded by their place in the epoch
+    ([Note: worker randomness])."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int, int]) -> Any:
+        index, epoch, position = key
+        s = ((self.seed * 1_000_003 + epoch) * 10_000_019 + position) % 2**63
+        torch.manual_seed(s)
+        random.seed(s)
+        with contextlib.suppress(ImportError):
+            import numpy as np
+
+            np.random.seed(s % 2**32)
+        return self.dataset[index]
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -191,6 +233,8 @@ def make_loader(
     seed: int,
     remainder: Literal["drop", "pad"],
     num_workers: int = 0,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool = False,
     collate_fn: Callable[..., Any] | None = None,
     announce: bool = True,
     device: torch.device | None = None,
@@ -228,6 +272,12 @@ def make_loader(
             remainder,
         )
     kwargs: dict[str, Any] = {"num_workers": num_workers}
+    if num_workers:  # [Note: worker randomness]
+        sampler.tagged = True
+        dataset = _SeededSamples(dataset, seed)
+        kwargs["persistent_workers"] = persistent_workers
+        if prefetch_factor is not None:
+            kwargs["prefetch_factor"] = prefetch_factor
     if collate_fn is not None:
         kwargs["collate_fn"] = collate_fn
     if device is not None and device.type == "cuda":

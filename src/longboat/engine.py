@@ -315,6 +315,8 @@ class Engine:
                 seed=self.config.seed,
                 remainder=d.remainder,
                 num_workers=d.num_workers,
+                prefetch_factor=d.prefetch_factor,
+                persistent_workers=d.persistent_workers,
                 collate_fn=collate_fn,
                 announce=self.world.is_main,
                 device=self.device,

@@ -213,7 +213,25 @@ class DataConfig(_Section):
         "drop",
         description="samples that do not fill every rank: drop them, or pad by repeating samples",
     )
-    num_workers: int = Field(0, ge=0)
+    num_workers: int = Field(
+        0, ge=0, description="worker processes loading batches (0: in the training process)"
+    )
+    prefetch_factor: int | None = Field(
+        None, ge=1, description="batches each worker loads ahead (torch's default: 2)"
+    )
+    persistent_workers: bool = Field(
+        False, description="keep the worker processes from one epoch to the next"
+    )
+
+    @model_validator(mode="after")
+    def _workers_for_worker_options(self) -> DataConfig:
+        for key in ("prefetch_factor", "persistent_workers"):
+            if getattr(self, key) not in (None, False) and self.num_workers == 0:
+                raise ValueError(
+                    f"data.{key} needs worker processes: set data.num_workers to 1 or more, or "
+                    f"remove data.{key}"
+                )
+        return self
 
 
 class CheckpointConfig(_Section):
