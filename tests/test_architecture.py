@@ -16,7 +16,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Layers, lowest first: a module may import its own layer and those below, never above.
 LAYERS = [
     {"longboat.config", "longboat.mesh", "longboat.world", "longboat.roles"},
-    {"longboat.comm", "longboat.data", "longboat.topology", "longboat.models"},
+    {
+        "longboat.comm",
+        "longboat.data",
+        "longboat.evaluation",
+        "longboat.topology",
+        "longboat.models",
+    },
     {
         "longboat.strategies",
         "longboat.precision",
@@ -30,6 +36,7 @@ LAYERS = [
         "longboat.tied",
         "longboat.tensor",
         "longboat.ps",
+        "longboat.sync_batchnorm",
     },
     {"longboat.engine"},
     {
