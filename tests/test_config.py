@@ -155,9 +155,10 @@ def test_deepspeed_dialect_translates():
         ),
         ({"train_batch_size": 8, "gradient_clippping": 1.0}, ["did you mean 'gradient_clipping'"]),
         (
-            {"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": True}},
-            ["zero_optimization.cpu_offload", "offload_optimizer"],
+            {"train_batch_size": 8, "zero_optimization": {"stage": 2, "mics_shard_size": 4}},
+            ["zero_optimization.mics_shard_size", "mesh.dp_shard"],
         ),
+        ({"fp16": {"enabled": True}}, ["'train_batch_size'", "'train_micro_batch_size_per_gpu'"]),
         (
             {"train_batch_size": 8, "zero_optimization": {"zero_hpz_partition_size": 8}},
             ["zero_optimization.zero_hpz_partition_size", "mesh.dp_shard"],
@@ -202,10 +203,6 @@ def test_deepspeed_dialect_translates():
         (
             {"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": True}},
             ["activation_checkpointing.cpu_checkpointing"],
-        ),
-        (
-            {"train_batch_size": 8, "activation_checkpointing": {"partition_activations": True}},
-            ["activation_checkpointing.partition_activations", "tensor-parallel"],
         ),
     ],
 )
@@ -328,6 +325,8 @@ def test_deepspeed_keys_without_effect_are_accepted_with_one_line_each(caplog):
         "prescale_gradients": False,
         "zero_allow_untested_optimizer": True,
         "wandb": {"enabled": False},  # off: trains the same
+        "cuda_visible_devices": "0,1",  # not DeepSpeed's: ignored as DeepSpeed ignores it
+        "activation_checkpointing": {"partition_activations": True},  # no tp ranks to split over
         "bfloat16": {"enabled": True},  # DeepSpeed's other name for bf16
         "zero_optimization": {
             "stage": 3,
@@ -337,12 +336,15 @@ def test_deepspeed_keys_without_effect_are_accepted_with_one_line_each(caplog):
             "stage3_prefetch_bucket_size": 0,
             "stage3_gather_16bit_weights_on_model_save": True,
             "zero_hpz_partition_size": 1,  # DeepSpeed's default: off
+            "cpu_offload": True,  # DeepSpeed's old name for offload_optimizer device cpu
         },
     }
     with caplog.at_level(logging.INFO, logger="longboat"):
         cfg = load_config(ds)
     assert cfg.monitor.every == 50 and cfg.precision.dtype == "bf16"
     assert (cfg.zero.stage, cfg.zero.prefetch) == (3, False)  # prefetch bucket 0: none
+    assert cfg.zero.offload_optimizer.device == "cpu"
+    assert load_config({"train_batch_size": 8, "zero_optimization": True}).zero.stage == 1
     said = [r.getMessage() for r in caplog.records if "has no effect here" in r.getMessage()]
     for key in (
         "'prescale_gradients'",
@@ -354,6 +356,9 @@ def test_deepspeed_keys_without_effect_are_accepted_with_one_line_each(caplog):
     ):
         assert sum(key in m for m in said) == 1, (key, said)
     assert not any("steps_per_print" in m or "wandb" in m for m in said)  # translated / off
+    assert any("partition_activations" in m for m in said)
+    ignored = [r.getMessage() for r in caplog.records if "ignored, as DeepSpeed" in r.getMessage()]
+    assert len(ignored) == 1 and "'cuda_visible_devices'" in ignored[0]
 
 
 # Hugging Face's DeepSpeed integration docs' style: every value the Trainer knows is "auto".

@@ -79,7 +79,10 @@ _FP16_KEYS = (
     "hysteresis",
     "min_loss_scale",
 )
-_PRECISION_KEYS = {"fp16": {"enabled", "auto_cast", *_FP16_KEYS}, "bf16": {"enabled"}}
+_PRECISION_KEYS = {
+    "fp16": {"enabled", "auto_cast", "fp16_master_weights_and_grads", *_FP16_KEYS},
+    "bf16": {"enabled"},
+}
 _COMM_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
 
 
@@ -123,12 +126,24 @@ def _screen(data: Mapping[str, Any], where: str) -> None:
     log the keys that have no effect here ([Note: DeepSpeed keys])."""
     known = _SUPPORTED | set(keys.NO_EFFECT) | set(keys.OFF_ONLY)
     unknown = sorted(set(data) - known)
-    if unknown:
+    misspelt = [k for k in unknown if keys.near_miss(k, known)]
+    if misspelt:
         raise ConfigError(
             f"DeepSpeed config in {where}: key(s) "
-            + ", ".join(f"{k!r}{keys.near_miss(k, known)}" for k in unknown)
-            + " are not DeepSpeed keys longboat knows; remove them or use longboat's own "
-            "config keys (see `longboat config explain`)"
+            + ", ".join(f"{k!r}{keys.near_miss(k, known)}" for k in misspelt)
+            + " are not DeepSpeed keys; correct them or remove them"
+        )
+    if unknown:  # DeepSpeed ignores keys it does not know at the top level; say so, once
+        log.warning(
+            "DeepSpeed config in %s: key(s) %s are not DeepSpeed keys; ignored, as DeepSpeed "
+            "ignores them",
+            where,
+            ", ".join(repr(k) for k in unknown),
+        )
+    if not {"train_batch_size", "train_micro_batch_size_per_gpu"} & set(data):
+        raise ConfigError(
+            f"DeepSpeed config in {where} gives neither 'train_batch_size' nor "
+            "'train_micro_batch_size_per_gpu'; DeepSpeed needs one, and so does longboat"
         )
     for k in sorted(set(data) & set(keys.OFF_ONLY)):
         if not keys.disabled(data[k]):
@@ -224,6 +239,15 @@ def translate(
         )
     if fp16 or bf16:
         put("precision.dtype", "fp16" if fp16 else "bf16", "fp16" if fp16 else "bf16")
+    if (
+        fp16
+        and isinstance(data["fp16"], Mapping)
+        and data["fp16"].get("fp16_master_weights_and_grads")
+    ):
+        log.warning(
+            "DeepSpeed key 'fp16.fp16_master_weights_and_grads' = true: longboat keeps fp32 "
+            "master weights and gradients (more precise than asked, and their memory)"
+        )
     if fp16 and isinstance(data["fp16"], Mapping):
         for k in _FP16_KEYS:
             if k in data["fp16"] and data["fp16"][k] != "auto":
@@ -278,6 +302,8 @@ def translate(
 
     if "zero_optimization" in data:
         z = data["zero_optimization"]
+        if isinstance(z, bool):  # DeepSpeed's oldest form: true is stage 1
+            z = {"stage": 1 if z else 0}
         if not isinstance(z, Mapping):
             raise ConfigError(f"DeepSpeed key 'zero_optimization' must be an object, got {z!r}")
         _screen_zero(z, where)
@@ -300,6 +326,18 @@ def translate(
         prefetch = z.get("stage3_prefetch_bucket_size")
         if prefetch == 0 and stage == 3:  # DeepSpeed prefetches nothing then
             put("zero.prefetch", False, "zero_optimization.stage3_prefetch_bucket_size")
+        for old, new in (
+            ("cpu_offload", "offload_optimizer"),
+            ("cpu_offload_params", "offload_param"),
+        ):
+            if z.get(old) and new not in z:  # DeepSpeed's deprecated switches, as it maps them
+                log.info(
+                    "DeepSpeed key 'zero_optimization.%s' is DeepSpeed's old name for %s with "
+                    "device 'cpu': read as that",
+                    old,
+                    new,
+                )
+                z = {**z, new: {"device": "cpu"}}
         if "offload_optimizer" in z:
             _offload(z["offload_optimizer"], "offload_optimizer", stage, put)
         if "offload_param" in z:
@@ -330,6 +368,8 @@ def _screen_zero(z: Mapping[str, Any], where: str) -> None:
             f"{keys.ZERO_REFUSED[k]}; remove it"
         )
     for k in sorted(set(z) & set(keys.ZERO_NO_EFFECT)):
+        if not keys.ZERO_NO_EFFECT[k]:
+            continue  # translated where it is read
         log.info(
             "DeepSpeed key 'zero_optimization.%s' has no effect here: %s",
             k,
@@ -421,10 +461,14 @@ _AC_KEYS = {
 
 def _activation_checkpointing(block: Any) -> None:
     b = _block(block, "activation_checkpointing", _AC_KEYS)
-    for key, why in (
-        ("partition_activations", "it splits checkpoints over tensor-parallel ranks"),
-        ("cpu_checkpointing", "it copies checkpoints to CPU memory"),
-    ):
+    if b.get("partition_activations", False):
+        # It splits each checkpoint over the model-parallel ranks, which a DeepSpeed config
+        # does not have here (its mesh.tp is 1): a split into one part is the whole.
+        log.info(
+            "DeepSpeed key 'activation_checkpointing.partition_activations' has no effect here: "
+            "there are no tensor-parallel ranks to split checkpoints over"
+        )
+    for key, why in (("cpu_checkpointing", "it copies checkpoints to CPU memory"),):
         if b.get(key, False):
             raise ConfigError(
                 f"DeepSpeed key 'activation_checkpointing.{key}' = true is not supported ({why}); "

@@ -67,6 +67,9 @@ OFF_ONLY: dict[str, str] = {
 }
 
 ZERO_NO_EFFECT: dict[str, str] = {
+    "cpu_offload": "",  # DeepSpeed's old names, read as offload_* (deepspeed.py)
+    "cpu_offload_params": "",
+    "cpu_offload_use_pin_memory": "pinned memory matters with an accelerator only",
     "allgather_partitions": "longboat all-gathers each unit's shards",
     "allgather_bucket_size": "longboat all-gathers unit by unit",
     "overlap_comm": "longboat always overlaps reductions with the backward",
@@ -103,9 +106,6 @@ ZERO_NO_EFFECT: dict[str, str] = {
 
 # zero_optimization keys refused by name (why, and what to use)
 ZERO_REFUSED: dict[str, str] = {
-    "cpu_offload": "it is DeepSpeed's old name; use offload_optimizer with device 'cpu' or 'nvme'",
-    "cpu_offload_params": "it is DeepSpeed's old name; use offload_param",
-    "cpu_offload_use_pin_memory": "it is DeepSpeed's old name; use offload_*.pin_memory",
     "zero_hpz_partition_size": (
         "ZeRO++'s secondary partition is not offered; hybrid sharding is mesh.dp_shard"
     ),
