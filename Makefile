@@ -1,16 +1,18 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# Both build .venv on first use. torch is pinned here (not in pyproject) to the CPU wheel
-# so the bootstrap never pulls a multi-GB CUDA build; users elsewhere bring their own torch.
+# Both build .venv on first use. torch is pinned here (not in pyproject); from PyPI on Linux
+# that pin is the default build with its CUDA libraries (gigabytes): set TORCH_INDEX to
+# PyTorch's CPU index for the CPU-only build (see the README's set-up).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
 .PHONY: demo test lint bench-replicate clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
