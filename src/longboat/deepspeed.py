@@ -46,6 +46,9 @@ class DeepSpeedEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.training_dataloader: Any = None  # set by initialize() from training_data
+        self._data_iter: Iterator[Any] | None = None  # train_batch()'s own, over that loader
+        self._applied = True  # whether the last optimizer step was applied
 
     # -- training ------------------------------------------------------------------------------
 
@@ -92,9 +95,6 @@ class DeepSpeedEngine:
         batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
         mean = self.engine.train_step(batch, lambda out, mb: loss_fn(out, mb[1]))
         return torch.tensor(mean)
-
-    training_dataloader: Any = None
-    _data_iter: Iterator[Any] | None = None
 
     def deepspeed_io(self, dataset: Any, **_: Any) -> Any:
         """This rank's micro-batches of ``dataset`` (longboat's sharded, resumable loader)."""
@@ -218,8 +218,6 @@ class DeepSpeedEngine:
     def was_step_applied(self) -> bool:
         """False when the last optimizer step was skipped for an fp16 overflow."""
         return self._applied
-
-    _applied = True
 
     def destroy(self) -> None:
         self.engine.close()

@@ -254,7 +254,6 @@ class StateSwap(SwapFiles):
 
     def __init__(self, cfg: Any, units: list[FlatUnit], rank: int) -> None:
         self.units = units
-        self.buffer_count = cfg.buffer_count
         if any(u.device.type != "cpu" for u in units):
             raise ConfigError(
                 f"{_KEY}.device = 'disk' with parameters on {units[0].device}: offload to disk "
