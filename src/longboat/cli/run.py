@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,36 @@ def run(
         "--doctor",
         help="run `longboat doctor` with these options first; start SCRIPT only if no check fails",
     ),
+    hostfile: Path | None = typer.Option(
+        None,
+        "--hostfile",
+        help="run on the hosts of this file (`host slots=N` per line, DeepSpeed's and Horovod's "
+        "format): one node per host, slots ranks each, started through --remote-shell",
+    ),
+    host_list: str | None = typer.Option(
+        None, "-H", "--hosts", help="hosts as host:slots,... (Horovod's -H), instead of --hostfile"
+    ),
+    include: str | None = typer.Option(
+        None,
+        "--include",
+        help="only these hosts/slots of the host list, e.g. host1@host2:0,1 (DeepSpeed's flag)",
+    ),
+    exclude: str | None = typer.Option(
+        None, "--exclude", help="leave out these hosts/slots, e.g. host3@host1:2,3 (DeepSpeed's)"
+    ),
+    remote_shell: str = typer.Option(
+        "ssh",
+        "--remote-shell",
+        help="how nodes are started on the hosts: ssh, or netns (network namespaces of this "
+        "machine, for tests)",
+    ),
+    ssh_port: int | None = typer.Option(None, "--ssh-port", help="sshd's port on the hosts"),
+    ssh_option: list[str] | None = typer.Option(
+        None, "--ssh-option", help="an extra ssh -o KEY=VALUE (repeatable)"
+    ),
+    stop_on_eof: bool = typer.Option(
+        False, "--stop-on-eof", hidden=True, help="stop as on SIGTERM when stdin closes"
+    ),
 ) -> None:
     """Run SCRIPT on N processes per node (a drop-in for torchrun)."""
     from longboat.launch.run import LaunchUsageError, RunOptions, launch, validate
@@ -92,7 +123,14 @@ def run(
         grace_period_s=grace_period,
         local_ranks_filter=_ranks(local_ranks_filter, nproc_per_node),
         rank_prefix=rank_prefix,
+        stop_on_stdin_eof=stop_on_eof,
     )
+    if hostfile is None and host_list is None and (include or exclude):
+        raise usage_error("--include/--exclude choose among --hostfile or -H hosts; give one")
+    if hostfile is not None or host_list is not None:
+        _run_on_hosts(
+            opts, hostfile, host_list, include, exclude, remote_shell, ssh_port, ssh_option
+        )
     try:
         if doctor:
             validate(opts)  # usage errors first, before any check runs
@@ -101,6 +139,52 @@ def run(
     except LaunchUsageError as e:
         raise usage_error(str(e)) from None
     raise typer.Exit(code)
+
+
+def _run_on_hosts(
+    opts: RunOptions,
+    hostfile: Path | None,
+    host_list: str | None,
+    include: str | None,
+    exclude: str | None,
+    remote_shell: str,
+    ssh_port: int | None,
+    ssh_option: list[str] | None,
+) -> None:
+    """``--hostfile``/``-H``: one node per host (see :mod:`longboat.launch.multihost`)."""
+    from longboat.launch import hosts as hostlist
+    from longboat.launch import shells
+    from longboat.launch.multihost import DEFAULT_PORT, HostsRun, launch_hosts
+    from longboat.launch.run import LaunchUsageError, validate
+
+    if hostfile is not None and host_list is not None:
+        raise usage_error("--hostfile and -H/--hosts together: give the hosts one way")
+    if opts.nnodes != 1 or opts.node_rank != 0:
+        raise usage_error(
+            "--nnodes/--node-rank with --hostfile/-H: the host list sets both; drop them"
+        )
+    try:
+        found = (
+            hostlist.parse_hostfile(hostfile)
+            if hostfile is not None
+            else hostlist.parse_host_list(host_list or "")
+        )
+        chosen = hostlist.select(found, include, exclude)
+        shell = shells.make(remote_shell, ssh_port, tuple(ssh_option or ()))
+    except ValueError as e:
+        raise usage_error(str(e)) from None
+    run = HostsRun(
+        hosts=tuple(chosen),
+        shell=shell,
+        node=opts,
+        master_port=opts.master_port or DEFAULT_PORT,
+        master_addr=None if opts.master_addr == "127.0.0.1" else opts.master_addr,
+    )
+    try:
+        validate(replace(opts, nnodes=len(chosen), master_port=run.master_port))
+    except LaunchUsageError as e:
+        raise usage_error(str(e)) from None
+    raise typer.Exit(launch_hosts(run))
 
 
 def _ranks(text: str | None, nproc_per_node: int) -> frozenset[int] | None:

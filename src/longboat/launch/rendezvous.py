@@ -18,13 +18,15 @@ things:
 * every store serves a socket **already bound** to the chosen address (``master_listen_fd``), so
   it listens only there and no other process can take the port in between.
 
-Multi-node consequence: besides ``--master-port``, node 0 opens one more port per attempt (chosen
-by the OS) that the other nodes must reach.
+Ports: when the user names ``--master-port P``, attempt ``k``'s worker store listens on
+``P + 1 + k`` (so a job with ``--max-restarts R`` uses ports P to P + 1 + R on node 0, a range a
+firewall rule can name); without one (a single node), on a free port the OS picks.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
@@ -40,6 +42,7 @@ from longboat.launch.listen import bind_listener
 
 BACKEND = "longboat-static"
 LISTEN_FD_KEY = "listen_fd"
+WORKER_PORT_BASE_KEY = "worker_port_base"
 _WORKER_PORT_KEY = "longboat/worker_store_port/{attempt}"
 
 
@@ -55,6 +58,7 @@ class StaticRendezvous(RendezvousHandler):
         run_id: str,
         timeout: datetime.timedelta,
         listen_fd: int | None,
+        worker_port_base: int | None = None,
     ) -> None:
         self._addr = master_addr
         self._port = master_port
@@ -63,6 +67,7 @@ class StaticRendezvous(RendezvousHandler):
         self._run_id = run_id
         self._timeout = timeout
         self._listen_fd = listen_fd
+        self._worker_port_base = worker_port_base
         self._store: Store | None = None
         # Node 0 keeps the current attempt's worker store alive; replacing it shuts the old down.
         self._worker_store: TCPStore | None = None
@@ -94,7 +99,7 @@ class StaticRendezvous(RendezvousHandler):
         self._attempt += 1
         key = _WORKER_PORT_KEY.format(attempt=self._attempt)
         if self._node_rank == 0:
-            sock = bind_listener(self._addr, 0)
+            sock = self._worker_listener()
             port = sock.getsockname()[1]
             self._worker_store = TCPStore(
                 self._addr,
@@ -111,6 +116,19 @@ class StaticRendezvous(RendezvousHandler):
         return RendezvousInfo(
             store, self._node_rank, self._nnodes, RendezvousStoreInfo(self._addr, port)
         )
+
+    def _worker_listener(self) -> socket.socket:
+        if self._worker_port_base is None:
+            return bind_listener(self._addr, 0)
+        port = self._worker_port_base + self._attempt
+        try:
+            return bind_listener(self._addr, port)
+        except OSError as e:
+            raise RuntimeError(
+                f"longboat: cannot listen on {self._addr}:{port} for attempt {self._attempt}'s "
+                f"worker store (--master-port + {1 + self._attempt}): {e.strerror or e}; "
+                "choose a --master-port with the ports after it free"
+            ) from e
 
     def is_closed(self) -> bool:
         """A static job is never closed to new rounds (restarts reuse it)."""
@@ -143,6 +161,11 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
         run_id=params.run_id,
         timeout=datetime.timedelta(seconds=int(params.config.get("timeout", 900))),
         listen_fd=None if listen_fd is None else int(listen_fd),
+        worker_port_base=(
+            None
+            if params.config.get(WORKER_PORT_BASE_KEY) is None
+            else int(params.config[WORKER_PORT_BASE_KEY])
+        ),
     )
 
 

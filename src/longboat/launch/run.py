@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class RunOptions:
     # torchrun's --local-ranks-filter: the local ranks whose output is shown (None: all)
     local_ranks_filter: frozenset[int] | None = None
     rank_prefix: bool = True  # "[rankN]: " before each worker output line
+    # Started by the hostfile launcher: stop (as on SIGTERM) when stdin closes, which is how
+    # that launcher stops every node when one fails, through ssh as well.
+    stop_on_stdin_eof: bool = False
 
 
 def validate(opts: RunOptions) -> None:
@@ -161,6 +165,13 @@ def _agent_environment(opts: RunOptions, marker: str, roles_dir: Path) -> Iterat
     # As torchrun: N processes each spawning one OpenMP thread per core overload the machine.
     if "OMP_NUM_THREADS" not in os.environ and opts.nproc_per_node > 1:
         wanted["OMP_NUM_THREADS"] = "1"
+    if opts.nnodes > 1:
+        from longboat.launch.node_interface import master_route_interface
+
+        chosen, why = master_route_interface(opts.master_addr, os.environ)
+        wanted.update(chosen)
+        if chosen:
+            report(f"longboat: node {opts.node_rank}: gloo and NCCL use {why}")
     saved = {key: os.environ.get(key) for key in wanted}
     os.environ.update(wanted)
     try:
@@ -200,6 +211,22 @@ def _stderr_tail(log_dir: Path, local_rank: int) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
+def _stop_when_stdin_closes() -> None:
+    """Send ourselves SIGTERM once stdin reaches its end (see ``RunOptions.stop_on_stdin_eof``)."""
+
+    def watch() -> None:
+        # os.read on the descriptor, not sys.stdin: a daemon thread blocked in a buffered
+        # read holds its lock, and interpreter shutdown then aborts trying to take it.
+        try:
+            while os.read(0, 4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="longboat-stdin-eof", daemon=True).start()
+
+
 def launch(opts: RunOptions) -> int:
     """Run this node's workers to the end; return the exit status the launcher should exit with.
 
@@ -237,10 +264,14 @@ def launch(opts: RunOptions) -> int:
             worker_console(opts.node_rank, opts.nproc_per_node, opts.max_restarts, opts.rank_prefix)
         )
         stack.enter_context(survivors.watching())
+        if opts.stop_on_stdin_eof:
+            _stop_when_stdin_closes()
 
         rdzv_configs: dict[str, object] = {"rank": opts.node_rank, "timeout": opts.rdzv_timeout_s}
         if listen_fd is not None:
             rdzv_configs[rendezvous.LISTEN_FD_KEY] = listen_fd
+        if opts.master_port is not None:
+            rdzv_configs[rendezvous.WORKER_PORT_BASE_KEY] = opts.master_port + 1
         config = LaunchConfig(
             min_nodes=opts.nnodes,
             max_nodes=opts.nnodes,

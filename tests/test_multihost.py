@@ -1,0 +1,370 @@
+"""Many machines: host lists, the environment forwarded, interface discovery, and whole jobs run
+across network-namespace hosts (see tests/netns_hosts.py) through ``--hostfile`` and per node.
+
+The namespace tests need root and ``ip``; CI runs as root. Every namespace is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from netns_hosts import DECOY_ADDR, NetnsHosts, netns_hosts, unavailable
+
+from longboat.launch.discovery import DiscoveryError, _choose
+from longboat.launch.forward_env import EnvFileError, forwarded
+from longboat.launch.hosts import Host, HostsError, parse_host_list, parse_hostfile, select
+from longboat.launch.shells import command_line, make
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).parent / "launch_scripts"
+ALLREDUCE = SCRIPTS / "allreduce_then_wait.py"
+DIGITS = REPO / "examples" / "digits.py"
+TIMEOUT_S = 180
+
+needs_netns = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+
+# ---------------------------------------------------------------- host lists (no processes)
+
+
+def test_hostfile_reads_deepspeed_and_horovod_files(tmp_path: Path) -> None:
+    f = tmp_path / "hostfile"
+    f.write_text("# the cluster\nworker-0 slots=4\n\nworker-1   slots = 2  # half\nworker-2\n")
+    assert parse_hostfile(f) == [
+        Host("worker-0", (0, 1, 2, 3)),
+        Host("worker-1", (0, 1)),
+        Host("worker-2", (0,)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("a slots=2\nb slots=1\na slots=2\n", "listed twice (first on line 1)"),
+        ("a slots=two\n", "slots='two'"),
+        ("a slots=0\n", "slots='0'"),
+        ("a gpus=2\n", "is not `host slots=N`"),
+        ("# nothing\n", "lists no host"),
+    ],
+)
+def test_bad_hostfiles_are_refused_naming_the_line(tmp_path: Path, text: str, named: str) -> None:
+    f = tmp_path / "hostfile"
+    f.write_text(text)
+    with pytest.raises(HostsError, match=re.escape(named)):
+        parse_hostfile(f)
+
+
+def test_dash_h_is_horovods_host_list() -> None:
+    assert parse_host_list("n1:2,n2") == [Host("n1", (0, 1)), Host("n2", (0,))]
+    with pytest.raises(HostsError, match="listed twice"):
+        parse_host_list("n1:2,n1:2")
+
+
+def test_include_and_exclude_mean_what_they_mean_in_deepspeed() -> None:
+    hosts = [Host("a", (0, 1, 2, 3)), Host("b", (0, 1, 2, 3)), Host("c", (0, 1))]
+    assert select(hosts, include="a@c:1") == [Host("a", (0, 1, 2, 3)), Host("c", (1,))]
+    assert select(hosts, exclude="b@a:0,1") == [Host("a", (2, 3)), Host("c", (0, 1))]
+    assert select(hosts, exclude="c:0,1") == hosts[:2]  # a host left with no slot is dropped
+    assert not select(hosts, include="c:1")[0].all_slots  # -> CUDA_VISIBLE_DEVICES=1 there
+    with pytest.raises(HostsError, match="host 'd' is not in the host list"):
+        select(hosts, include="d")
+    with pytest.raises(HostsError, match=re.escape("has slots 0..1, not")):
+        select(hosts, include="c:5")
+    with pytest.raises(HostsError, match="together"):
+        select(hosts, include="a", exclude="b")
+    with pytest.raises(HostsError, match="leaves no host"):
+        select(hosts, exclude="a@b@c")
+
+
+def test_environment_forwarded_by_rule_and_env_file(tmp_path: Path) -> None:
+    (tmp_path / ".longboat_env").write_text("# ours\nexport NCCL_DEBUG=INFO\nMY_VAR='x y'\n")
+    env = {
+        "PYTHONPATH": "/src",
+        "NCCL_IB_DISABLE": "1",
+        "GLOO_SOCKET_IFNAME": "eth1",
+        "LONGBOAT_X": "1",
+        "LONGBOAT_LAUNCH_ID": "not this",  # each launch sets its own
+        "HOME": str(tmp_path / "nohome"),
+        "SECRET_TOKEN": "never",
+        "PATH": "/bin",
+    }
+    assert forwarded(env, tmp_path) == {
+        "PYTHONPATH": "/src",
+        "NCCL_IB_DISABLE": "1",
+        "GLOO_SOCKET_IFNAME": "eth1",
+        "LONGBOAT_X": "1",
+        "NCCL_DEBUG": "INFO",
+        "MY_VAR": "x y",
+    }
+    (tmp_path / ".longboat_env").write_text("not a pair\n")
+    with pytest.raises(EnvFileError, match=r"\.longboat_env:1: 'not a pair' is not KEY=VALUE"):
+        forwarded(env, tmp_path)
+
+
+def test_remote_command_keeps_directory_variables_and_arguments_intact() -> None:
+    line = command_line(Path("/a dir"), {"X": "it's"}, ["python", "-c", "print(1); print(2)"])
+    out = subprocess.run(
+        ["sh", "-c", line.replace("exec env", "exec env -i")],  # no inherited variables
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    # The directory does not exist: the shell says so, so the cd really is part of the line.
+    assert "/a dir" in out.stderr
+    assert make("ssh", 2222, ("IdentityFile=/k",)).argv("h", "true")[:9] == [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "ConnectTimeout=30",
+        "-p",
+        "2222",
+        "-o",
+        "IdentityFile=/k",
+    ]
+    with pytest.raises(ValueError, match="--remote-shell 'rsh' is not known"):
+        make("rsh")
+
+
+def _hello(interfaces: dict[str, list[str]]) -> dict[str, object]:
+    return {"interfaces": interfaces, "listening": {a: 1 for v in interfaces.values() for a in v}}
+
+
+def test_discovery_keeps_only_interfaces_every_peer_reached() -> None:
+    hello = {
+        "h0": _hello({"docker0": ["172.17.0.1"], "eth0": ["10.0.0.1"]}),
+        "h1": _hello({"docker0": ["172.17.0.1"], "ens5": ["10.0.0.2"]}),
+        "h2": _hello({"ens5": ["10.0.0.3"], "wg0": ["10.9.0.3"]}),
+    }
+    results = {
+        "h0": {"reached": [["h1", "ens5"], ["h2", "ens5"], ["h2", "wg0"]], "failed": {}},
+        "h1": {"reached": [["h0", "eth0"], ["h2", "ens5"]], "failed": {"h2 wg0 10.9.0.3": "x"}},
+        "h2": {
+            "reached": [["h0", "eth0"], ["h1", "ens5"]],
+            "failed": {"h0 docker0 172.17.0.1": "answered by another host (h2/..)"},
+        },
+    }
+    found = _choose(["h0", "h1", "h2"], hello, results, 0.1)
+    assert {h: n.chosen for h, n in found.hosts.items()} == {
+        "h0": "eth0",
+        "h1": "ens5",
+        "h2": "ens5",
+    }
+    assert found.hosts["h2"].reachable == ["ens5"]  # wg0 only reached from h0
+    assert found.hosts["h0"].address == "10.0.0.1"
+    results["h1"]["reached"] = [["h2", "ens5"]]  # nobody reaches h0 from h1 any more
+    with pytest.raises(DiscoveryError, match="host h0: no interface reached from every other host"):
+        _choose(["h0", "h1", "h2"], hello, results, 0.1)
+
+
+# ---------------------------------------------------------------- jobs across namespace hosts
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "longboat.cli", *args]
+
+
+def _run(argv: Sequence[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, **kw
+    )
+    return done
+
+
+def _results(out: str) -> list[tuple[str, int, int, str]]:
+    """(host prefix, rank, world size, sum) per RESULT line."""
+    pattern = r"^(?:(\S+): )?\[rank\d+\]: RESULT rank=(\d+) world_size=(\d+) sum=(\S+) "
+    return [
+        (m[1] or "", int(m[2]), int(m[3]), m[4]) for m in re.finditer(pattern, out, re.MULTILINE)
+    ]
+
+
+@pytest.fixture(scope="module")
+def hosts3() -> Iterator[NetnsHosts]:
+    if unavailable():
+        pytest.skip(str(unavailable()))
+    with netns_hosts(3) as hosts:
+        yield hosts
+
+
+def _hostfile(tmp_path: Path, hosts: Sequence[str], slots: Sequence[int] | int = 1) -> Path:
+    counts = [slots] * len(hosts) if isinstance(slots, int) else list(slots)
+    f = tmp_path / "hostfile"
+    f.write_text("".join(f"{h} slots={n}\n" for h, n in zip(hosts, counts, strict=True)))
+    return f
+
+
+@needs_netns
+def test_digits_across_three_hosts_equals_four_ranks_on_one_machine(
+    hosts3: NetnsHosts, tmp_path: Path
+) -> None:
+    """The default example through --hostfile over namespace hosts (2 + 1 + 1 ranks): discovery
+    skips the decoy, and the run is the very run 4 ranks make on one machine (same loss, same
+    accuracy)."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
+    hostfile = _hostfile(tmp_path, hosts3.names, slots=(2, 1, 1))
+    args = (str(DIGITS), "--epochs", "1")
+    many = _run(_cli("run", "--hostfile", str(hostfile), "--remote-shell", "netns", *args), env=env)
+    assert many.returncode == 0, many.stderr[-3000:]
+    one = _run(_cli("run", "-n", "4", *args))
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    for i, name in enumerate(hosts3.names):
+        assert f"{name} eth0 ({hosts3.addr(i)}), skipped docker0" in many.stderr
+    last = re.compile(r"^(?:\S+: )?\[rank0\]: (steps=.*|accuracy=.*)$", re.MULTILINE)
+    assert last.findall(many.stdout) == last.findall(one.stdout) != []
+    assert re.search(rf"^{hosts3.names[0]}: \[rank0\]: accuracy=", many.stdout, re.MULTILINE)
+    assert all(not hosts3.pids(n) for n in hosts3.names)  # nothing left on any host
+
+
+def _per_node(
+    hosts: NetnsHosts, launcher: Sequence[str], port: int, extra_env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """Start node i in namespace i by hand (as on real machines), wait for both."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
+    env.update(extra_env or {})
+    procs = [
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                hosts.names[i],
+                *launcher,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--master-addr",
+                hosts.addr(0),
+                "--master-port",
+                str(port),
+                str(ALLREDUCE),
+                "--timeout",
+                "5",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        for i in range(2)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=TIMEOUT_S)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@needs_netns
+def test_wrong_interface_trap_reproduced_with_torchrun_and_avoided_per_node(
+    hosts3: NetnsHosts,
+) -> None:
+    """Each host's name resolves to its docker bridge (172.18.0.1, on every host): torchrun's
+    workers bind there and dial their own bridge. longboat's per-node agent routes gloo through
+    the interface that reaches the master and the same job passes."""
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "1"]
+    naive = _per_node(hosts3, torchrun, 29711)
+    assert any(p.returncode != 0 for p in naive)
+    said = "".join(p.stdout + p.stderr for p in naive)
+    assert f"remote=[{DECOY_ADDR}]" in said, said[-3000:]
+
+    ours = _per_node(hosts3, _cli("run", "-n", "1"), 29712)
+    assert [p.returncode for p in ours] == [0, 0], ours[0].stderr[-2000:] + ours[1].stderr[-2000:]
+    results = [r for p in ours for r in _results(p.stdout)]
+    assert sorted(r[1:] for r in results) == [(0, 2, "3"), (0, 2, "3"), (1, 2, "3"), (1, 2, "3")]
+    assert "gloo and NCCL use eth0 (10.77.0.2), the interface that reaches the master" in (
+        ours[1].stderr
+    )
+
+
+@needs_netns
+def test_no_job_listener_on_the_wildcard(hosts3: NetnsHosts, tmp_path: Path) -> None:
+    """While a 3-host job waits between two all_reduces, every TCP listener on every host is
+    bound to that host's job address, none to 0.0.0.0 or ::."""
+    hostfile = _hostfile(tmp_path, hosts3.names, slots=2)
+    seen: dict[str, set[str]] = {n: set() for n in hosts3.names}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            for n in hosts3.names:
+                seen[n].update(hosts3.listeners(n))
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        run = _run(
+            _cli(
+                "run",
+                "--hostfile",
+                str(hostfile),
+                "--remote-shell",
+                "netns",
+                "--master-port",
+                "29720",
+                str(ALLREDUCE),
+                "--wait",
+                "3",
+            ),
+        )
+    finally:
+        done.set()
+        sampler.join()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(_results(run.stdout)) == 12  # 6 ranks x 2 all_reduces
+    for i, name in enumerate(hosts3.names):
+        assert seen[name], f"no listener seen on {name}: the sampler missed the run"
+        wild = [a for a in seen[name] if a.startswith(("0.0.0.0:", "*:", "[::]:"))]
+        assert not wild, f"{name} listened on the wildcard: {sorted(seen[name])}"
+        assert {a.rsplit(":", 1)[0] for a in seen[name]} == {hosts3.addr(i)}, seen[name]
+    ports0 = {int(a.rsplit(":", 1)[1]) for a in seen[hosts3.names[0]]}
+    assert {29720, 29721} <= ports0  # the rendezvous store, then attempt 0's worker store
+
+
+@needs_netns
+def test_one_host_failing_stops_every_host(hosts3: NetnsHosts, tmp_path: Path) -> None:
+    hostfile = _hostfile(tmp_path, hosts3.names)
+    run = _run(
+        _cli(
+            "run",
+            "--hostfile",
+            str(hostfile),
+            "--remote-shell",
+            "netns",
+            "--grace-period",
+            "2",
+            str(ALLREDUCE),
+            "--wait",
+            "60",
+            "--fail-rank",
+            "1",
+        ),
+    )
+    assert run.returncode == 3, run.stderr[-3000:]
+    assert f"longboat: host {hosts3.names[1]} failed (status 3); stopping" in run.stderr
+    assert all(not hosts3.pids(n) for n in hosts3.names)
+
+
+@needs_netns
+def test_unreachable_hosts_are_each_named_before_anything_starts(
+    hosts3: NetnsHosts, tmp_path: Path
+) -> None:
+    hostfile = _hostfile(tmp_path, [hosts3.names[0], "lbnohostA", "lbnohostB"])
+    run = _run(_cli("run", "--hostfile", str(hostfile), "--remote-shell", "netns", str(ALLREDUCE)))
+    assert run.returncode == 1
+    for missing in ("lbnohostA", "lbnohostB"):
+        assert f"longboat: host {missing} cannot run commands through netns" in run.stderr
+    assert "2 of 3 host(s) unreachable" in run.stderr
+    assert "RESULT" not in run.stdout
