@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Layers, lowest first: a module may import its own layer and those below, never above.
 LAYERS = [
-    {"longboat.config", "longboat.mesh", "longboat.world", "longboat.roles"},
+    {"longboat.config", "longboat.mesh", "longboat.world", "longboat.roles", "longboat.network"},
     {
         "longboat.comm",
         "longboat.data",

@@ -291,7 +291,8 @@ def test_wrong_interface_trap_reproduced_with_torchrun_and_avoided_per_node(
 @needs_netns
 def test_no_job_listener_on_the_wildcard(hosts3: NetnsHosts, tmp_path: Path) -> None:
     """While a 3-host job waits between two all_reduces, every TCP listener on every host is
-    bound to that host's job address, none to 0.0.0.0 or ::."""
+    bound to that host's job address (discovery's probe: to each address, on --master-port),
+    none to 0.0.0.0 or ::."""
     hostfile = _hostfile(tmp_path, hosts3.names, slots=2)
     seen: dict[str, set[str]] = {n: set() for n in hosts3.names}
     done = threading.Event()
@@ -328,7 +329,10 @@ def test_no_job_listener_on_the_wildcard(hosts3: NetnsHosts, tmp_path: Path) -> 
         assert seen[name], f"no listener seen on {name}: the sampler missed the run"
         wild = [a for a in seen[name] if a.startswith(("0.0.0.0:", "*:", "[::]:"))]
         assert not wild, f"{name} listened on the wildcard: {sorted(seen[name])}"
-        assert {a.rsplit(":", 1)[0] for a in seen[name]} == {hosts3.addr(i)}, seen[name]
+        # Discovery's probe listens on each candidate address, on --master-port only, before
+        # the choice; everything after is on the chosen interface's address.
+        others = {a for a in seen[name] if not a.startswith(f"{hosts3.addr(i)}:")}
+        assert {a.rsplit(":", 1)[1] for a in others} <= {"29720"}, seen[name]
     ports0 = {int(a.rsplit(":", 1)[1]) for a in seen[hosts3.names[0]]}
     assert {29720, 29721} <= ports0  # the rendezvous store, then attempt 0's worker store
 
@@ -368,3 +372,52 @@ def test_unreachable_hosts_are_each_named_before_anything_starts(
         assert f"longboat: host {missing} cannot run commands through netns" in run.stderr
     assert "2 of 3 host(s) unreachable" in run.stderr
     assert "RESULT" not in run.stdout
+
+
+@needs_netns
+def test_a_cut_link_is_named_by_every_survivor_within_the_timeout(
+    hosts3: NetnsHosts, tmp_path: Path
+) -> None:
+    """Two hosts train; host 1's link goes down mid-run. Each side names the other host as lost
+    within comm.timeout_s + 1 s of the cut, and the job ends with a failure."""
+    timeout_s = 5.0
+    h0, h1 = hosts3.names[:2]
+    hostfile = _hostfile(tmp_path, [h0, h1])
+    proc = subprocess.Popen(
+        _cli("run", "--hostfile", str(hostfile), "--remote-shell", "netns", "--grace-period",
+             "2", str(SCRIPTS / "train_until_cut.py"), str(timeout_s)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )  # fmt: skip
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not all(any(f"{h}: [rank" in t and "STEP 20" in t for _, t in lines) for h in (h0, h1)):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(t for _, t in lines)
+        time.sleep(0.1)
+    cut = time.monotonic()
+    hosts3.link(1, up=False)
+    try:
+        proc.wait(timeout=90)
+    finally:
+        hosts3.link(1, up=True)
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    said = "".join(t for _, t in lines)
+    assert proc.returncode != 0, said[-3000:]
+    for host, other in ((h0, h1), (h1, h0)):
+        named = [
+            when
+            for when, t in lines
+            if t.startswith(f"{host}: ") and f"lost: host {other} (node" in t
+        ]
+        assert named, f"{host} never named {other}:\n{said[-4000:]}"
+        assert named[0] - cut <= timeout_s + 1, (named[0] - cut, said[-4000:])
+    assert all(not hosts3.pids(n) for n in hosts3.names)

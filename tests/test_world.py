@@ -1,5 +1,7 @@
 """World detection from each launcher's environment."""
 
+import os
+
 import pytest
 
 from longboat.world import World, first_host
@@ -77,3 +79,41 @@ def test_bad_values_are_named():
         World.from_env({"RANK": "0", "WORLD_SIZE": "two"})
     with pytest.raises(ValueError, match="rank 4 is outside world size 4"):
         World.from_env({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_ranks_started_without_a_launcher_listen_only_on_the_master_address():
+    """Under srun/mpirun (no agent store), rank 0 serves the job's store itself: on
+    MASTER_ADDR:MASTER_PORT, not on every interface as torch's env:// store does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from longboat.network import bind_listener
+
+    with bind_listener("127.0.0.1", 0) as s:
+        port = s.getsockname()[1]
+    script = Path(__file__).parent / "launch_scripts" / "listeners_by_hand.py"
+    procs = []
+    for rank in range(2):
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE", "SLURM_"))
+        }
+        env.update(
+            SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_NNODES="1",
+            SLURM_LOCALID=str(rank), SLURM_NODEID="0", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+        )  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all("SUM 3" in out for out in outs)
+    listening = [line.split()[1] for line in outs[0].splitlines() if line.startswith("LISTEN")]
+    assert f"127.0.0.1:{port}" in listening, listening
+    wild = [a for a in listening if a.startswith(("0.0.0.0:", ":::", "::"))]
+    assert not wild, listening

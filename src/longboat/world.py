@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longboat.network import bind_listener, master_route_interface
+
 DEFAULT_PORT = 29500
 
 
@@ -183,19 +185,53 @@ def init_process_group(world: World, backend: str | None = None, timeout_s: floa
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(device_for(world))
-    # env:// rather than tcp://: under torchrun the agent already serves the store at
-    # MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), which only the env rendezvous knows to join.
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Under torchrun / longboat run the agent serves the store at MASTER_PORT
+    # (TORCHELASTIC_USE_AGENT_STORE) and chose the interface: env:// joins it. Started otherwise
+    # (srun, mpirun, by hand), rank 0 serves the store itself: see _own_store.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=timeout,
+        )
+        return True
     # Variables a launcher set win; Slurm and Open MPI runs get theirs filled in from `world`.
     for key, value in world.env_vars().items():
         os.environ.setdefault(key, value)
+    if world.world_size > world.local_world_size:  # several nodes: see master_route_interface
+        chosen, _ = master_route_interface(world.master_addr, os.environ)
+        os.environ.update(chosen)
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        store=_own_store(world, timeout),
         rank=world.rank,
         world_size=world.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     return True
+
+
+def _own_store(world: World, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The job's store, served by rank 0 on MASTER_ADDR:MASTER_PORT only.
+
+    torch's env:// store listens on every interface whatever MASTER_ADDR says; a socket bound
+    to MASTER_ADDR and handed over (``master_listen_fd``) keeps it on the job's network. When
+    MASTER_ADDR is not an address of rank 0's host (a service name in front of it), the store
+    falls back to torch's own listener.
+    """
+    addr, port = world.master_addr, world.master_port
+    if world.rank != 0:
+        return dist.TCPStore(addr, port, world.world_size, False, timeout, multi_tenant=True)
+    try:
+        fd: int | None = bind_listener(addr, port).detach()
+    except OSError:
+        fd = None
+    return dist.TCPStore(
+        addr, port, world.world_size, True, timeout, multi_tenant=True, master_listen_fd=fd
+    )
 
 
 def destroy_process_group() -> None:

@@ -35,6 +35,7 @@ builds (the test suite runs under it).
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -133,7 +134,9 @@ class _Timed:
                 check, self._check = self._check, None
                 assert self._owner._check is not None
                 self._owner._check.finish(check)  # raises DesyncError on every rank alike
-            out = self._work.wait()
+            # Bounded: measured with a host's link cut mid-run, a gloo work could wait forever
+            # on the side that was cut off while the other side's timed out as configured.
+            out = self._work.wait(datetime.timedelta(seconds=self._owner.timeout_s))
         except RuntimeError as e:
             self._owner._failed(e, self._rec)
             raise

@@ -48,6 +48,7 @@ class DesyncCheck:
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self._timeout = datetime.timedelta(seconds=timeout_s)
         if check_group is None:  # a gloo group of the same ranks, made here (collectively)
             ranks = None if group is None else dist.get_process_group_ranks(group)
             check_group = dist.new_group(
@@ -88,7 +89,7 @@ class DesyncCheck:
         Every rank checks the same exchange, so every rank raises at the same collective. The
         peers' words come from their fingerprints (no further collective: other checks may
         already be in flight behind this one)."""
-        pending.work.wait()
+        pending.work.wait(self._timeout)  # bounded, as Collectives' own waits (see _Timed)
         table = pending.table
         if bool((table == table[0]).all()):
             if self.last_agreed is None or pending.rec.seq > self.last_agreed.seq:

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from longboat.comm.trace import CallRecord, python_stack
 
 REPORT_DIR_VAR = "LONGBOAT_REPORT_DIR"
+# Host names by node rank, set by the hostfile launcher (longboat.launch.multihost.HOSTS_VAR).
+HOSTS_VAR = "LONGBOAT_HOSTS"
 # How long a rank waits for its peers' states; the whole report stays within 1 s of the timeout.
 _ANSWER_WAIT_S = 0.5
 
@@ -87,27 +90,13 @@ def build_report(
     timed_out = _is_timeout(error)
     mine = {
         "rank": rank,
+        "node": _node_rank(),
         "pid": os.getpid(),
         "current": current.as_json() if current else None,
         "last_completed": last_done.as_json() if last_done else None,
         "stack": python_stack(),
     }
-    peers: dict[int, dict[str, Any] | None] = {}
-    store = _store()
-    if store is not None:
-        try:
-            store.set(f"{namespace}/{rank}", json.dumps(mine))
-            deadline = time.monotonic() + _ANSWER_WAIT_S
-            pending = [r for r in range(world_size) if r != rank]
-            while pending and time.monotonic() < deadline:
-                for r in list(pending):
-                    if store.check([f"{namespace}/{r}"]):
-                        peers[r] = json.loads(store.get(f"{namespace}/{r}"))
-                        pending.remove(r)
-                if pending:
-                    time.sleep(0.02)
-        except Exception:  # the store's host may be the dead peer: report what we know
-            pass
+    peers = _exchange(_store(), namespace, rank, world_size, mine)
     cur_seq = current.seq if current else None
     missing = [
         r
@@ -121,6 +110,7 @@ def build_report(
     ]
     return {
         "kind": "timeout" if timed_out else "peer_lost",
+        "lost_nodes": _lost_nodes(mine, peers),
         "rank": rank,
         "world_size": world_size,
         "timeout_s": timeout_s,
@@ -131,6 +121,66 @@ def build_report(
         "ranks": {str(rank): mine, **{str(r): s for r, s in peers.items()}},
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def _exchange(
+    store: Any, namespace: str, rank: int, world_size: int, mine: dict[str, Any]
+) -> dict[int, dict[str, Any] | None]:
+    """Write this rank's state, read the peers' that come within the answer wait.
+
+    On a thread, abandoned after the wait: when the store's host is the one cut off, a store
+    call blocks in the socket well past the store's own timeout (measured with a link cut in
+    tests/test_multihost.py), and the report must not wait on it.
+    """
+    peers: dict[int, dict[str, Any] | None] = {}
+    if store is None:
+        return peers
+
+    def run() -> None:
+        try:
+            store.set(f"{namespace}/{rank}", json.dumps(mine))
+            deadline = time.monotonic() + _ANSWER_WAIT_S
+            pending = [r for r in range(world_size) if r != rank]
+            while pending and time.monotonic() < deadline:
+                for r in list(pending):
+                    if store.check([f"{namespace}/{r}"]):
+                        peers[r] = json.loads(store.get(f"{namespace}/{r}"))
+                        pending.remove(r)
+                if pending:
+                    time.sleep(0.02)
+        except Exception:  # the store's host may be the dead peer: report what we know
+            pass
+
+    worker = threading.Thread(target=run, name="longboat-hang-report", daemon=True)
+    worker.start()
+    worker.join(_ANSWER_WAIT_S + 0.2)
+    return dict(peers)
+
+
+def _node_rank() -> int | None:
+    """This rank's node (torch elastic's GROUP_RANK), None when not started by an agent."""
+    value = os.environ.get("GROUP_RANK")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _lost_nodes(mine: dict[str, Any], peers: dict[int, dict[str, Any] | None]) -> list[int]:
+    """Nodes none of whose ranks answered: from this rank's view, the hosts it lost.
+
+    Every rank of a node that is alive answers (it is in the same collective, or stuck beside
+    it); a node cut off from this one answers with none. Known only under an agent, which sets
+    GROUP_RANK and GROUP_WORLD_SIZE (the node count).
+    """
+    nnodes = os.environ.get("GROUP_WORLD_SIZE", "")
+    if mine.get("node") is None or not nnodes.isdigit():
+        return []
+    answered = {mine["node"]} | {(p or {}).get("node") for p in peers.values()}
+    return [n for n in range(int(nnodes)) if n not in answered]
+
+
+def host_name(node: int) -> str:
+    """``host h1 (node 1)`` under the hostfile launcher, else ``node 1``."""
+    hosts = [h for h in os.environ.get(HOSTS_VAR, "").split(",") if h]
+    return f"host {hosts[node]} (node {node})" if node < len(hosts) else f"node {node}"
 
 
 def _describe(rec: dict[str, Any] | None) -> str:
@@ -156,6 +206,12 @@ def format_report(rep: dict[str, Any]) -> str:
         f"longboat: {what} on rank {rep['rank']} of {rep['world_size']}",
         f"  waiting in: {_describe(rep['collective'])}",
     ]
+    lost = rep.get("lost_nodes") or []
+    if lost:
+        lines.append(
+            f"  lost: {', '.join(host_name(n) for n in lost)}: none of its ranks answered "
+            f"(unreachable from {host_name(rep['ranks'][str(rep['rank'])]['node'])}, or down)"
+        )
     if rep["not_arrived"]:
         known = _describe(rep["peer_last_known"]) if rep["peer_last_known"] else "unknown"
         lines.append(

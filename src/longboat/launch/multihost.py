@@ -39,7 +39,8 @@ from longboat.launch.shells import RemoteShell, command_line
 
 DEFAULT_PORT = 29500
 CHECK_TIMEOUT_S = 10
-# Names the hosts for the agents' failure reports (node rank i is the i-th name).
+# Names the hosts for the workers' hang reports (node rank i is the i-th name); read by
+# longboat.comm.hang, which the launcher does not import (it would pull torch in).
 HOSTS_VAR = "LONGBOAT_HOSTS"
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

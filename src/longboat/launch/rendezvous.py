@@ -38,7 +38,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from longboat.launch.listen import bind_listener
+from longboat.network import bind_listener
 
 BACKEND = "longboat-static"
 LISTEN_FD_KEY = "listen_fd"

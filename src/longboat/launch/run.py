@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 from longboat import roles
 from longboat.launch.failures import WorkerExit, summarize
 from longboat.launch.hangs import merge, read_reports, report_dir, wake_stopped_workers
-from longboat.launch.listen import bind_listener
 from longboat.launch.output import report, worker_console
 from longboat.launch.reaper import OrphanReaper
 from longboat.launch.survivors import Survivors
+from longboat.network import bind_listener, master_route_interface
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -166,8 +166,6 @@ def _agent_environment(opts: RunOptions, marker: str, roles_dir: Path) -> Iterat
     if "OMP_NUM_THREADS" not in os.environ and opts.nproc_per_node > 1:
         wanted["OMP_NUM_THREADS"] = "1"
     if opts.nnodes > 1:
-        from longboat.launch.node_interface import master_route_interface
-
         chosen, why = master_route_interface(opts.master_addr, os.environ)
         wanted.update(chosen)
         if chosen:

@@ -13,10 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from longboat.launch.doctor.findings import Finding
-from longboat.launch.listen import bind_listener
-
-# The variable each backend reads to choose its network interface.
-IFNAME_VARS = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+from longboat.network import IFNAME_VARS, bind_listener, interface_of, interfaces, route_ip
+from longboat.network import resolve as _resolve
 
 
 @dataclass(frozen=True)
@@ -31,52 +29,13 @@ class NetFacts:
 
 def gather(master_addr: str) -> NetFacts:
     """Read this host's interfaces and routes (no packet is sent)."""
-    import psutil
-
-    interfaces = {
-        name: [
-            a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)
-        ]
-        for name, addrs in psutil.net_if_addrs().items()
-    }
     hostname = socket.gethostname()
     return NetFacts(
-        interfaces=interfaces,
+        interfaces=interfaces(),
         route_ip=route_ip(master_addr),
         hostname=hostname,
         hostname_ips=_resolve(hostname),
     )
-
-
-def _resolve(host: str) -> list[str]:
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return []
-    return list(dict.fromkeys(str(info[4][0]) for info in infos))
-
-
-def route_ip(master_addr: str) -> str | None:
-    """The local address used to reach ``master_addr``: a UDP connect sends nothing, but makes
-    the kernel pick the route, whose source address getsockname then tells."""
-    ips = _resolve(master_addr)
-    if not ips:
-        return None
-    family = socket.AF_INET6 if ":" in ips[0] else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((ips[0], 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return None
-
-
-def interface_of(ip: str | None, interfaces: Mapping[str, list[str]]) -> str | None:
-    """The interface that owns ``ip``."""
-    for name, addrs in interfaces.items():
-        if ip in addrs:
-            return name
-    return None
 
 
 def _is_loopback(ip: str) -> bool:
