@@ -15,7 +15,16 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Layers, lowest first: a module may import its own layer and those below, never above.
 LAYERS = [
-    {"longboat.config", "longboat.mesh", "longboat.world", "longboat.roles", "longboat.network"},
+    {
+        "longboat.config",
+        "longboat.mesh",
+        "longboat.world",
+        "longboat.roles",
+        "longboat.network",
+        # A launch module, but pure and importing nothing of longboat: world.py reads Slurm's
+        # node list and port with the same functions `longboat run` uses.
+        "longboat.launch.node_env",
+    },
     {
         "longboat.comm",
         "longboat.data",

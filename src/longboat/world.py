@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+# Slurm's node list and port rules live with the launcher's, in a module free of torch;
+# first_host stays importable from here.
+from longboat.launch.node_env import first_host as first_host
+from longboat.launch.node_env import slurm_master_addr, slurm_master_port
 from longboat.network import bind_listener, master_route_interface
 
 DEFAULT_PORT = 29500
@@ -108,29 +111,10 @@ def _from_torchrun(env: Mapping[str, str]) -> World:
     )
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list, e.g. ``gpu[003-005,9],cpu1`` -> ``gpu003``."""
-    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise ValueError(f"cannot parse SLURM_NODELIST={nodelist!r}")
-    prefix, _, ranges = m.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
-
-
 def _from_slurm(env: Mapping[str, str]) -> World:
     ntasks = _int(env, "SLURM_NTASKS")
     nnodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", 1)))
     local_world = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or ntasks // nnodes)
-    addr = env.get("MASTER_ADDR") or first_host(
-        env.get("SLURM_STEP_NODELIST")
-        or env.get("SLURM_NODELIST")
-        or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
-    )
-    # A port derived from the job id keeps two jobs sharing a node from colliding.
-    port = int(env.get("MASTER_PORT") or 15000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
     return _check(
         World(
             rank=_int(env, "SLURM_PROCID"),
@@ -138,8 +122,9 @@ def _from_slurm(env: Mapping[str, str]) -> World:
             world_size=ntasks,
             local_world_size=local_world,
             node_rank=int(env.get("SLURM_NODEID", 0)),
-            master_addr=addr,
-            master_port=port,
+            master_addr=slurm_master_addr(env),
+            # The port `longboat run` derives too, when srun starts it once per node.
+            master_port=slurm_master_port(env),
             source="Slurm environment",
         )
     )
