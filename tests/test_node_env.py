@@ -1,14 +1,19 @@
 """`longboat run` as one node of a Slurm or PyTorchJob job: the node flags read from the
-environment (pure functions)."""
+environment (pure functions), and the CLI under faked scheduler environments (subprocesses)."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from longboat.cli.run import _node_flags
 from longboat.launch.node_env import (
     NodeDefaults,
     NodeEnvError,
@@ -16,6 +21,12 @@ from longboat.launch.node_env import (
     detect,
     first_host,
     slurm_master_port,
+)
+
+SCRIPTS = Path(__file__).parent / "launch_scripts"
+TIMEOUT_S = 120
+RESULT = re.compile(
+    r"^\[rank(\d+)\]: RESULT rank=(\d+) local_rank=(\d+) world_size=(\d+) sum=(\S+)"
 )
 
 # Under srun --ntasks-per-node=1 on the third of four nodes (as Slurm sets it, less the noise).
@@ -205,3 +216,136 @@ def test_node_env_does_not_import_torch() -> None:
     code = "import sys, longboat.launch.node_env; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --- the CLI's use of it ---------------------------------------------------------------------
+
+
+def test_given_flags_win_and_the_rest_are_filled(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(os, "environ", dict(SRUN))
+    assert _node_flags(None, 3, None, 29500) == (4, 3, "gpu003", 29500)
+    assert capsys.readouterr().err == (
+        "longboat: node 3 of 4 from Slurm (SLURM_STEP_NUM_NODES, SLURM_NODEID, "
+        "SLURM_STEP_NODELIST, SLURM_JOB_ID); master gpu003:29500; --node-rank, --master-port "
+        "as given\n"
+    )
+
+
+def test_all_flags_given_or_standalone_read_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An environment detect() refuses: neither call may look at it.
+    monkeypatch.setattr(os, "environ", {**SRUN, "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8"})
+    assert _node_flags(2, 1, "10.0.0.1", 29500) == (2, 1, "10.0.0.1", 29500)
+    assert _node_flags(None, None, None, None, detect=False) == (1, 0, "127.0.0.1", None)
+    assert capsys.readouterr().err == ""
+
+
+def _env(**scheduler: str) -> dict[str, str]:
+    """This process's environment without any scheduler's variables, plus ``scheduler``'s."""
+    ours = ("SLURM_", "PET_", "KUBERNETES_", "TORCHELASTIC_")
+    theirs = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ours) and k not in theirs}
+    return {**env, **scheduler}
+
+
+def _start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "longboat.cli", "run", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]]:
+    """Wait for every process; kill each one's process group if time runs out."""
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return results
+
+
+def _one_node_srun(ntasks: int) -> dict[str, str]:
+    return _env(
+        SLURM_JOB_ID="77",
+        SLURM_STEP_ID="0",
+        SLURM_PROCID="0",
+        SLURM_NODEID="0",
+        SLURM_NNODES="1",
+        SLURM_NTASKS=str(ntasks),
+        SLURM_STEP_NODELIST="127.0.0.1",
+    )
+
+
+def test_cli_under_a_one_node_srun() -> None:
+    script = str(SCRIPTS / "torchrun_allreduce.py")
+    ((code, out, err),) = _finish([_start(_one_node_srun(1), "-n", "2", script)])
+    assert code == 0, err
+    assert (
+        "longboat: node 0 of 1 from Slurm (SLURM_NNODES, SLURM_NODEID); master 127.0.0.1 "
+        "(a free port)"
+    ) in err.splitlines()
+    results = [m for line in out.splitlines() if (m := RESULT.match(line))]
+    assert sorted((int(m[2]), int(m[4]), float(m[5])) for m in results) == [(0, 2, 3), (1, 2, 3)]
+
+
+def test_cli_refuses_several_tasks_per_node() -> None:
+    script = str(SCRIPTS / "torchrun_allreduce.py")
+    ((code, out, err),) = _finish([_start(_one_node_srun(4), "-n", "2", script)])
+    assert code == 2, (out, err)
+    assert err.startswith("longboat: error: srun started 4 tasks on 1 node(s)"), err
+    assert "use `srun --ntasks-per-node=1 longboat run -n K ...`" in err
+    assert "RESULT" not in out
+
+
+def _two_node_envs(kind: str, port: int) -> list[dict[str, str]]:
+    if kind == "slurm":
+        common = {
+            "SLURM_JOB_ID": "78",
+            "SLURM_STEP_ID": "0",
+            "SLURM_NNODES": "2",
+            "SLURM_NTASKS": "2",
+            "SLURM_STEP_NODELIST": "node[1-2]",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        return [_env(**common, SLURM_NODEID=str(n), SLURM_PROCID=str(n)) for n in (0, 1)]
+    common = {
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+        "PET_NNODES": "2",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(port),
+        "WORLD_SIZE": "4",
+    }
+    return [_env(**common, PET_NODE_RANK=str(n), RANK=str(n)) for n in (0, 1)]
+
+
+@pytest.mark.parametrize("kind", ["slurm", "pytorchjob"])
+def test_cli_as_two_nodes_of_a_job(kind: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = str(SCRIPTS / "torchrun_allreduce.py")
+    envs = _two_node_envs(kind, port)
+    # Node 1 first: it must wait for node 0 rather than fail.
+    results = _finish([_start(envs[1], "-n", "2", script), _start(envs[0], "-n", "2", script)])
+    for node, (code, out, err) in zip((1, 0), results, strict=True):
+        assert code == 0, err
+        assert f"longboat: node {node} of 2 from " in err and f"master 127.0.0.1:{port}" in err
+        ranks = [m for line in out.splitlines() if (m := RESULT.match(line))]
+        # Global ranks 2 node .. 2 node + 1, all four ranks in the all-reduce: 1+2+3+4.
+        assert sorted((int(m[2]), int(m[4]), float(m[5])) for m in ranks) == [
+            (2 * node, 4, 10),
+            (2 * node + 1, 4, 10),
+        ], out

@@ -17,6 +17,25 @@ MASTER_ADDR = typer.Option(
 MASTER_PORT = typer.Option(
     None, "--master-port", help="port on node 0 (default: a free port; single node only)"
 )
+# `longboat run`'s node options default to None: what the user left out is read from Slurm or a
+# PyTorchJob (longboat.launch.node_env), and only then falls back to one local node.
+_DETECTED = "read from srun or a PyTorchJob"
+RUN_NNODES = typer.Option(
+    None, "--nnodes", help=f"number of nodes in the job (default: {_DETECTED}, else 1)"
+)
+RUN_NODE_RANK = typer.Option(
+    None, "--node-rank", help=f"this node's rank, 0 to nnodes-1 (default: {_DETECTED}, else 0)"
+)
+RUN_MASTER_ADDR = typer.Option(
+    None,
+    "--master-addr",
+    help=f"address of node 0, which hosts the rendezvous (default: {_DETECTED}, else 127.0.0.1)",
+)
+RUN_MASTER_PORT = typer.Option(
+    None,
+    "--master-port",
+    help=f"port on node 0 (default: {_DETECTED}, else a free port; single node only)",
+)
 MICRO_BATCH = typer.Option(8, "--micro-batch", help="samples per rank per forward")
 MODEL = typer.Option(
     "reference-gpt",

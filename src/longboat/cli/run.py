@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -29,10 +30,10 @@ def run(
         None, metavar="ARGS", help="arguments for the script, passed as given"
     ),
     nproc_per_node: int = options.NPROC_PER_NODE,
-    nnodes: int = options.NNODES,
-    node_rank: int = options.NODE_RANK,
-    master_addr: str = options.MASTER_ADDR,
-    master_port: int | None = options.MASTER_PORT,
+    nnodes: int | None = options.RUN_NNODES,
+    node_rank: int | None = options.RUN_NODE_RANK,
+    master_addr: str | None = options.RUN_MASTER_ADDR,
+    master_port: int | None = options.RUN_MASTER_PORT,
     max_restarts: int = typer.Option(
         0, "--max-restarts", help="restart all workers up to this many times after a failure"
     ),
@@ -105,10 +106,15 @@ def run(
     """Run SCRIPT on N processes per node (a drop-in for torchrun)."""
     from longboat.launch.run import LaunchUsageError, RunOptions, launch, validate
 
-    if standalone and nnodes != 1:
+    if standalone and nnodes not in (None, 1):
         raise usage_error(
             f"--standalone with --nnodes {nnodes}: standalone is one node; drop one of them"
         )
+    # A host list makes this process the launcher of every node, not one node of a job.
+    on_hosts = hostfile is not None or host_list is not None
+    nnodes, node_rank, master_addr, master_port = _node_flags(
+        nnodes, node_rank, master_addr, master_port, detect=not standalone and not on_hosts
+    )
     opts = RunOptions(
         script=script,
         script_args=tuple(script_args or ()),
@@ -127,7 +133,7 @@ def run(
     )
     if hostfile is None and host_list is None and (include or exclude):
         raise usage_error("--include/--exclude choose among --hostfile or -H hosts; give one")
-    if hostfile is not None or host_list is not None:
+    if on_hosts:
         _run_on_hosts(
             opts, hostfile, host_list, include, exclude, remote_shell, ssh_port, ssh_option
         )
@@ -185,6 +191,45 @@ def _run_on_hosts(
     except LaunchUsageError as e:
         raise usage_error(str(e)) from None
     raise typer.Exit(launch_hosts(run))
+
+
+def _node_flags(
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    detect: bool = True,
+) -> tuple[int, int, str, int | None]:
+    """The node flags, those left out (None) read from Slurm or a PyTorchJob if one started us
+    (:mod:`longboat.launch.node_env`), else one node on 127.0.0.1; given ones always win."""
+    from longboat.launch import node_env
+
+    given = {"--nnodes": nnodes, "--node-rank": node_rank, "--master-addr": master_addr}
+    detected = None
+    if detect and None in (*given.values(), master_port):
+        try:
+            detected = node_env.detect(os.environ)
+        except node_env.NodeEnvError as e:
+            raise usage_error(str(e)) from None
+    found = detected or node_env.NodeDefaults(1, 0, "127.0.0.1", None, source="one local node")
+    filled = (
+        found.nnodes if nnodes is None else nnodes,
+        found.node_rank if node_rank is None else node_rank,
+        found.master_addr if master_addr is None else master_addr,
+        found.master_port if master_port is None else master_port,
+    )
+    if detected is not None:
+        given["--master-port"] = master_port
+        kept = [flag for flag, value in given.items() if value is not None]
+        nodes, rank, addr, port = filled
+        print(
+            f"longboat: node {rank} of {nodes} from {found.source}; master {addr}"
+            + (" (a free port)" if port is None else f":{port}")
+            + (f"; {', '.join(kept)} as given" if kept else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+    return filled
 
 
 def _ranks(text: str | None, nproc_per_node: int) -> frozenset[int] | None:
