@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -130,6 +131,64 @@ class NetnsHosts:
             timeout=30,
         )
         return [line.split()[3] for line in out.stdout.splitlines() if line.strip()]
+
+
+SSH_PORT = 2222
+
+
+def sshd_unavailable() -> str | None:
+    """Why a real sshd cannot be started in a namespace here (None when it can)."""
+    if shutil.which("sshd", path="/usr/sbin:/usr/bin") is None or shutil.which("ssh") is None:
+        return "no OpenSSH server here (Debian: apt-get install openssh-server)"
+    return unavailable()
+
+
+@contextmanager
+def sshd_on(hosts: NetnsHosts, indices: list[int], workdir: Path) -> Iterator[list[str]]:
+    """A private sshd (own host key, own authorized key, nothing of /etc/ssh) listening on
+    ``SSH_PORT`` at each chosen host's eth0. Yields the ssh options that log in with its key."""
+    key = workdir / "id"
+    for name in ("host_key", "id"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(workdir / name)],
+                       check=True, timeout=30)  # fmt: skip
+    (workdir / "authorized_keys").write_text((workdir / "id.pub").read_text())
+    made_run_dir = not Path("/run/sshd").exists()  # sshd insists on its privilege-separation dir
+    if made_run_dir:
+        Path("/run/sshd").mkdir(mode=0o755)
+    daemons = []
+    try:
+        for i in indices:
+            config = workdir / f"sshd_config{i}"
+            config.write_text(
+                f"ListenAddress {hosts.addr(i)}\nPort {SSH_PORT}\nHostKey {workdir}/host_key\n"
+                f"PidFile {workdir}/sshd{i}.pid\nAuthorizedKeysFile {workdir}/authorized_keys\n"
+                "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+                "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nMaxStartups 64\n"
+            )
+            log = open(workdir / f"sshd{i}.log", "w")  # noqa: SIM115 (closed with the daemon)
+            daemons.append((subprocess.Popen(
+                ["ip", "netns", "exec", hosts.names[i], "/usr/sbin/sshd", "-f", str(config),
+                 "-D", "-e"], stdout=log, stderr=log), log))  # fmt: skip
+        for i in indices:  # ready once it says so
+            log_file = workdir / f"sshd{i}.log"
+            for _ in range(100):
+                if "Server listening" in log_file.read_text():
+                    break
+                time.sleep(0.1)
+        yield [
+            f"IdentityFile={key}",
+            "IdentitiesOnly=yes",
+            "StrictHostKeyChecking=no",
+            "UserKnownHostsFile=/dev/null",
+            "LogLevel=ERROR",
+        ]
+    finally:
+        for proc, log in daemons:
+            proc.kill()
+            proc.wait(timeout=30)
+            log.close()
+        if made_run_dir:
+            shutil.rmtree("/run/sshd", ignore_errors=True)
 
 
 @contextmanager

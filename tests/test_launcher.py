@@ -184,6 +184,43 @@ def test_two_nodes_on_one_machine() -> None:
         assert int(m[4]) == 2 and float(m[5]) == 3
 
 
+def test_a_node_that_never_joins_is_named_by_both_sides() -> None:
+    """Two nodes that never meet: node 0 (of 3) says which nodes never came; a node whose
+    master is not listening says where it dialled from and what it tried to reach."""
+    script = str(SCRIPTS / "torchrun_allreduce.py")
+
+    def node(port: int, rank: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            _cli("run", "--nnodes", "3", "--node-rank", str(rank), "--master-port", str(port),
+                 "--rdzv-timeout", "3", script),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+
+    port0, nowhere = _free_port(), _free_port()
+    nodes = [node(port0, 0), node(port0, 1), node(nowhere, 2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in nodes]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert [p.returncode for p in nodes] == [1, 1, 1]
+    never = (
+        f"longboat: node 2 never joined the rendezvous at 127.0.0.1:{port0} within 3 s; "
+        "joined: node 0 from 127.0.0.1, node 1 from 127.0.0.1"
+    )
+    closed = (
+        f"longboat: node 1: node 0's rendezvous at 127.0.0.1:{port0} closed while waiting for "
+        "node 2"
+    )
+    assert never in outs[0][1], outs[0][1]
+    assert never in outs[1][1] or closed in outs[1][1], outs[1][1]  # whoever's deadline came first
+    assert (
+        f"longboat: node 2 could not reach node 0's rendezvous at 127.0.0.1:{nowhere} within "
+        "3 s (dialled from 127.0.0.1)"
+    ) in outs[2][1], outs[2][1]
+
+
 @pytest.mark.parametrize(
     ("args", "named"),
     [

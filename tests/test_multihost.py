@@ -16,7 +16,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from netns_hosts import DECOY_ADDR, NetnsHosts, netns_hosts, unavailable
+from netns_hosts import (
+    DECOY_ADDR,
+    SSH_PORT,
+    NetnsHosts,
+    netns_hosts,
+    sshd_on,
+    sshd_unavailable,
+    unavailable,
+)
 
 from longboat.launch.discovery import DiscoveryError, _choose
 from longboat.launch.forward_env import EnvFileError, forwarded
@@ -420,4 +428,36 @@ def test_a_cut_link_is_named_by_every_survivor_within_the_timeout(
         ]
         assert named, f"{host} never named {other}:\n{said[-4000:]}"
         assert named[0] - cut <= timeout_s + 1, (named[0] - cut, said[-4000:])
+    assert all(not hosts3.pids(n) for n in hosts3.names)
+
+
+@pytest.mark.skipif(sshd_unavailable() is not None, reason=str(sshd_unavailable()))
+def test_a_real_ssh_launch(hosts3: NetnsHosts, tmp_path: Path) -> None:
+    """OpenSSH's sshd on two namespace hosts, the launcher on the first (as on a login node
+    that is also node 0): a job through ssh, then a host whose sshd is down named at the check."""
+    h0, h1, h2 = hosts3.names
+    with sshd_on(hosts3, [0, 1], tmp_path) as ssh_options:
+        flags = ["--ssh-port", str(SSH_PORT)]
+        for opt in ssh_options:
+            flags += ["--ssh-option", opt]
+        two = _hostfile(tmp_path, [h0, h1], slots=2)  # names resolve through /etc/netns hosts
+        run = _run(
+            ["ip", "netns", "exec", h0, *_cli("run", "--hostfile", str(two), *flags,
+             "--master-port", "29730", str(ALLREDUCE))],
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = sorted(_results(run.stdout))
+        assert [(h, r) for h, r, _, _ in got] == [(h0, 0), (h0, 0), (h0, 1), (h0, 1),
+                                                  (h1, 2), (h1, 2), (h1, 3), (h1, 3)]  # fmt: skip
+        assert {(w, s) for _, _, w, s in got} == {(4, "10")}
+
+        three = tmp_path / "three"
+        three.write_text(f"{h0} slots=1\n{h1} slots=1\n{h2} slots=1\n")
+        run = _run(
+            ["ip", "netns", "exec", h0, *_cli("run", "--hostfile", str(three), *flags,
+             str(ALLREDUCE))],
+        )  # fmt: skip
+        assert run.returncode == 1
+        assert f"longboat: host {h2} cannot run commands through ssh" in run.stderr
+        assert "Connection refused" in run.stderr
     assert all(not hosts3.pids(n) for n in hosts3.names)

@@ -26,9 +26,12 @@ firewall rule can name); without one (a single node), on a free port the OS pick
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import socket
+import time
 
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed import DistError, PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -38,9 +41,24 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from longboat.network import bind_listener
+from longboat.network import bind_listener, route_ip
 
 BACKEND = "longboat-static"
+_NODE_KEY = "longboat/node/{node}"
+# Host names by node rank, set by the hostfile launcher (longboat.launch.multihost.HOSTS_VAR).
+_HOSTS_VAR = "LONGBOAT_HOSTS"
+
+
+class RendezvousFailed(RuntimeError):
+    """The nodes did not all meet; the message names the missing ones and what was tried."""
+
+
+def node_name(node: int) -> str:
+    """``node 1 (host h1)`` under the hostfile launcher, else ``node 1``."""
+    hosts = [h for h in os.environ.get(_HOSTS_VAR, "").split(",") if h]
+    return f"node {node} (host {hosts[node]})" if node < len(hosts) else f"node {node}"
+
+
 LISTEN_FD_KEY = "listen_fd"
 WORKER_PORT_BASE_KEY = "worker_port_base"
 _WORKER_PORT_KEY = "longboat/worker_store_port/{attempt}"
@@ -85,16 +103,7 @@ class StaticRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         """Meet the other nodes (first call) and set up the workers' store for a new attempt."""
         if self._store is None:
-            is_host = self._node_rank == 0
-            self._store = TCPStore(
-                self._addr,
-                self._port,
-                self._nnodes,
-                is_host,
-                self._timeout,
-                multi_tenant=True,
-                master_listen_fd=self._listen_fd if is_host else None,
-            )
+            self._store = self._meet()
         store = PrefixStore(self._run_id, self._store)
         self._attempt += 1
         key = _WORKER_PORT_KEY.format(attempt=self._attempt)
@@ -116,6 +125,56 @@ class StaticRendezvous(RendezvousHandler):
         return RendezvousInfo(
             store, self._node_rank, self._nnodes, RendezvousStoreInfo(self._addr, port)
         )
+
+    def _meet(self) -> Store:
+        """Connect to node 0's store and wait for every node, naming those that never came."""
+        is_host = self._node_rank == 0
+        where = f"{self._addr}:{self._port}"
+        seconds = int(self._timeout.total_seconds())
+        try:
+            store = TCPStore(
+                self._addr,
+                self._port,
+                None,
+                is_host,
+                self._timeout,
+                wait_for_workers=False,
+                multi_tenant=True,
+                master_listen_fd=self._listen_fd if is_host else None,
+            )
+        except DistError as e:
+            via = route_ip(self._addr)
+            raise RendezvousFailed(
+                f"{node_name(self._node_rank)} could not reach node 0's rendezvous at {where} "
+                f"within {seconds} s (dialled from {via or 'no route'}): "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
+        me = {"host": socket.gethostname(), "via": route_ip(self._addr) or "?"}
+        store.set(_NODE_KEY.format(node=self._node_rank), json.dumps(me))
+        keys = [_NODE_KEY.format(node=n) for n in range(self._nnodes)]
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        missing: list[int] = []
+        try:
+            while not store.check(keys):
+                joined = [n for n, k in enumerate(keys) if store.check([k])]
+                missing = [n for n in range(self._nnodes) if n not in joined]
+                if time.monotonic() > deadline:
+                    seen = ", ".join(
+                        f"{node_name(n)} from {json.loads(store.get(keys[n]))['via']}"
+                        for n in joined
+                    )
+                    raise RendezvousFailed(
+                        f"{', '.join(map(node_name, missing))} never joined the rendezvous at "
+                        f"{where} within {seconds} s; joined: {seen}"
+                    )
+                time.sleep(0.5)
+        except DistError:  # node 0 gave up first (its deadline came earlier) and closed it
+            raise RendezvousFailed(
+                f"{node_name(self._node_rank)}: node 0's rendezvous at {where} closed while "
+                f"waiting for {', '.join(map(node_name, missing)) or 'the other nodes'} "
+                "(node 0 reports who never joined)"
+            ) from None
+        return store
 
     def _worker_listener(self) -> socket.socket:
         if self._worker_port_base is None:

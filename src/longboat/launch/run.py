@@ -325,6 +325,8 @@ def _run_agent(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from longboat.launch.rendezvous import RendezvousFailed
+
     try:
         elastic_launch(config, sys.executable)("-u", str(opts.script), *opts.script_args)
     except ChildFailedError as e:
@@ -355,6 +357,13 @@ def _run_agent(
             f"(after at most --grace-period {opts.grace_period_s} s to finish)"
         )
         return 128 + int(e.sigval)
+    except RendezvousFailed as e:
+        report(f"longboat: {e}")
+        report(
+            f"longboat: start every node with the same --nnodes {opts.nnodes}, --master-addr "
+            "and --master-port, node 0 among them; --rdzv-timeout sets how long to wait"
+        )
+        return 1
     except DistError as e:
         # Raised while the nodes meet: node 0 not up, a node missing, or a port unreachable.
         report(
