@@ -461,3 +461,53 @@ def test_a_real_ssh_launch(hosts3: NetnsHosts, tmp_path: Path) -> None:
         assert f"longboat: host {h2} cannot run commands through ssh" in run.stderr
         assert "Connection refused" in run.stderr
     assert all(not hosts3.pids(n) for n in hosts3.names)
+
+
+# A made-up 4-GPU machine in nvidia-smi's layout: NVLink pairs 0-1 and 2-3, the rest over SYS.
+TOPO = """\
+        GPU0    GPU1    GPU2    GPU3    CPU Affinity    NUMA Affinity   GPU NUMA ID
+GPU0     X      NV12    SYS     SYS     0-31    0               N/A
+GPU1    NV12     X      SYS     SYS     0-31    0               N/A
+GPU2    SYS     SYS      X      NV12    32-63   1               N/A
+GPU3    SYS     SYS     NV12     X      32-63   1               N/A
+
+Legend:
+
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+
+def test_device_links_read_and_neighbours_on_the_slowest_link_warned() -> None:
+    from longboat.launch.doctor.topology import neighbour_warning, parse_topo
+
+    links = parse_topo(TOPO)
+    assert links == {
+        (0, 1): "NV12", (0, 2): "SYS", (0, 3): "SYS",
+        (1, 2): "SYS", (1, 3): "SYS", (2, 3): "NV12",
+    }  # fmt: skip
+    assert neighbour_warning("h", (0, 1, 2, 3), links) == ""  # one crossing is unavoidable
+    bad = neighbour_warning("h", (0, 2, 1, 3), links)  # every neighbour pair crosses NUMA
+    assert "GPU0-GPU2, GPU2-GPU1, GPU1-GPU3 talk over SYS" in bad
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 puts neighbours on faster links" in bad
+    assert neighbour_warning("h", (0, 1), links) == ""
+    assert parse_topo("NVIDIA-SMI has failed") == {}
+
+
+@needs_netns
+def test_doctor_shows_hosts_ranks_interfaces_and_devices(
+    hosts3: NetnsHosts, tmp_path: Path
+) -> None:
+    hostfile = _hostfile(tmp_path, [*hosts3.names, "lbnohostC"], slots=(2, 1, 1, 1))
+    wide = {**os.environ, "COLUMNS": "200"}
+    args = ("doctor", "--hostfile", str(hostfile), "--remote-shell", "netns")
+    bad = _run(_cli(*args), env=wide)
+    assert bad.returncode == 1
+    assert "FAIL host lbnohostC: `ip netns exec lbnohostC true` exited with status" in bad.stdout
+    good = _run(_cli(*args, "--exclude", "lbnohostC"), env=wide)
+    assert good.returncode == 0, good.stdout
+    rows = [line for line in good.stdout.splitlines() if "skipped docker0" in line]
+    for i, (name, ranks) in enumerate(zip(hosts3.names, ("0-1", "2-2", "3-3"), strict=True)):
+        assert re.search(rf"{name} +│ {ranks} +│ eth0 \({hosts3.addr(i)}\)", rows[i]), rows
+        assert "no NVIDIA GPU" in rows[i]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from longboat.cli import options
+from longboat.cli import hostopts, options
 from longboat.cli.app import app, usage_error
 
 
@@ -26,11 +26,27 @@ def doctor_command(
     rdzv_timeout: int = typer.Option(
         60, "--rdzv-timeout", help="seconds to wait for all ranks and nodes to join"
     ),
+    hostfile: Path | None = hostopts.HOSTFILE,
+    host_list: str | None = hostopts.HOSTS,
+    include: str | None = hostopts.INCLUDE,
+    exclude: str | None = hostopts.EXCLUDE,
+    remote_shell: str = hostopts.REMOTE_SHELL,
+    ssh_port: int | None = hostopts.SSH_PORT,
+    ssh_option: list[str] | None = hostopts.SSH_OPTION,
 ) -> None:
     """Check that a job can run here (versions, backend, network, shared memory, config);
-    each problem comes with its fix. Exit 0 only when no check fails."""
+    each problem comes with its fix. Exit 0 only when no check fails. With --hostfile or -H:
+    the hosts, their ranks, interfaces and device links, as `longboat run` would use them."""
     from longboat.launch.doctor import DoctorOptions, doctor
     from longboat.launch.run import LaunchUsageError
+
+    on = hostopts.hosts_and_shell(
+        hostfile, host_list, include, exclude, remote_shell, ssh_port, ssh_option
+    )
+    if on is not None:
+        from longboat.launch.doctor.topology import doctor_hosts
+
+        raise typer.Exit(doctor_hosts(*on, port=master_port or 29500))
 
     opts = DoctorOptions(
         nproc_per_node=nproc_per_node,

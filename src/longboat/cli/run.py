@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from longboat.cli import options
+from longboat.cli import hostopts, options
 from longboat.cli.app import app, usage_error
 
 if TYPE_CHECKING:
+    from longboat.launch.hosts import Host
     from longboat.launch.run import RunOptions
+    from longboat.launch.shells import RemoteShell
 
 
 @app.command(
@@ -72,33 +74,13 @@ def run(
         "--doctor",
         help="run `longboat doctor` with these options first; start SCRIPT only if no check fails",
     ),
-    hostfile: Path | None = typer.Option(
-        None,
-        "--hostfile",
-        help="run on the hosts of this file (`host slots=N` per line, DeepSpeed's and Horovod's "
-        "format): one node per host, slots ranks each, started through --remote-shell",
-    ),
-    host_list: str | None = typer.Option(
-        None, "-H", "--hosts", help="hosts as host:slots,... (Horovod's -H), instead of --hostfile"
-    ),
-    include: str | None = typer.Option(
-        None,
-        "--include",
-        help="only these hosts/slots of the host list, e.g. host1@host2:0,1 (DeepSpeed's flag)",
-    ),
-    exclude: str | None = typer.Option(
-        None, "--exclude", help="leave out these hosts/slots, e.g. host3@host1:2,3 (DeepSpeed's)"
-    ),
-    remote_shell: str = typer.Option(
-        "ssh",
-        "--remote-shell",
-        help="how nodes are started on the hosts: ssh, or netns (network namespaces of this "
-        "machine, for tests)",
-    ),
-    ssh_port: int | None = typer.Option(None, "--ssh-port", help="sshd's port on the hosts"),
-    ssh_option: list[str] | None = typer.Option(
-        None, "--ssh-option", help="an extra ssh -o KEY=VALUE (repeatable)"
-    ),
+    hostfile: Path | None = hostopts.HOSTFILE,
+    host_list: str | None = hostopts.HOSTS,
+    include: str | None = hostopts.INCLUDE,
+    exclude: str | None = hostopts.EXCLUDE,
+    remote_shell: str = hostopts.REMOTE_SHELL,
+    ssh_port: int | None = hostopts.SSH_PORT,
+    ssh_option: list[str] | None = hostopts.SSH_OPTION,
     stop_on_eof: bool = typer.Option(
         False, "--stop-on-eof", hidden=True, help="stop as on SIGTERM when stdin closes"
     ),
@@ -131,12 +113,11 @@ def run(
         rank_prefix=rank_prefix,
         stop_on_stdin_eof=stop_on_eof,
     )
-    if hostfile is None and host_list is None and (include or exclude):
-        raise usage_error("--include/--exclude choose among --hostfile or -H hosts; give one")
-    if on_hosts:
-        _run_on_hosts(
-            opts, hostfile, host_list, include, exclude, remote_shell, ssh_port, ssh_option
-        )
+    on = hostopts.hosts_and_shell(
+        hostfile, host_list, include, exclude, remote_shell, ssh_port, ssh_option
+    )
+    if on is not None:
+        _run_on_hosts(opts, *on)
     try:
         if doctor:
             validate(opts)  # usage errors first, before any check runs
@@ -147,47 +128,24 @@ def run(
     raise typer.Exit(code)
 
 
-def _run_on_hosts(
-    opts: RunOptions,
-    hostfile: Path | None,
-    host_list: str | None,
-    include: str | None,
-    exclude: str | None,
-    remote_shell: str,
-    ssh_port: int | None,
-    ssh_option: list[str] | None,
-) -> None:
+def _run_on_hosts(opts: RunOptions, hosts: list[Host], shell: RemoteShell) -> None:
     """``--hostfile``/``-H``: one node per host (see :mod:`longboat.launch.multihost`)."""
-    from longboat.launch import hosts as hostlist
-    from longboat.launch import shells
     from longboat.launch.multihost import DEFAULT_PORT, HostsRun, launch_hosts
     from longboat.launch.run import LaunchUsageError, validate
 
-    if hostfile is not None and host_list is not None:
-        raise usage_error("--hostfile and -H/--hosts together: give the hosts one way")
     if opts.nnodes != 1 or opts.node_rank != 0:
         raise usage_error(
             "--nnodes/--node-rank with --hostfile/-H: the host list sets both; drop them"
         )
-    try:
-        found = (
-            hostlist.parse_hostfile(hostfile)
-            if hostfile is not None
-            else hostlist.parse_host_list(host_list or "")
-        )
-        chosen = hostlist.select(found, include, exclude)
-        shell = shells.make(remote_shell, ssh_port, tuple(ssh_option or ()))
-    except ValueError as e:
-        raise usage_error(str(e)) from None
     run = HostsRun(
-        hosts=tuple(chosen),
+        hosts=tuple(hosts),
         shell=shell,
         node=opts,
         master_port=opts.master_port or DEFAULT_PORT,
         master_addr=None if opts.master_addr == "127.0.0.1" else opts.master_addr,
     )
     try:
-        validate(replace(opts, nnodes=len(chosen), master_port=run.master_port))
+        validate(replace(opts, nnodes=len(hosts), master_port=run.master_port))
     except LaunchUsageError as e:
         raise usage_error(str(e)) from None
     raise typer.Exit(launch_hosts(run))
