@@ -33,7 +33,9 @@ def main() -> None:
         if i == 0:
             if rank == args.fail_rank:
                 print(f"rank {rank} fails on purpose", file=sys.stderr, flush=True)
-                sys.exit(3)
+                # _exit: leaving through interpreter shutdown with gloo's threads running can
+                # abort (SIGABRT, "terminate called without an active exception").
+                os._exit(3)
             print(f"WAITING rank={rank}", flush=True)
             time.sleep(args.wait)
     dist.destroy_process_group()
