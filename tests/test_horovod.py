@@ -5,6 +5,8 @@ training under ``replicate`` ([Note: Horovod API], [Note: Adasum])."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import harness
@@ -85,3 +87,55 @@ def test_a_horovod_style_script_trains_as_replicate_does():
     for k, v in rep["params"].items():
         got, want = torch.tensor(hvd["params"][k]), torch.tensor(v)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), k
+
+
+def _elastic(*flags: str, crash_at: int = -1) -> dict:
+    script = str(SCRIPTS / "horovod_elastic.py")
+    res = harness.longboat_run("-n", "2", *flags, script, "--crash-at", str(crash_at))
+    assert res.returncode == 0, res.stdout
+    lines = [ln for ln in res.stdout.splitlines() if '"ran"' in ln]
+    return json.loads(lines[-1].split("]: ", 1)[-1])
+
+
+def test_horovod_elastic_resumes_from_the_last_commit_after_a_restart():
+    """Rank 1 dies after batch 12 on the first attempt; the restart resumes from the commit at
+    batch 10 (model, momentum and the batch counter) and ends where an uninterrupted run ends."""
+    # The uninterrupted run through Horovod's own command line: horovodrun -np 2 python ...
+    script = str(SCRIPTS / "horovod_elastic.py")
+    res = subprocess.run(
+        [sys.executable, "-m", "longboat.cli", "horovodrun", "-np", "2", "python", script],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if '"ran"' in ln)
+    whole = json.loads(line.split("]: ", 1)[-1])
+    resumed = _elastic("--max-restarts", "1", crash_at=12)
+    assert whole["ran"] == list(range(20))
+    assert resumed["attempt"] == 1 and resumed["ran"] == list(range(10, 20))
+    for k, v in whole["params"].items():
+        assert torch.equal(torch.tensor(resumed["params"][k]), torch.tensor(v)), k
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["-np", "5", "-H", "a:2,b:2", "python", "x.py"], "-np 5 is more than the 4 slots"),
+        (["-np", "2", "--mpi", "python", "x.py"], "--mpi: longboat runs on gloo"),
+        (["-np", "2", "python", "-m", "pkg"], "longboat runs Python scripts"),
+        (["-np", "2", "--host-discovery-script", "d.sh", "python", "x.py"], "fixed hosts"),
+    ],
+)
+def test_horovodrun_usage_errors_exit_2(args, named):
+    res = subprocess.run(
+        [sys.executable, "-m", "longboat.cli", "horovodrun", *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 2 and named in res.stderr, res.stderr
+
+
+def test_horovodrun_places_ranks_in_slot_order():
+    from longboat.cli.horovodrun import _fill
+    from longboat.launch.hosts import parse_host_list
+
+    assert _fill(parse_host_list("a:2,b:2,c:4"), 5) == "a:2,b:2,c:1"
+    assert _fill(parse_host_list("a:4"), 2) == "a:2"

@@ -9,8 +9,10 @@ or Adasum-combines) each parameter's gradient across ranks in ``step()``: all re
 at once in the optimizer's parameter order, then waited for. Horovod launches each from a hook
 during the backward and agrees on the order between ranks at run time; launched from hooks here,
 a parameter that one rank's backward did not reach would put the ranks' collectives out of order,
-so this first version gives up that overlap for an order every rank shares. Not here: ``join``
-(uneven inputs are longboat's own question), the elastic API, process sets, the C++ timeline.
+so this first version gives up that overlap for an order every rank shares. ``hvd.elastic``
+resumes from the last commit on longboat's restarts ([Note: elastic on restarts] in
+elastic.py). Not here: ``join`` (uneven inputs are longboat's own question), process sets, the
+C++ timeline.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longboat.horovod import adasum
+from longboat.horovod import adasum, elastic  # noqa: F401 (hvd.elastic, as in Horovod)
 from longboat.world import World, destroy_process_group, init_process_group
 
 # Reduction ops, as Horovod names them.
@@ -61,6 +63,10 @@ def init(*_: Any, **__: Any) -> None:
 
 def shutdown() -> None:
     """Leave the job cleanly (a gloo group torn down at interpreter exit can abort it)."""
+    # Every rank at the end before any closes its connections: a rank that tore its gloo
+    # pairs down while a peer still finished was seen to abort the peer (SIGABRT) at exit.
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     destroy_process_group()
 
 

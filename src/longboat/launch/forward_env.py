@@ -15,7 +15,9 @@ from pathlib import Path
 PREFIXES = ("PYTHON", "NCCL_", "GLOO_", "LONGBOAT_", "TORCH_", "OMP_")
 ENV_FILE = ".longboat_env"
 # Set per launch by the agent itself; forwarding the launcher's own would mislead the workers.
-_NOT_FORWARDED = frozenset({"LONGBOAT_LAUNCH_ID", "LONGBOAT_ROLES_DIR", "LONGBOAT_REPORT_DIR"})
+_NOT_FORWARDED = frozenset(
+    {"LONGBOAT_LAUNCH_ID", "LONGBOAT_ROLES_DIR", "LONGBOAT_REPORT_DIR", "LONGBOAT_STATE_DIR"}
+)
 
 
 class EnvFileError(ValueError):

@@ -156,6 +156,8 @@ def _agent_environment(opts: RunOptions, marker: str, roles_dir: Path) -> Iterat
     wanted = {
         _MARKER_VAR: marker,
         roles.ENV: str(roles_dir),
+        # Lives as long as this launch, across its restarts: where hvd.elastic commits go.
+        "LONGBOAT_STATE_DIR": str(roles_dir.parent / "state"),
         # With torch's c10d rendezvous the workers reuse the rendezvous store and, after a
         # restart, dial the previous attempt's ports ("Connection refused", pytorch#135712,
         # measured in RELIABILITY.md). Our rendezvous already gives each attempt a fresh store;
