@@ -141,7 +141,7 @@ def test_deepspeed_dialect_translates():
 @pytest.mark.parametrize(
     ("ds", "words"),
     [
-        ({"train_batch_size": 8, "wandb": {"enabled": True}}, ["wandb"]),
+        ({"train_batch_size": 8, "comet": {"enabled": True}}, ["comet"]),
         (
             {"train_batch_size": 8, "zero_optimization": {"stage": 4}},
             ["zero_optimization.stage", "4"],

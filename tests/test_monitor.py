@@ -319,3 +319,68 @@ def test_piped_console_gets_an_event_every_50_steps() -> None:
     engine.set_total_steps(120)
     assert engine.monitor.sinks[0][0].total == 120  # type: ignore[attr-defined]
     engine.close()
+
+
+def test_wandb_offline_run_holds_the_events(tmp_path: Path) -> None:
+    """A real (offline) W&B run: the .wandb file records each event's values under the same
+    names as TensorBoard's. It is read as bytes: W&B's reader is not a public API, and the
+    history's keys and JSON values are stored as plain strings."""
+    torch.manual_seed(0)
+    model = reference.TinyNet()
+    engine = longboat.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.2),
+        {
+            "log": {"progress": False, "level": "WARNING"},
+            "batch": {"train_batch_size": 8},
+            "monitor": {
+                "every": 2,
+                "wandb": {"enabled": True, "output_path": str(tmp_path), "project": "p"},
+            },
+        },
+    )
+    losses = []
+    for x, y in engine.loader(reference.dataset(8 * 4)):
+        engine.backward(nn.CrossEntropyLoss()(engine(x), y))
+        if engine.step():
+            losses.append(engine.last_loss)
+    engine.close()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    assert b"train/loss" in data and b"throughput/samples_per_s" in data
+    for logged in (losses[1], losses[3]):  # every 2 steps
+        assert repr(logged).encode() in data, logged
+    assert repr(losses[0]).encode() not in data
+
+
+def test_wandb_missing_is_refused_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    model = reference.TinyNet()
+    with pytest.raises(ImportError, match=r"longboat\[wandb\]"):
+        longboat.initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            {"batch": {"micro_batch_size": 4}, "monitor": {"wandb": {"enabled": True}}},
+        )
+
+
+def test_deepspeed_wandb_block_maps() -> None:
+    cfg = load_config(
+        {
+            "train_batch_size": 8,
+            "wandb": {"enabled": True, "team": "lab", "group": "g", "project": "proj"},
+        }
+    )
+    w = cfg.monitor.wandb
+    assert (w.enabled, w.entity, w.group, w.project, w.mode) == (
+        True,
+        "lab",
+        "g",
+        "proj",
+        "offline",
+    )

@@ -47,6 +47,7 @@ _SUPPORTED = frozenset(
         "communication_data_type",
         "tensorboard",
         "csv_monitor",
+        "wandb",
         "wall_clock_breakdown",
         "flops_profiler",
         "comms_logger",
@@ -272,6 +273,10 @@ def translate(
                 if k == "output_path" and v == "":
                     continue  # DeepSpeed's default: keep longboat's ("runs")
                 put(f"{key}.{k}", v, f"{ds_key}.{k}")
+    if "wandb" in data:
+        block = _block(data["wandb"], "wandb", {"enabled", "team", "group", "project"})
+        for k, v in block.items():
+            put(f"monitor.wandb.{'entity' if k == 'team' else k}", v, f"wandb.{k}")
     if "steps_per_print" in data:  # DeepSpeed's progress line every N steps
         put("monitor.every", data["steps_per_print"], "steps_per_print")
     if "data_types" in data:

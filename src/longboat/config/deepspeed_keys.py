@@ -43,7 +43,6 @@ NO_EFFECT: dict[str, str] = {
 
 # key -> why it is refused when switched on
 OFF_ONLY: dict[str, str] = {
-    "wandb": "Weights & Biases is not a monitor sink here yet; use tensorboard or csv_monitor",
     "comet": "Comet is not a monitor sink here; use tensorboard or csv_monitor",
     "elasticity": (
         "DeepSpeed's elastic batch sizes are not offered; `longboat run --max-restarts N` "

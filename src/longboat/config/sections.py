@@ -260,9 +260,25 @@ class SinkConfig(_Section):
     job_name: str = Field("longboat", description="folder under output_path for this run")
 
 
+class WandbConfig(_Section):
+    """Weights & Biases: the step events as a W&B run (needs the optional ``wandb`` package)."""
+
+    enabled: bool = False
+    project: str = Field("longboat", description="the W&B project")
+    job_name: str = Field("longboat", description="the run's name")
+    group: str | None = Field(None, description="W&B group of runs")
+    entity: str | None = Field(None, description="W&B team or user (DeepSpeed's 'team')")
+    output_path: str = Field("runs", description="directory W&B writes its run folder under")
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: written to output_path only (`wandb sync` uploads it later); "
+        "online: sent to the W&B server as well",
+    )
+
+
 class MonitorConfig(_Section):
     """Step events (loss, lr, loss scale, samples/s, tokens/s, step time) reduced across ranks
-    and sent to the console, a CSV file and TensorBoard (see ``docs/monitoring.md``)."""
+    and sent to the console, a CSV file, TensorBoard and W&B (see ``docs/monitoring.md``)."""
 
     every: int = Field(1, gt=0, description="optimizer steps between events")
     console: bool = Field(
@@ -275,6 +291,7 @@ class MonitorConfig(_Section):
     )
     csv: SinkConfig = Field(default_factory=SinkConfig)
     tensorboard: SinkConfig = Field(default_factory=SinkConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
 
 
 class ProfileConfig(_Section):

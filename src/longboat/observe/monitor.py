@@ -66,7 +66,8 @@ class Monitor:
         self.total_steps = mon.total_steps
         self.every = mon.every
         console = mon.console and config.log.progress
-        self.files_every = mon.every if (mon.csv.enabled or mon.tensorboard.enabled) else 0
+        files = mon.csv.enabled or mon.tensorboard.enabled or mon.wandb.enabled
+        self.files_every = mon.every if files else 0
         self.console_every = 0
         if console:
             # A bar redraws every event; piped lines come every LINE_EVERY steps. Every rank
@@ -78,6 +79,8 @@ class Monitor:
             )
         if mon.tensorboard.enabled:
             _require_tensorboard()  # on every rank, so that none waits for a failed rank 0
+        if mon.wandb.enabled:
+            _require_wandb()
         # Events travel on ``comm`` (the world's control plane); the breakdown counts the time
         # blocked in every doorway (``blocked``: the topology).
         self.breakdown = (
@@ -125,6 +128,10 @@ class Monitor:
             from longboat.observe.tensorboard_sink import TensorBoardSink
 
             self.sinks.append((TensorBoardSink(_job_dir(mon.tensorboard)), self.files_every))
+        if mon.wandb.enabled:
+            from longboat.observe.wandb_sink import WandbSink
+
+            self.sinks.append((WandbSink(mon.wandb, config.model_dump()), self.files_every))
 
     def set_total_steps(self, total: int) -> None:
         """The run's length in optimizer steps, for the console's ETA."""
@@ -297,6 +304,15 @@ def _require_tensorboard() -> None:
 
     if importlib.util.find_spec("tensorboard") is None:
         from longboat.observe.tensorboard_sink import MISSING
+
+        raise ImportError(MISSING)
+
+
+def _require_wandb() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        from longboat.observe.wandb_sink import MISSING
 
         raise ImportError(MISSING)
 
