@@ -511,3 +511,26 @@ def test_doctor_shows_hosts_ranks_interfaces_and_devices(
     for i, (name, ranks) in enumerate(zip(hosts3.names, ("0-1", "2-2", "3-3"), strict=True)):
         assert re.search(rf"{name} +│ {ranks} +│ eth0 \({hosts3.addr(i)}\)", rows[i]), rows
         assert "no NVIDIA GPU" in rows[i]
+
+
+@needs_netns
+def test_no_ssh_starts_this_hosts_node_from_the_host_list(
+    hosts3: NetnsHosts, tmp_path: Path
+) -> None:
+    """DeepSpeed's --no_ssh: the same command on every host (a pod each, say); the host list
+    gives the job's shape and node 0's name, which each host resolves (here /etc/netns)."""
+    h0, h1 = hosts3.names[:2]
+    hostfile = _hostfile(tmp_path, [h0, h1], slots=(2, 1))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", h, *_cli("run", "--hostfile", str(hostfile), "--no-ssh",
+             "--node-rank", str(i), "--master-port", "29740", str(ALLREDUCE))],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        )
+        for i, h in enumerate((h0, h1))
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    results = sorted(r[1:] for out, _ in outs for r in _results(out))
+    assert results == [(r, 3, "6") for r in (0, 0, 1, 1, 2, 2)]

@@ -81,6 +81,12 @@ def run(
     remote_shell: str = hostopts.REMOTE_SHELL,
     ssh_port: int | None = hostopts.SSH_PORT,
     ssh_option: list[str] | None = hostopts.SSH_OPTION,
+    no_ssh: bool = typer.Option(
+        False,
+        "--no-ssh",
+        help="with --hostfile/-H: start only this host's node (run the same command on every "
+        "host, e.g. one pod each); its node rank is --node-rank, or its place in the list",
+    ),
     stop_on_eof: bool = typer.Option(
         False, "--stop-on-eof", hidden=True, help="stop as on SIGTERM when stdin closes"
     ),
@@ -94,6 +100,7 @@ def run(
         )
     # A host list makes this process the launcher of every node, not one node of a job.
     on_hosts = hostfile is not None or host_list is not None
+    given_node_rank = node_rank
     nnodes, node_rank, master_addr, master_port = _node_flags(
         nnodes, node_rank, master_addr, master_port, detect=not standalone and not on_hosts
     )
@@ -116,8 +123,12 @@ def run(
     on = hostopts.hosts_and_shell(
         hostfile, host_list, include, exclude, remote_shell, ssh_port, ssh_option
     )
+    if on is not None and no_ssh:
+        _run_this_host(opts, on[0], given_node_rank)
     if on is not None:
         _run_on_hosts(opts, *on)
+    if no_ssh:
+        raise usage_error("--no-ssh goes with --hostfile or -H (the job's hosts); give one")
     try:
         if doctor:
             validate(opts)  # usage errors first, before any check runs
@@ -149,6 +160,49 @@ def _run_on_hosts(opts: RunOptions, hosts: list[Host], shell: RemoteShell) -> No
     except LaunchUsageError as e:
         raise usage_error(str(e)) from None
     raise typer.Exit(launch_hosts(run))
+
+
+def _run_this_host(opts: RunOptions, hosts: list[Host], node_rank: int | None) -> None:
+    """``--hostfile ... --no-ssh`` (DeepSpeed's ``--no_ssh``): the host list gives the job's
+    shape, this process starts this host's node only."""
+    import os
+    import socket
+
+    from longboat.launch.multihost import DEFAULT_PORT
+    from longboat.launch.run import LaunchUsageError, launch, validate
+
+    names = [h.name for h in hosts]
+    if node_rank is None:
+        me = socket.gethostname()
+        mine = [i for i, n in enumerate(names) if n in (me, me.split(".")[0])]
+        if len(mine) != 1:
+            raise usage_error(
+                f"--no-ssh: this host ({me}) is not once in the host list ({', '.join(names)}); "
+                "give its place with --node-rank"
+            )
+        node_rank = mine[0]
+    if not 0 <= node_rank < len(hosts):
+        raise usage_error(
+            f"--node-rank {node_rank} with --no-ssh: the host list has nodes 0 to "
+            f"{len(hosts) - 1} ({', '.join(names)})"
+        )
+    host = hosts[node_rank]
+    if not host.all_slots:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.slots))
+    node = replace(
+        opts,
+        nnodes=len(hosts),
+        node_rank=node_rank,
+        nproc_per_node=host.nproc,
+        master_addr=names[0] if opts.master_addr == "127.0.0.1" else opts.master_addr,
+        master_port=opts.master_port or DEFAULT_PORT,
+    )
+    try:
+        validate(node)
+        code = launch(node)
+    except LaunchUsageError as e:
+        raise usage_error(str(e)) from None
+    raise typer.Exit(code)
 
 
 def _node_flags(
