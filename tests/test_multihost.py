@@ -534,3 +534,21 @@ def test_no_ssh_starts_this_hosts_node_from_the_host_list(
     assert [p.returncode for p in procs] == [0, 0], outs
     results = sorted(r[1:] for out, _ in outs for r in _results(out))
     assert results == [(r, 3, "6") for r in (0, 0, 1, 1, 2, 2)]
+
+
+def test_a_users_interface_is_kept_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from longboat.launch.discovery import Discovery, HostNetwork
+    from longboat.launch.multihost import _check_user_interface
+
+    net = {
+        "h0": HostNetwork({"eth0": ["10.0.0.1"], "docker0": ["172.17.0.1"]}, ["eth0"], "eth0"),
+        "h1": HostNetwork({"ens5": ["10.0.0.2"], "docker0": ["172.17.0.1"]}, ["ens5"], "ens5"),
+    }
+    found = Discovery(net, 0.1)
+    _check_user_interface(found, {"GLOO_SOCKET_IFNAME": "docker0", "NCCL_SOCKET_IFNAME": "^lo"})
+    err = capsys.readouterr().err
+    assert "GLOO_SOCKET_IFNAME=docker0 on host h0, but the interfaces every other host" in err
+    assert "reaches there are: eth0; kept as set (unset GLOO_SOCKET_IFNAME to use eth0)" in err
+    assert "on host h1" in err and "NCCL_SOCKET_IFNAME" not in err  # an exclusion names none
+    _check_user_interface(found, {"GLOO_SOCKET_IFNAME": "eth0,ens5"})  # right on both
+    assert capsys.readouterr().err == ""
