@@ -431,6 +431,13 @@ def test_a_cut_link_is_named_by_every_survivor_within_the_timeout(
     assert all(not hosts3.pids(n) for n in hosts3.names)
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 @pytest.mark.skipif(sshd_unavailable() is not None, reason=str(sshd_unavailable()))
 def test_a_real_ssh_launch(hosts3: NetnsHosts, tmp_path: Path) -> None:
     """OpenSSH's sshd on two namespace hosts, the launcher on the first (as on a login node
@@ -450,6 +457,16 @@ def test_a_real_ssh_launch(hosts3: NetnsHosts, tmp_path: Path) -> None:
         assert [(h, r) for h, r, _, _ in got] == [(h0, 0), (h0, 0), (h0, 1), (h0, 1),
                                                   (h1, 2), (h1, 2), (h1, 3), (h1, 3)]  # fmt: skip
         assert {(w, s) for _, _, w, s in got} == {(4, "10")}
+
+        # A rank failing on h1: h0's agent is stopped through ssh (its stdin closes).
+        run = _run(
+            ["ip", "netns", "exec", h0, *_cli("run", "--hostfile", str(two), *flags,
+             "--grace-period", "2", str(ALLREDUCE), "--wait", "60", "--fail-rank", "2")],
+        )  # fmt: skip
+        assert run.returncode == 3, run.stderr[-3000:]
+        assert f"longboat: host {h1} failed (status 3); stopping {h0}" in run.stderr
+        left = [p for n in (h0, h1) for p in hosts3.pids(n) if "sshd" not in _cmdline(p)]
+        assert not left, [_cmdline(p) for p in left]
 
         three = tmp_path / "three"
         three.write_text(f"{h0} slots=1\n{h1} slots=1\n{h2} slots=1\n")
