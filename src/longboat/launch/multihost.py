@@ -252,7 +252,7 @@ def _supervise(nodes: list[_Node], grace_period_s: int) -> int:
     for n in nodes:
         for t in n.threads:
             t.join(timeout=5)
-    if signalled and not code:
+    if signalled:  # the nodes ended because we were stopped: say so, as a shell would
         code = 128 + signalled[0]
     return code
 
