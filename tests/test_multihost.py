@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -569,3 +570,25 @@ def test_a_users_interface_is_kept_and_checked(capsys: pytest.CaptureFixture[str
     assert "on host h1" in err and "NCCL_SOCKET_IFNAME" not in err  # an exclusion names none
     _check_user_interface(found, {"GLOO_SOCKET_IFNAME": "eth0,ens5"})  # right on both
     assert capsys.readouterr().err == ""
+
+
+@needs_netns
+def test_stopping_the_launcher_stops_every_host(hosts3: NetnsHosts, tmp_path: Path) -> None:
+    """SIGTERM to the hostfile launcher: every host's workers get their grace period and stop,
+    nothing is left in any namespace, and the launcher exits 128 + 15."""
+    hostfile = _hostfile(tmp_path, hosts3.names[:2])
+    proc = subprocess.Popen(
+        _cli("run", "--hostfile", str(hostfile), "--remote-shell", "netns", "--grace-period",
+             "5", str(ALLREDUCE), "--wait", "120"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )  # fmt: skip
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if sum("WAITING" in x for x in seen) == 2:
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(seen) + rest
+    assert all(not hosts3.pids(n) for n in hosts3.names)
