@@ -580,3 +580,31 @@ def test_plan_cli_with_stages(tmp_path):
         res = _invoke(*bad)
         assert res.exit_code == 2, (flags, res.output)
         assert words in res.output, (flags, res.output)
+
+
+def test_accumulation_is_simulated_and_collectives_are_counted():
+    # Each simulated optimizer step runs the config's accumulation of micro-batches: ZeRO-2
+    # reduce-scatters after every one of them (4 x the bytes and calls of one), ZeRO-1 at the
+    # boundary only; and the peak is that of the micro-batch, not of the whole step.
+    from longboat.plan import simulate
+
+    target = resolve("gpt", GPT_ARGS)
+    sims = {}
+    for stage in (1, 2):
+        for acc in (1, 4):
+            cfg = load_config(
+                {
+                    "strategy": "zero",
+                    "zero": {"stage": stage},
+                    "batch": {"micro_batch_size": MICRO, "gradient_accumulation_steps": acc},
+                }
+            )
+            sims[stage, acc] = simulate(target, cfg, 2, MICRO, OPTIMIZERS["adamw"])
+    for acc in (1, 4):
+        assert sims[1, acc].comm_bytes == sims[1, 1].comm_bytes  # at the boundary only
+        assert sum(sims[1, acc].comm_calls.values()) >= 2
+    one, four = sims[2, 1], sims[2, 4]
+    assert four.comm_bytes["reduce_scatter"] == 4 * one.comm_bytes["reduce_scatter"]
+    assert four.comm_calls["reduce_scatter"] == 4 * one.comm_calls["reduce_scatter"]
+    assert four.comm_calls["all_gather"] == one.comm_calls["all_gather"]
+    assert four.model_state == one.model_state

@@ -12,7 +12,8 @@ throughout, and ``strategy.memory_tensors`` gives the model state exactly as
 
 [Note: peak model] The predicted peak is the highest live-tensor total from the moment the
 model is built (the caller's baseline: after imports, before the model) through setup and two
-steps (the second one holds the optimizer state the first created). Everything a rank holds is
+optimizer steps (the second one holds the optimizer state the first created), each of the
+config's ``batch.gradient_accumulation_steps`` micro-batches. Everything a rank holds is
 in it: parameters, gradients, optimizer state, buckets and communication buffers, activations
 saved for backward and the transient tensors of each operator. What it cannot see: memory
 inside kernels and communication libraries (gloo/NCCL staging), allocator overhead and
@@ -90,6 +91,9 @@ class MetaCollectives:
     observing: bool = False
     commlog: None = None
     sent: dict[str, int] = field(default_factory=dict)
+    #: how many operations of each kind were launched (shared like ``sent``): a cost model
+    #: charges each its latency
+    calls: dict[str, int] = field(default_factory=dict)
     prefix: str = ""  # put before each operation's name in ``sent``
     #: bytes per tag (the tensor-parallel layers tag theirs with the module's name), or None
     by_tag: dict[str, int] | None = None
@@ -101,6 +105,7 @@ class MetaCollectives:
         if self.world_size > 1:
             key = self.prefix + op
             self.sent[key] = self.sent.get(key, 0) + int(nbytes)
+            self.calls[key] = self.calls.get(key, 0) + 1
             if self.by_tag is not None and tag:
                 self.by_tag[tag] = self.by_tag.get(tag, 0) + int(nbytes)
         return _InFlight()
@@ -163,6 +168,8 @@ class Simulated:
     #: with ZeRO's state offloaded: its bytes on disk, and read and written per step
     disk: int = 0
     disk_moved: int = 0
+    #: operations launched per step by this rank, per collective (the keys of comm_bytes)
+    comm_calls: dict[str, int] = field(default_factory=dict)
 
 
 def _offloaded(strategy: Any) -> dict[str, int]:
@@ -187,6 +194,7 @@ def simulate(
     from longboat.engine import assemble, resolve_mesh
 
     sent: dict[str, int] = {}
+    calls: dict[str, int] = {}
     layers: dict[str, int] = {}
     mesh = resolve_mesh(config, world_size)
     # Control planes carry flags, headers and metadata as JSON: a few bytes, whose values fake
@@ -197,9 +205,9 @@ def simulate(
         # The tensor-parallel layers' traffic is told apart from the data-parallel strategy's,
         # and counted per layer.
         lambda n, r, axis: (
-            MetaCollectives(n, r, sent=sent, prefix="tp ", by_tag=layers)
+            MetaCollectives(n, r, sent=sent, calls=calls, prefix="tp ", by_tag=layers)
             if axis == "tp"
-            else MetaCollectives(n, r, sent=sent)
+            else MetaCollectives(n, r, sent=sent, calls=calls)
         ),
         control=lambda: MetaCollectives(1),
     )
@@ -228,12 +236,17 @@ def simulate(
                 steps = stages.StageSteps(engine, target, model, micro_batch, tracker, shapes)
             else:
                 steps = _Steps(engine, target, model, micro_batch, tracker)
+            # A pipeline's schedule runs a step's micro-batches itself; otherwise each optimizer
+            # step is the config's accumulation of micro-batches ([Note: peak model]).
+            micro_steps = 1 if mesh.pp > 1 else engine.accumulation_steps
             for step in range(2):
                 if step == 1:
                     sent.clear()  # the first step's are the same; count one step
+                    calls.clear()
                     layers.clear()
                     moved = _offloaded(engine.strategy)["moved"]
-                steps.step()
+                for _ in range(micro_steps):
+                    steps.step()
             off = _offloaded(engine.strategy)
             state = measure(engine.strategy.memory_tensors(opt))
             trainable = engine.trainable_params
@@ -250,6 +263,7 @@ def simulate(
         activations=steps.activations,
         transient=max(tracker.max_peak - state_total - steps.activations, 0),
         comm_bytes=dict(sent),
+        comm_calls=dict(calls),
         stages=steps.stages,
         in_flight=steps.in_flight,
         tp_layers=dict(layers),
@@ -259,8 +273,8 @@ def simulate(
 
 
 class _Steps:
-    """Without pipeline stages: one micro-batch per optimizer step, and the most its forward
-    and loss leave live."""
+    """Without pipeline stages: one micro-batch (``engine.step()`` steps the optimizer at the
+    accumulation boundary only), and the most a forward and loss leave live."""
 
     stages: tuple[int, ...] = ()
     in_flight = 0
