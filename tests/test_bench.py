@@ -318,3 +318,40 @@ def test_missing_matplotlib_is_a_clear_usage_error(
     res = _bench(tmp_path, "--model", "tiny-gpt", "--seq-len", "16")
     assert res.exit_code == 2
     assert "pip install 'longboat[bench]'" in res.output
+
+
+def test_config_sides_train_as_given_and_a_passed_deadline_stops_at_one_round() -> None:
+    # `config:` sides (what longboat tune measures) train with the whole config given: 2
+    # micro-batches of 2 per rank are the same step as replicate's one of 4. A deadline
+    # already passed leaves every side one measured round and no memory launch.
+    import time
+
+    from longboat.bench.runner import BenchSettings, run_bench
+
+    accumulated = {
+        "strategy": "zero",
+        "zero": {"stage": 2},
+        "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 2},
+    }
+    s = BenchSettings(
+        model="tiny-gpt",
+        strategies=("replicate",),
+        peers=(),
+        world_sizes=(2,),
+        micro_batch=4,
+        seq_len=16,
+        warmup=1,
+        steps=4,
+        configs={"config:zero-2 m2x2": accumulated},
+        deadline=time.time() - 1,
+    )
+    result = run_bench(s)
+    rows = {r["side"]: r for r in result["rows"]}
+    assert set(rows) == {"replicate", "config:zero-2 m2x2"}
+    assert rows["config:zero-2 m2x2"]["micro_batch"] == 2
+    for r in rows.values():
+        assert r["measured_steps"] == 1 and len(r["losses"]) == 2
+        assert r["peak_rss_bytes_per_rank"] is None  # no memory launch after the deadline
+    assert rows["config:zero-2 m2x2"]["losses"] == pytest.approx(
+        rows["replicate"]["losses"], abs=1e-5
+    )

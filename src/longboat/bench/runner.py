@@ -9,6 +9,12 @@
   seconds apart, so load from other processes lands on all sides alike.
 - Memory: peak RSS (``ru_maxrss``) only grows within a process, so each side also runs alone in
   a fresh launch of ``n`` ranks for ``warmup + 2`` steps, and its peak RSS per rank is taken.
+  With ``live_peak``, that launch also counts live tensor bytes from the model's construction
+  on, with the planner's tracker (``longboat.plan.tracker.LiveBytes``): the quantity ``longboat
+  plan`` predicts, which the allocator's retention does not blur as it does RSS.
+- Deadline: with ``deadline`` (a ``time.time()``), no measured round starts after it (every
+  side gets at least one), and no memory launch starts after it. The ranks agree on stopping
+  by rank 0's verdict, broadcast between rounds, outside the timed steps.
 
 Each rank times its own step with ``time.perf_counter`` (forward, loss, backward, optimizer step,
 zero_grad; no barrier inside, which would hide a straggler); then the ranks all-reduce the MAX,
@@ -20,6 +26,7 @@ so all sides see the same samples.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -42,6 +49,7 @@ import torch.multiprocessing as mp
 
 from longboat.bench.models import Batch, resolve_model
 from longboat.bench.sides import (
+    CONFIG_PREFIX,
     LONGBOAT_SIDES,
     build_side,
     exists_at,
@@ -80,6 +88,10 @@ class BenchSettings:
     memory: bool = True
     pipeline_micro_batches: int = 4  # the pipeline side's micro-batches per step
     timeout_s: float = 300.0
+    #: ``config:NAME`` sides and the longboat config (a mapping) each trains with
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    live_peak: bool = False  # the memory launches also count live tensor bytes
+    deadline: float | None = None  # time.time() after which no round or memory launch starts
 
     def global_batch(self, n: int) -> int:
         """Samples per step at ``n`` ranks: weak scaling keeps the micro-batch per rank, strong
@@ -158,11 +170,48 @@ def _measure(
     gb = s.global_batch(n)
     sides = {}
     result["rss_after_import_bytes"] = _peak_rss_bytes()
+    with contextlib.ExitStack() as stack:
+        tracker = None
+        if phase == "memory" and s.live_peak:
+            from longboat.plan.tracker import LiveBytes
+
+            # From before the model is built, as the planner counts ([Note: peak model]).
+            tracker = stack.enter_context(LiveBytes())
+        _steps(rank, s, n, phase, names, result, report, spec, unavailable, gb, sides)
+    if tracker is not None:
+        result["live_peak_bytes"] = tracker.max_peak
+    for side in sides.values():
+        side.close()
+
+
+def _stop_now(s: BenchSettings) -> bool:
+    """Whether the deadline has passed, as rank 0 sees it (every rank gets the same answer)."""
+    flag = torch.tensor([float(s.deadline is not None and time.time() > s.deadline)])
+    dist.broadcast(flag, src=0)  # rank 0's clock decides: the ranks' clocks may straddle it
+    return bool(flag.item())
+
+
+def _steps(
+    rank: int,
+    s: BenchSettings,
+    n: int,
+    phase: str,
+    names: list[str],
+    result: dict[str, Any],
+    report: Callable[[str, int, int], None],
+    spec: Any,
+    unavailable: dict[str, str],
+    gb: int,
+    sides: dict[str, Any],
+) -> None:
+    """Build the sides into ``sides``, run the warm-up and the measured rounds."""
     for name in names:
         if name in unavailable:
             continue
         try:
-            sides[name] = build_side(name, spec, s.seed, s.lr, gb // n, n, s.pipeline_micro_batches)
+            sides[name] = build_side(
+                name, spec, s.seed, s.lr, gb // n, n, s.pipeline_micro_batches, s.configs
+            )
         except Exception as e:
             if library(name) != "deepspeed":
                 raise
@@ -195,6 +244,8 @@ def _measure(
         run(name, s.warmup, keep=False)
     order = []
     for r in range(measured):
+        if r and phase == "timing" and s.deadline is not None and _stop_now(s):
+            break  # every side has had the same number of rounds
         # Rotate, and reverse every other round, so no side always follows the same one.
         rot = built[r % max(len(built), 1) :] + built[: r % max(len(built), 1)]
         order.append(list(rot if r % 2 == 0 else tuple(reversed(rot))))
@@ -209,8 +260,6 @@ def _measure(
         peak_rss_bytes=_peak_rss_bytes(),
         state_bytes={x: sides[x].state_bytes() for x in built},
     )
-    for side in sides.values():
-        side.close()
 
 
 def _worker(
@@ -342,7 +391,11 @@ def _row(
         "library": library(side),
         "world_size": n,
         "global_batch": gb,
-        "micro_batch": micro_batch_of(side, gb, n, s.pipeline_micro_batches),
+        "micro_batch": (
+            s.configs[side]["batch"]["micro_batch_size"]
+            if side in s.configs
+            else micro_batch_of(side, gb, n, s.pipeline_micro_batches)
+        ),
         "measured_steps": len(t),
         "step_time_median_s": med,
         "step_time_min_s": min(t),
@@ -353,6 +406,13 @@ def _row(
         "speedup": None,
         "efficiency": None,
         "peak_rss_bytes_per_rank": [x["peak_rss_bytes"] for x in mem_ranks] if mem_ranks else None,
+        # RSS before the side was built: what the peak includes besides the side itself
+        "rss_after_import_bytes_per_rank": (
+            [x["rss_after_import_bytes"] for x in mem_ranks] if mem_ranks else None
+        ),
+        "live_peak_bytes_per_rank": (
+            [x["live_peak_bytes"] for x in mem_ranks] if mem_ranks and s.live_peak else None
+        ),
         "state_bytes_per_rank": [x["state_bytes"][side] for x in timing.ranks],
         "losses": r0["losses"][side],
         "step_times_s": t,
@@ -378,6 +438,7 @@ def run_bench(s: BenchSettings, on_progress: BenchProgressFn | None = None) -> d
     names = [x for x in LONGBOAT_SIDES if x in s.strategies] + peer_sides(
         tuple(peers), s.strategies
     )
+    names += [x for x in s.configs if x.startswith(CONFIG_PREFIX)]
     rows: list[dict[str, Any]] = []
     orders: dict[str, Any] = {}
     t_start = time.perf_counter()
@@ -394,7 +455,12 @@ def run_bench(s: BenchSettings, on_progress: BenchProgressFn | None = None) -> d
         for side in here:
             if side in unavailable:
                 continue
-            memory = launch(s, n, "memory", [side], fwd(f"memory {side}")) if s.memory else None
+            late = s.deadline is not None and time.time() > s.deadline
+            memory = (
+                launch(s, n, "memory", [side], fwd(f"memory {side}"))
+                if s.memory and not late
+                else None
+            )
             rows.append(_row(s, n, side, timing, memory))
     base = {r["side"]: r["samples_per_s"] for r in rows if r["world_size"] == 1}
     for r in rows:

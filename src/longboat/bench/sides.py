@@ -27,6 +27,11 @@ what is said here. Side names:
 ``deepspeed_zero0..3``
     ``deepspeed.initialize`` with that ZeRO stage, CPU accelerator over our gloo group, and
     ``gradient_clipping: 0`` (DeepSpeed clips to 1.0 by default; the others do not clip).
+``config:NAME``
+    ``longboat.initialize`` with a whole longboat config given beside the name
+    (``BenchSettings.configs``; ``longboat tune`` measures its candidates so), and
+    ``engine.train_step`` on this rank's share of the step, which the engine splits into the
+    config's micro-batches.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ LONGBOAT_SIDES = (
 #: it themselves), and which need two ranks or more.
 WHOLE_BATCH = ("pipeline", "tensor-parallel", "parameter_server")
 PEERS = ("ddp", "fsdp2", "deepspeed")
+#: A side named ``config:NAME`` trains with the longboat config given for it whole.
+CONFIG_PREFIX = "config:"
 
 
 class Side(Protocol):
@@ -96,6 +103,8 @@ def peer_sides(peers: tuple[str, ...], strategies: tuple[str, ...]) -> list[str]
 
 def library(side: str) -> str:
     """``longboat``, ``ddp``, ``fsdp2`` or ``deepspeed``."""
+    if side.startswith(CONFIG_PREFIX):
+        return "longboat"
     return side if side == "ddp" else side.split("_")[0] if "_" in side else "longboat"
 
 
@@ -162,6 +171,39 @@ class LongboatSide(_EngineSide):
         self.engine = longboat.initialize(
             model, torch.optim.AdamW(model.parameters(), lr=lr), config=config
         )
+
+    def state_bytes(self) -> int | None:
+        return self.engine.memory_report().total
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class ConfigSide:
+    """A longboat config given whole (``config:NAME`` sides): ``engine.train_step`` runs this
+    rank's share of the step as the config's micro-batches, so its batch triple, strategy,
+    buckets, recompute and communication dtype are all the config's."""
+
+    shares_batch = False
+
+    def __init__(
+        self, name: str, spec: ModelSpec, model: nn.Module, lr: float, config: dict[str, Any]
+    ) -> None:
+        import longboat
+
+        self.name, self.spec = name, spec
+        quiet = {"log": {"progress": False, "level": "WARNING"}}
+        self.engine = longboat.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=lr), config={**config, **quiet}
+        )
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        loss = self.engine.train_step(
+            batch,
+            lambda out, mb: self.spec.loss(out, mb[-1]),
+            inputs=lambda mb: tuple(mb[:-1]),
+        )
+        return torch.tensor(loss)  # the mean over this rank's micro-batches
 
     def state_bytes(self) -> int | None:
         return self.engine.memory_report().total
@@ -424,11 +466,15 @@ def build_side(
     micro_batch: int,
     world_size: int,
     pipeline_micro_batches: int = 4,
+    configs: dict[str, dict[str, Any]] | None = None,
 ) -> Side:
     """Build ``name`` on a model made right after ``torch.manual_seed(seed)``, so every side
-    starts from the same weights. ``micro_batch`` is a data-parallel rank's share of the step."""
+    starts from the same weights. ``micro_batch`` is a data-parallel rank's share of the step.
+    ``configs``: the longboat config of each ``config:NAME`` side, by side name."""
     torch.manual_seed(seed)
     model = spec.build()
+    if name.startswith(CONFIG_PREFIX):
+        return ConfigSide(name, spec, model, lr, (configs or {})[name])
     if name == "pipeline":
         return PipelineSide(
             spec, model, lr, micro_batch * world_size, world_size, pipeline_micro_batches
