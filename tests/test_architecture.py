@@ -52,6 +52,7 @@ LAYERS = [
         "longboat.launch",
         "longboat.bench",
         "longboat.plan",
+        "longboat.tune",
         "longboat.cli",
         "longboat.testing",
         "longboat",

@@ -1,7 +1,8 @@
 """The ``longboat`` command line: one module per command, parsing only; the work is in the
 package each names. Shared option definitions are in :mod:`longboat.cli.options`."""
 
-from longboat.cli import (  # noqa: F401  (registers)
+# Importing each command's module registers it on the app.
+from longboat.cli import (  # noqa: F401
     bench,
     checkpoint,
     config,
@@ -9,6 +10,7 @@ from longboat.cli import (  # noqa: F401  (registers)
     horovodrun,
     plan,
     run,
+    tune,
 )
 from longboat.cli.app import USAGE_EXIT, app
 

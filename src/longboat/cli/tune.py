@@ -1,0 +1,95 @@
+"""``longboat tune``: the fastest configuration that fits a memory budget, found by the planner
+and confirmed by measurement (the work is in :mod:`longboat.tune`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from longboat.cli.app import app, usage_error
+
+
+@app.command()
+def tune(
+    model: str = typer.Option(
+        "reference-gpt",
+        "--model",
+        help="reference-gpt, digits-cnn, tiny-gpt or package.module:factory returning a "
+        "longboat.bench.ModelSpec (as longboat bench takes it)",
+    ),
+    world_size: int = typer.Option(2, "--world-size", help="number of ranks"),
+    budget: str | None = typer.Option(
+        None,
+        "--budget",
+        help="memory per rank as longboat plan counts it (live tensors), e.g. 400MiB; "
+        "candidates over it are never launched",
+    ),
+    global_batch: int | None = typer.Option(
+        None, "--global-batch", help="samples per optimizer step (default: 8 per rank)"
+    ),
+    time: str = typer.Option("10m", "--time", help="time for the whole search, e.g. 10m, 90s"),
+    top: int = typer.Option(3, "--top", help="how many of the best-predicted to measure"),
+    out: Path = typer.Option(
+        Path("tuned.toml"),
+        "--out",
+        help="the chosen longboat config; the DeepSpeed JSON goes beside it "
+        "(tuned.deepspeed.json) where DeepSpeed's keys can say it",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    seq_len: int = typer.Option(128, "--seq-len", help="tokens per sequence (GPT models)"),
+    warmup: int = typer.Option(1, "--warmup", help="unmeasured steps per measured candidate"),
+    steps: int = typer.Option(5, "--steps", help="measured steps per measured candidate"),
+    micro_batches: str | None = typer.Option(
+        None,
+        "--micro-batches",
+        help="micro-batch sizes to try, e.g. 1,2,4 (default: powers of two up to a rank's "
+        "share of the global batch, and the share)",
+    ),
+    bucket_mb: str = typer.Option(
+        "25,5", "--bucket-mb", help="gradient bucket sizes to try (replicate, ZeRO-1/2), MiB"
+    ),
+    recompute: bool = typer.Option(
+        True,
+        "--recompute/--no-recompute",
+        help="also try recomputing the model's blocks in backward (activation checkpointing)",
+    ),
+    comm_dtypes: str = typer.Option(
+        "fp32",
+        "--comm-dtypes",
+        help="dtypes gradients may travel in, e.g. fp32,bf16 (bf16 changes the arithmetic)",
+    ),
+    offload_dir: Path | None = typer.Option(
+        None, "--offload-dir", help="also try ZeRO-3 with its state on disk in this directory"
+    ),
+) -> None:
+    """Find the fastest configuration whose planned memory fits the budget, and write it."""
+    from longboat.bench.runner import BenchError
+    from longboat.tune.command import Flags, TuneUsageError, run
+
+    flags = Flags(
+        model=model,
+        world_size=world_size,
+        budget=budget,
+        global_batch=global_batch,
+        time=time,
+        top=top,
+        seq_len=seq_len,
+        warmup=warmup,
+        steps=steps,
+        micro_batches=micro_batches,
+        bucket_mb=bucket_mb,
+        recompute=recompute,
+        comm_dtypes=comm_dtypes,
+        offload_dir=offload_dir,
+    )
+    try:
+        text, code, _ = run(flags, out, as_json)
+    except TuneUsageError as e:
+        raise usage_error(str(e)) from None
+    except BenchError as e:
+        print(f"longboat: tune failed while measuring: {e}", file=sys.stderr, flush=True)
+        raise typer.Exit(1) from None
+    print(text)
+    raise typer.Exit(code)

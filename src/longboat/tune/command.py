@@ -1,0 +1,196 @@
+"""``longboat tune``: check the flags, search with a progress display, write the chosen config."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from longboat.tune.search import TuneResult, TuneSettings, search
+from longboat.tune.space import COMM_DTYPES
+
+
+class TuneUsageError(ValueError):
+    """A bad flag; the message names it, the value and the fix."""
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """``10m``, ``90s``, ``1h`` or a plain number of seconds, as seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*", text)
+    if not m or float(m[1]) <= 0:
+        raise TuneUsageError(f"--time {text!r} is not a duration; write e.g. 10m, 90s or 600")
+    return float(m[1]) * _UNITS[m[2] or "s"]
+
+
+def _numbers(flag: str, text: str, kind: type) -> tuple[Any, ...]:
+    try:
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) <= 0:
+        example = "1,2,4" if kind is int else "25,5"
+        raise TuneUsageError(
+            f"{flag} {text!r} is not a list of positive numbers: write e.g. {example}"
+        )
+    return tuple(dict.fromkeys(values))
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The command line as given (strings where the CLI takes text)."""
+
+    model: str = "reference-gpt"
+    world_size: int = 2
+    budget: str | None = None
+    global_batch: int | None = None
+    time: str = "10m"
+    top: int = 3
+    seq_len: int = 128
+    warmup: int = 1
+    steps: int = 5
+    micro_batches: str | None = None
+    bucket_mb: str = "25,5"
+    recompute: bool = True
+    comm_dtypes: str = "fp32"
+    offload_dir: Path | None = None
+
+
+def settings_from_flags(f: Flags) -> TuneSettings:
+    """Validate the flags into :class:`TuneSettings`; :class:`TuneUsageError` names the flag."""
+    from longboat.bench.models import resolve_model
+    from longboat.plan.render import parse_bytes
+    from longboat.plan.target import PlanInputError
+
+    for flag, v in (
+        ("--world-size", f.world_size),
+        ("--top", f.top),
+        ("--steps", f.steps),
+        ("--warmup", f.warmup),
+        ("--seq-len", f.seq_len),
+    ):
+        if v < 1:
+            raise TuneUsageError(f"{flag} {v} is invalid: use 1 or more")
+    try:
+        resolve_model(f.model, f.seq_len)  # here, so a bad --model fails before any work
+    except ValueError as e:
+        raise TuneUsageError(str(e)) from None
+    budget = None
+    if f.budget is not None:
+        try:
+            budget = parse_bytes(f.budget)
+        except PlanInputError as e:
+            raise TuneUsageError(str(e)) from None
+        if budget <= 0:
+            raise TuneUsageError(f"--budget {f.budget!r} is not positive; write e.g. 400MiB")
+    batch = f.global_batch if f.global_batch is not None else 8 * f.world_size
+    if batch < 1 or batch % f.world_size:
+        raise TuneUsageError(
+            f"--global-batch {batch} does not split over --world-size {f.world_size}: give a "
+            f"positive multiple of {f.world_size}"
+        )
+    comm = tuple(dict.fromkeys(x.strip() for x in f.comm_dtypes.split(",") if x.strip()))
+    bad = [x for x in comm if x not in COMM_DTYPES] or ([] if comm else [f.comm_dtypes])
+    if bad:
+        raise TuneUsageError(
+            f"--comm-dtypes has unknown value {bad[0]!r}: choose from {','.join(COMM_DTYPES)}"
+        )
+    return TuneSettings(
+        model=f.model,
+        world_size=f.world_size,
+        global_batch=batch,
+        budget=budget,
+        time_s=parse_duration(f.time),
+        top=f.top,
+        seq_len=f.seq_len,
+        warmup=f.warmup,
+        steps=f.steps,
+        micro_sizes=_numbers("--micro-batches", f.micro_batches, int) if f.micro_batches else (),
+        buckets_mb=_numbers("--bucket-mb", f.bucket_mb, float),
+        recompute=f.recompute,
+        comm_dtypes=comm,
+        offload_dir=None if f.offload_dir is None else str(f.offload_dir),
+    )
+
+
+def header(result: TuneResult) -> list[str]:
+    """The comment lines at the top of the written config: what was chosen and measured."""
+    from longboat.bench.report import versions
+
+    s = result.settings
+    w = result.outcome(result.winner or "")
+    assert w.measured is not None and w.planned is not None and w.prediction is not None
+    m = w.measured
+    budget = "no budget" if s.budget is None else f"budget {s.budget / 2**20:,.1f} MiB per rank"
+    live = m["live_peak_bytes_per_rank"]
+    rss = m["peak_rss_bytes_per_rank"]
+    grew = m["rss_increase_bytes_per_rank"]
+    memory = f"Memory per rank: planned peak {w.planned.peak / 2**20:,.1f} MiB (live tensors)"
+    if live:
+        memory += f"; measured live-tensor peak {max(live) / 2**20:,.1f} MiB"
+    if rss and grew:
+        memory += (
+            f", peak RSS {max(rss) / 2**20:,.0f} MiB ({max(grew) / 2**20:,.0f} MiB above the "
+            "RSS before the model was built)"
+        )
+    v = versions()
+    return [
+        f"Written by longboat tune: {s.model} at {s.world_size} rank(s), global batch {s.batch}, "
+        f"{budget}.",
+        f"Chosen: {w.name}. Measured median step {m['step_time_median_s']:.3f} s over "
+        f"{m['measured_steps']} steps, side by side with {len(result.launched) - 1} other "
+        f"candidate(s) (predicted {w.prediction.total_s:.3f} s).",
+        memory + ".",
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC with torch "
+        f"{v['torch']}, longboat {v['longboat']} ({v['commit'] or 'not a checkout'}).",
+        "Load with longboat.load_config(path); the batch triple holds at this world size only.",
+    ]
+
+
+def run(
+    flags: Flags, out: Path, as_json: bool, console: Console | None = None
+) -> tuple[str, int, dict[str, Any]]:
+    """Search with a live progress display; write the chosen config under ``out``. Returns the
+    report (text or JSON), the exit status (0 with a winner, 1 without) and the report JSON."""
+    from longboat.tune import output, report
+
+    settings = settings_from_flags(flags)
+    console = console or Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("building the search space", total=None)
+        said: list[str] = []
+
+        def say(what: str, done: int, total: int) -> None:
+            progress.update(task, description=what, completed=done, total=total)
+            phase = what.split(" ")[0]
+            if not console.is_terminal and said[-1:] != [phase]:
+                said.append(phase)  # no live bar in a pipe or a log: a line per phase
+                console.print(f"tune: {what} ({total})")
+
+        def on_bench(_n: int, phase: str, side: str, done: int, total: int) -> None:
+            say(f"measuring | {phase} | {side.removeprefix('config:')}", done, total)
+
+        result = search(settings, say=say, on_bench=on_bench)
+    outputs: dict[str, Any] = {}
+    if result.winner is not None:
+        toml, ds, why = output.write(result.outcome(result.winner).mapping, out, header(result))
+        outputs["config"] = str(toml)
+        outputs["deepspeed"] = str(ds) if ds else f"not written: {why}"
+    data = report.to_json(result, outputs)
+    text = json.dumps(data, indent=2) if as_json else report.render(result, outputs)
+    return text, 0 if result.winner else 1, data

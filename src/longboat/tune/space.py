@@ -1,0 +1,185 @@
+"""The candidates ``longboat tune`` considers: every combination of what the config can vary
+that changes speed or memory, each built as a real longboat config.
+
+[Note: search space] Strategy (``replicate``, ZeRO stages 1-3, and ZeRO-3 with its state on
+disk when an offload directory is given; ``single`` at one rank), micro-batch size for the fixed
+global batch (powers of two up to a rank's share of it, and the share itself; accumulation =
+global / (micro x data-parallel ranks)), bucket size (``replicate.bucket_mb`` or
+``zero.bucket_mb``; stage 3 has none), activation checkpointing of the model's block classes,
+and the dtype gradients travel in. A combination is kept only when the config accepts it: its
+mapping goes through :func:`longboat.load_config`, its batch triple through
+:func:`~longboat.config.resolve_batch` and its mesh through the engine's own check, and what any
+of them refuses is recorded with the message they gave (the planner's run adds what the
+strategies refuse at setup). The search never invents a rule of its own about what is valid.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from longboat.config import Config, ConfigError, load_config, resolve_batch
+
+#: Strategies searched at two ranks or more; ``single`` is the only one at one rank.
+STRATEGIES = ("replicate", "zero-1", "zero-2", "zero-3")
+OFFLOADED = "zero-3+offload"  # only with an offload directory: it needs a disk path
+DEFAULT_BUCKETS_MB = (25.0, 5.0)  # longboat's default, and a fifth of it
+COMM_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to plan and perhaps measure. ``mapping`` is the longboat config as
+    written to a file (the keys that differ from the defaults, and the batch triple in full);
+    ``config`` is it validated."""
+
+    strategy: str  # single, replicate, zero-1..3, zero-3+offload
+    micro_batch: int
+    accumulation: int
+    bucket_mb: float | None  # None: the strategy has no gradient buckets (stage 3, single)
+    recompute: tuple[str, ...]  # module classes recomputed in backward; () for none
+    comm_dtype: str  # the dtype gradients travel in (fp32: their own)
+    mapping: dict[str, Any] = field(compare=False, repr=False)
+    config: Config = field(compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        """Short and unique within a search: ``zero-2 m4x2 b25 rc bf16``."""
+        return label(
+            self.strategy,
+            f"m{self.micro_batch}x{self.accumulation}",
+            self.bucket_mb,
+            bool(self.recompute),
+            self.comm_dtype,
+        )
+
+
+def label(strategy: str, batch: str, bucket_mb: float | None, rc: bool, comm: str) -> str:
+    """A combination's name: strategy, micro-batch (x accumulation), bucket, ``rc`` for
+    recompute, and the communication dtype unless fp32."""
+    parts = [strategy, batch]
+    if bucket_mb is not None:
+        parts.append(f"b{bucket_mb:g}")
+    parts += ["rc"] if rc else []
+    parts += [comm] if comm != "fp32" else []
+    return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """A combination the config (or a strategy at setup) refused, and its own words why."""
+
+    name: str
+    mapping: dict[str, Any]
+    reason: str
+
+
+@dataclass
+class Space:
+    """What :func:`build_space` found: the valid candidates and the refused combinations."""
+
+    candidates: list[Candidate]
+    invalid: list[Invalid]
+
+
+def micro_batches(share: int) -> list[int]:
+    """Micro-batch sizes to try for a rank's ``share`` of the global batch: powers of two up to
+    it, and the share itself. A size that does not divide the share is still tried, so that
+    the config's own check refuses it by name."""
+    sizes = {1 << k for k in range(share.bit_length()) if 1 << k <= share}
+    return sorted(sizes | {share})
+
+
+def _mapping(
+    strategy: str,
+    global_batch: int,
+    micro: int,
+    bucket_mb: float | None,
+    recompute: tuple[str, ...],
+    comm_dtype: str,
+    offload_dir: str | None,
+) -> dict[str, Any]:
+    """The longboat config of one combination: only what differs from the defaults, so the
+    written file says what was chosen and nothing else."""
+    data: dict[str, Any] = {
+        "strategy": strategy.split("-")[0],
+        "batch": {"train_batch_size": global_batch, "micro_batch_size": micro},
+    }
+    if strategy == "replicate" and bucket_mb is not None:
+        data["replicate"] = {"bucket_mb": bucket_mb}
+    if strategy.startswith("zero-"):
+        stage, _, offload = strategy.removeprefix("zero-").partition("+")
+        zero: dict[str, Any] = {"stage": int(stage)}
+        if bucket_mb is not None:
+            zero["bucket_mb"] = bucket_mb
+        if offload:
+            zero["offload_optimizer"] = {"device": "disk", "path": offload_dir}
+            zero["offload_param"] = {"device": "disk", "path": offload_dir}
+        data["zero"] = zero
+    if recompute:
+        data["activation_checkpointing"] = {"classes": list(recompute)}
+    if comm_dtype != "fp32":
+        data["precision"] = {"communication_data_type": comm_dtype}
+    return data
+
+
+def _validate(data: dict[str, Any], world_size: int) -> int:
+    """The accumulation a run at ``world_size`` resolves ``data``'s batch to; raises
+    :class:`ConfigError` with the config's own message where it refuses ``data``."""
+    from longboat.engine import resolve_mesh
+
+    cfg = load_config(data)
+    resolve_mesh(cfg, world_size)  # the world must lay out on the config's mesh
+    return resolve_batch(cfg.batch, cfg.data_parallel_size(world_size)).gradient_accumulation_steps
+
+
+def build_space(
+    world_size: int,
+    global_batch: int,
+    *,
+    micro_sizes: Sequence[int] | None = None,
+    buckets_mb: Sequence[float] = DEFAULT_BUCKETS_MB,
+    recompute_classes: Sequence[str] = (),
+    comm_dtypes: Sequence[str] = ("fp32",),
+    offload_dir: str | None = None,
+) -> Space:
+    """Every combination ([Note: search space]) at ``world_size`` ranks and ``global_batch``
+    samples per step. ``recompute_classes``: the model's block classes (empty: activation
+    checkpointing is not searched); ``offload_dir``: adds ZeRO-3 with its state on disk there."""
+    strategies: tuple[str, ...] = ("single",) if world_size == 1 else STRATEGIES
+    if offload_dir is not None and world_size > 1:
+        strategies = (*strategies, OFFLOADED)
+    share = max(global_batch // world_size, 1)
+    sizes = sorted(set(micro_sizes)) if micro_sizes else micro_batches(share)
+    recomputes = [(), tuple(recompute_classes)] if recompute_classes else [()]
+    comms = list(comm_dtypes) if world_size > 1 else ["fp32"]  # nothing travels at one rank
+    space = Space([], [])
+    for strategy in strategies:
+        bucketed = strategy in ("replicate", "zero-1", "zero-2")
+        buckets = list(buckets_mb) if bucketed else [None]
+        for micro, bucket, rc, comm in itertools.product(sizes, buckets, recomputes, comms):
+            data = _mapping(strategy, global_batch, micro, bucket, rc, comm, offload_dir)
+            try:
+                accumulation = _validate(data, world_size)
+            except ConfigError as e:
+                name = label(strategy, f"m{micro}", bucket, bool(rc), comm)
+                space.invalid.append(Invalid(name, data, str(e)))
+                continue
+            # The file states the whole triple, so a run at another world size is refused
+            # rather than silently given another accumulation.
+            data["batch"]["gradient_accumulation_steps"] = accumulation
+            space.candidates.append(
+                Candidate(
+                    strategy=strategy,
+                    micro_batch=micro,
+                    accumulation=accumulation,
+                    bucket_mb=bucket,
+                    recompute=rc,
+                    comm_dtype=comm,
+                    mapping=data,
+                    config=load_config(data),
+                )
+            )
+    return space
