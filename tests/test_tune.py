@@ -71,7 +71,7 @@ class FakeRunner:
         return [x.removeprefix("config:") for call in self.calls for x in call]
 
 
-PEAKS = {"replicate": 500, "zero-1": 300, "zero-2": 250, "zero-3": 200}  # MiB
+PEAKS = {"replicate": 500, "zero-1": 300, "zero-2": 250, "zero-3": 200, "zero-3+offload": 150}
 
 
 def _fake_planner(c: Any) -> Planned:
@@ -240,6 +240,31 @@ def test_what_does_not_fit_in_the_time_is_not_measured() -> None:
     best = next(o for o in result.outcomes if o.rank == 0)
     assert best.status == "not measured" and best.reason.startswith("time: about")
     assert result.reason == "no candidate was measured in the --time given"
+
+
+def test_offloading_candidates_measure_in_directories_of_their_own(tmp_path: Path) -> None:
+    seen: dict[str, bool] = {}
+
+    class Runner(FakeRunner):
+        def __call__(self, settings: Any, progress: Any) -> dict[str, Any]:
+            for name, cfg in settings.configs.items():
+                if "offload_optimizer" in cfg.get("zero", {}):
+                    where = Path(cfg["zero"]["offload_optimizer"]["path"])
+                    assert where.parent == tmp_path and where.is_dir()
+                    seen[name] = True
+            return super().__call__(settings, progress)
+
+    settings = TuneSettings(
+        **TINY, world_size=2, global_batch=8, top=100, time_s=1e6, offload_dir=str(tmp_path)
+    )
+    result = search(
+        settings, planner=_fake_planner, work_of=_fake_work, rates=RATES, runner=Runner()
+    )
+    offloaded = [o for o in result.outcomes if o.name.startswith("zero-3+offload")]
+    assert offloaded and {f"config:{o.name}" for o in offloaded} == set(seen)
+    for o in offloaded:  # the written config names the directory given, not the scratch one
+        assert o.mapping["zero"]["offload_param"]["path"] == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # the measuring runs' directories are gone
 
 
 CHOSEN = [

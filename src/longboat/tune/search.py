@@ -23,6 +23,7 @@ count launches and to rank synthetic candidates.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -316,7 +317,13 @@ def search(
             deadline=wall_deadline,
         )
         say("measuring", 0, len(chosen))
-        bench = (runner or default_runner)(bench_settings, on_bench or (lambda *_: None))
+        try:
+            bench = (runner or default_runner)(bench_settings, on_bench or (lambda *_: None))
+        finally:  # the measuring runs' offload files are theirs only
+            for data in configs.values():
+                where = data.get("zero", {}).get("offload_optimizer", {}).get("path")
+                if where:
+                    shutil.rmtree(where, ignore_errors=True)
         rows = {r["side"].removeprefix(CONFIG_PREFIX): r for r in bench["rows"]}
         for o in chosen:
             row = rows.get(o.name)
