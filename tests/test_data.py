@@ -46,6 +46,19 @@ def test_drop_and_pad():
     assert set(everything) == set(range(10)) and len(everything) == 12
 
 
+def test_join_keeps_the_last_step_where_it_falls():
+    """remainder='join': the last step's samples are neither dropped nor padded; each rank keeps
+    those that fall to it, so ranks may end with fewer (and partial) micro-batches."""
+    shards = _batches(41, 2, 4, 16, remainder="join")
+    assert [len(s) for s in shards] == [6, 5]  # 2 full steps of 2 micro-batches, then 5 and 4
+    assert [len(b) for b in shards[0][4:]] == [4, 1] and [len(b) for b in shards[1][4:]] == [4]
+    assert sorted(x for s in shards for b in s for x in b) == list(range(41))
+    # Before the last step, the same samples as under 'drop', micro-batch by micro-batch.
+    assert [s[:4] for s in shards] == _batches(41, 2, 4, 16, remainder="drop")
+    assert [len(ShardedSampler(41, r, 2, 16, remainder="join")) for r in (0, 1)] == [21, 20]
+    assert len(ShardedSampler(3, 3, 4, 16, remainder="join")) == 0  # fewer samples than ranks
+
+
 def test_epochs_reshuffle_and_are_reproducible():
     s = ShardedSampler(50, 0, 2, 10, seed=1)
     s.set_epoch(0)

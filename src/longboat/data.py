@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sized
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -34,7 +34,9 @@ _END = object()
 
 
 class ShardedSampler(Sampler[int]):
-    """This rank's indices of a seeded per-epoch permutation, trimmed or padded to whole steps."""
+    """This rank's indices of a seeded per-epoch permutation, trimmed or padded to whole steps
+    (``remainder='join'``: neither; the last step's samples go to the ranks they fall on, so a
+    rank may have fewer, or a partial last micro-batch)."""
 
     def __init__(
         self,
@@ -45,7 +47,7 @@ class ShardedSampler(Sampler[int]):
         *,
         shuffle: bool = True,
         seed: int = 0,
-        remainder: Literal["drop", "pad"] = "drop",
+        remainder: Literal["drop", "pad", "join"] = "drop",
     ) -> None:
         if step_samples % world_size:
             raise ValueError(
@@ -64,7 +66,13 @@ class ShardedSampler(Sampler[int]):
         # [Note: worker randomness]: yield (index, epoch, position) for _SeededSamples
         self.tagged = False
         whole = length // step_samples * step_samples
-        self.total = whole if remainder == "drop" or whole == length else whole + step_samples
+        self.total = (
+            whole
+            if remainder == "drop"
+            else length
+            if remainder == "join" or whole == length
+            else whole + step_samples
+        )
         self.leftover = length - whole
 
     def set_epoch(self, epoch: int) -> None:
@@ -90,7 +98,7 @@ class ShardedSampler(Sampler[int]):
         )
 
     def __len__(self) -> int:
-        return self.total // self.world_size - self.start
+        return max(len(range(self.rank, self.total, self.world_size)) - self.start, 0)
 
 
 class _SeededSamples(Dataset):
@@ -168,8 +176,15 @@ class ShardedLoader:
         self._skip = 0  # micro-batches to skip at the next iteration (set by load_state_dict)
         # Set by the engine when the wall-clock breakdown is on: a context timing each fetch.
         self.on_fetch: Callable[[], AbstractContextManager[Any]] | None = None
+        # Set by the engine under data.remainder = 'join': what every iteration's batches go
+        # through (the engine's join, [Note: joining] in join.py).
+        self.through: Callable[[Iterable[Any]], Iterator[Any]] | None = None
 
     def __iter__(self) -> Iterator[Any]:
+        batches = self._batches()
+        return batches if self.through is None else self.through(batches)
+
+    def _batches(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
         self.position, self._skip = self._skip, 0
         self.sampler.start = self.position * self.batch_size
@@ -222,6 +237,17 @@ class ShardedLoader:
         self._epoch_rng = self._generator.get_state()
 
 
+def _joined_step(leftover: int, world_size: int, micro_batch_size: int) -> str:
+    """What ``remainder='join'`` does with an epoch's last ``leftover`` samples, in words."""
+    shares = [len(range(r, leftover, world_size)) for r in range(world_size)]
+    micro = [-(-k // micro_batch_size) for k in shares]
+    return (
+        f"the last step's {leftover} samples stay where they fall ({', '.join(map(str, micro))} "
+        "micro-batch(es) on ranks "
+        f"0..{world_size - 1}); a rank that runs out first shadows the others until all are done"
+    )
+
+
 def make_loader(
     dataset: Dataset,
     *,
@@ -231,7 +257,7 @@ def make_loader(
     train_batch_size: int,
     shuffle: bool,
     seed: int,
-    remainder: Literal["drop", "pad"],
+    remainder: Literal["drop", "pad", "join"],
     num_workers: int = 0,
     prefetch_factor: int | None = None,
     persistent_workers: bool = False,
@@ -252,7 +278,7 @@ def make_loader(
         remainder=remainder,
     )
     if announce:
-        steps = sampler.total // train_batch_size
+        steps = -(-sampler.total // train_batch_size)
         what = (
             "none"
             if sampler.leftover == 0
@@ -260,6 +286,8 @@ def make_loader(
             if remainder == "drop"
             else f"the last step is padded with {train_batch_size - sampler.leftover} repeated "
             "samples"
+            if remainder == "pad"
+            else _joined_step(sampler.leftover, world_size, micro_batch_size)
         )
         log.info(
             "loader: %d samples, %d per step (%d per rank per micro-batch) -> %d steps per "
