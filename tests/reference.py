@@ -12,6 +12,11 @@ become when several ranks run forwards: the data-parallel convention (DDP's
 ``broadcast_buffers``) is that rank 0's buffers count. The loop states it in plain terms: every
 rank's forward of a micro-batch starts from the same buffers, and after the micro-batch the
 buffers are what rank 0's forward left.
+
+Uneven inputs (ranks that ran out of samples): a rank with no samples in a micro-batch (an empty
+list) does nothing in it; the micro-batch's losses are divided by ``accumulation x`` the number
+of ranks that had samples, so its gradient is the average over those ranks, and the buffers are
+what the first of them left.
 """
 
 from __future__ import annotations
@@ -248,10 +253,10 @@ def plain_train(
     poison: tuple[int, int] | None = None,
 ) -> PlainRun:
     """Train as one process would on ``order[step][micro][rank]`` = that rank's sample ids
-    (``data``'s first tensor is the sample id). ``poison = (step, rank)`` (1-based step)
+    (``data``'s first tensor is the sample id; empty for a rank that had no samples left).
+    ``poison = (step, rank)`` (1-based step)
     multiplies that rank's loss by inf in that step, so that fp16's scaler skips it."""
     model, opt, sched = recipe.build()
-    world = len(order[0][0])
     accum = len(order[0])
     names = {id(p): n for n, p in model.named_parameters()}
     current: set[str] = set()
@@ -272,23 +277,29 @@ def plain_train(
         step_losses, step_used = [], []
         for micro in step_order:
             before = {n: b.clone() for n, b in model.named_buffers()}
-            after_rank0: dict[str, torch.Tensor] = {}
+            after_first: dict[str, torch.Tensor] | None = None
             losses, used = [], []
+            ranks_with_samples = sum(1 for ids in micro if len(ids))  # all, unless some ran out
             for r, ids in enumerate(micro):
-                if r:  # every rank's forward starts from the same buffers
+                if not len(ids):  # this rank had no samples left: nothing to do
+                    losses.append(float("nan"))
+                    used.append(set())
+                    continue
+                if after_first is not None:  # every rank's forward starts from the same buffers
                     _set_buffers(model, before)
                 _, *batch = data[list(ids)]  # (sample ids, inputs..., targets)
                 current.clear()
                 loss = forward_loss(model, batch, low)
                 if poison == (len(run.losses) + 1, r):
                     loss = loss * float("inf")
-                scaled = loss / (accum * world)
+                scaled = loss / (accum * ranks_with_samples)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 losses.append(float(loss.detach()))
                 used.append(set(current))
-                if r == 0:
-                    after_rank0 = {n: b.clone() for n, b in model.named_buffers()}
-            _set_buffers(model, after_rank0)  # rank 0's buffers count
+                if after_first is None:
+                    after_first = {n: b.clone() for n, b in model.named_buffers()}
+            if after_first is not None:  # rank 0's buffers count (the first rank with samples)
+                _set_buffers(model, after_first)
             step_losses.append(losses)
             step_used.append(used)
         run.losses.append(step_losses)

@@ -46,6 +46,7 @@ LAYERS = [
         "longboat.tensor",
         "longboat.ps",
         "longboat.sync_batchnorm",
+        "longboat.join",
     },
     {"longboat.engine"},
     {

@@ -10,10 +10,10 @@ import atexit
 import logging
 import random
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -22,10 +22,12 @@ from torch.utils.data import Dataset
 
 from longboat import checkpoint, sync_batchnorm
 from longboat.checkpoint.layout import default_tag
+from longboat.comm.hang import CollectiveTimeout, PeerLost
 from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
 from longboat.data import ShardedLoader, make_loader
 from longboat.evaluation import EvalLoader, reduce_metrics
 from longboat.grads import clip_by_global_norm_
+from longboat.join import UNEVEN_HINT, JoinVote, Turn
 from longboat.mesh import Mesh, MeshError
 from longboat.observe.log import setup_logging
 from longboat.observe.memory import (
@@ -45,6 +47,8 @@ from longboat.tensor import TensorParallel
 from longboat.tensor.strategy import wrap as tensor_parallel_over
 from longboat.topology import DoorwayOptions, Topology
 from longboat.world import World, destroy_process_group, device_for, init_process_group
+
+T = TypeVar("T")
 
 
 class Engine:
@@ -162,6 +166,22 @@ class Engine:
         )
         if self.precision.describe():
             self.log.info("precision %s", self.precision.describe())
+        # [Note: joining] in join.py: ranks may run out of batches at different times.
+        self._join: JoinVote | None = None
+        self._turn: Turn | None = None  # the current micro-batch's vote, while joining
+        if config.data.remainder == "join":
+            if not callable(getattr(self.strategy, "shadow", None)):
+                raise ConfigError(
+                    f"data.remainder = 'join' with strategy {self.strategy.name!r}: it cannot "
+                    "take part in the others' collectives without a batch; use data.remainder "
+                    "= 'pad' or 'drop'"
+                )
+            self._join = JoinVote(topology.control("dp"), self.accumulation_steps)
+            self.log.info(
+                "uneven inputs: data.remainder='join': a rank that runs out of batches first "
+                "shadows the others' collectives with zero contributions until all are done; "
+                "each micro-batch's gradient is averaged over the ranks that had one"
+            )
         # Leave the process group at exit even if the script never calls close(); a weak
         # reference so that an engine dropped early is not kept alive by the registry.
         ref = weakref.ref(self)
@@ -193,7 +213,8 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for accumulation, and by the fp16 loss scale);
         synchronises at the boundary."""
-        self._backward(lambda: self.precision.scale(loss / self.accumulation_steps).backward())
+        share = self._share()
+        self._backward(lambda: self.precision.scale(loss / share).backward())
         self._loss_sum += float(loss.detach())
         self._loss_count += 1
 
@@ -202,12 +223,32 @@ class Engine:
         and loss-scaled by the stage after): a pipeline stage before the last."""
         self._backward(lambda: torch.autograd.backward(output, grad))
 
+    def _share(self) -> float:
+        """What this micro-batch's loss is divided by: the accumulation; while ranks have
+        joined, so that the strategies' average over every rank is the average over those with
+        a batch ([Note: joining])."""
+        turn, self._turn = self._turn, None
+        dp = self.topology.mesh.dp
+        if turn is None or turn.count == dp:
+            return self.accumulation_steps
+        return self.accumulation_steps * turn.count / dp
+
     def _backward(self, run: Callable[[], None]) -> None:
-        with self.monitor.phase("backward"):
-            self.strategy.before_backward(sync=self.is_boundary)
-            run()
-            self.strategy.after_backward()
+        try:
+            with self.monitor.phase("backward"):
+                self.strategy.before_backward(sync=self.is_boundary)
+                run()
+                self.strategy.after_backward()
+        except (CollectiveTimeout, PeerLost) as e:
+            self._explain_uneven(e)
+            raise
         self.micro_step += 1
+
+    def _explain_uneven(self, error: CollectiveTimeout | PeerLost) -> None:
+        """A gradient collective that a peer never reached: without the join policy, ranks
+        that hold different numbers of batches are the usual reason; say so, and the fix."""
+        if self._join is None:
+            raise type(error)(f"{error}; {UNEVEN_HINT}") from None
 
     def step(self) -> bool:
         """At the accumulation boundary: unscale and check (fp16), clip, optimizer step, zero
@@ -220,8 +261,12 @@ class Engine:
         """
         if self.micro_step == 0 or self.micro_step % self._backwards:
             return False
-        with self.monitor.phase("optimizer"):
-            self._optimizer_step()
+        try:
+            with self.monitor.phase("optimizer"):
+                self._optimizer_step()
+        except (CollectiveTimeout, PeerLost) as e:
+            self._explain_uneven(e)
+            raise
         self.global_step += 1
         loss = self._loss_sum / self._loss_count if self._loss_count else None
         self._loss_sum, self._loss_count = 0.0, 0
@@ -277,6 +322,12 @@ class Engine:
                 "train_step() in the middle of an accumulation begun with "
                 "backward(): finish it with step() first"
             )
+        if self._join is not None:
+            raise ConfigError(
+                "engine.train_step with data.remainder = 'join': join shadows the micro-batch "
+                "loop (engine(x), backward, step) one micro-batch at a time; iterate "
+                "micro-batches, or use data.remainder = 'pad'"
+            )
         micro_batches = split(batch, self.batch.micro_batch_size, self.accumulation_steps)
         losses = self.schedule.run(self, micro_batches, loss_fn, inputs or default_inputs)
         # The step's losses as the schedule reports them (a pipeline's come from its last
@@ -300,8 +351,18 @@ class Engine:
         per_step: bool = False,
     ) -> ShardedLoader:
         """This rank's shard of ``dataset`` in micro-batches (``per_step``: in batches of a
-        whole optimizer step, for :meth:`train_step`); see :mod:`longboat.data`."""
+        whole optimizer step, for :meth:`train_step`); see :mod:`longboat.data`.
+
+        Under ``data.remainder = 'join'`` each iteration runs through :meth:`join`: ranks
+        keep the samples of the epoch's last step that fall to them, and the loop ends on every
+        rank together."""
         d = self.config.data
+        if per_step and self._join is not None:
+            raise ConfigError(
+                "engine.loader(per_step=True) with data.remainder = 'join': join shadows the "
+                "micro-batch loop, not engine.train_step; iterate micro-batches (per_step=False), "
+                "or use data.remainder = 'pad'"
+            )
         per_batch = self.batch.micro_batch_size * (self.accumulation_steps if per_step else 1)
         # Tracked: checkpoints record its position, and a loaded one resumes it.
         loader = self.checkpointing.track(
@@ -324,7 +385,67 @@ class Engine:
         )
         if self.monitor.breakdown is not None:
             loader.on_fetch = lambda: self.monitor.phase("data")
+        if self._join is not None:
+            loader.through = self._joined
         return loader
+
+    def join(self, batches: Iterable[T]) -> Iterator[T]:
+        """``batches`` (this rank's micro-batches, as many as it has) for a training loop in
+        which ranks may run out at different times, under ``data.remainder = 'join'``::
+
+            for x, y in engine.join(my_loader):     # my_loader's length may differ by rank
+                engine.backward(loss_fn(engine(x), y))
+                engine.step()
+
+        Before each micro-batch the data-parallel ranks vote on who has one; a rank that ran
+        out shadows the others' collectives with zero contributions, and each micro-batch's
+        gradient is the average over the ranks that had one. The loop ends on every rank when
+        no rank has a batch (a step begun is finished first). ``engine.loader`` does this by
+        itself under the policy. See [Note: joining] in ``longboat/join.py`` for what the loop
+        body may do.
+        """
+        if self._join is None:
+            raise ConfigError(
+                "engine.join needs the join policy: set data.remainder = 'join' in the config"
+            )
+        if getattr(batches, "through", None) is not None:  # an engine.loader: it joins already
+            return iter(batches)
+        return self._joined(batches)
+
+    def _joined(self, batches: Iterable[T]) -> Iterator[T]:
+        """[Note: joining]: vote before each micro-batch; shadow once out; end together."""
+        vote = self._join
+        assert vote is not None
+        vote.begin()
+        a = self._backwards
+        try:
+            for batch in batches:
+                self._take(vote.vote(True, self.global_step, self.micro_step % a))
+                yield batch
+            turn = vote.vote(False, self.global_step, self.micro_step % a)
+            while turn.count:  # the others still have batches: shadow theirs
+                self._take(turn)
+                self._shadow()
+                turn = vote.vote(False, self.global_step, self.micro_step % a)
+            while self.micro_step % a:  # every rank ran out inside a step: finish it
+                self._shadow()
+        finally:
+            self._turn = None
+            self.strategy.buffers_from(0)
+
+    def _take(self, turn: Turn) -> None:
+        """The vote of the micro-batch about to run: how its loss is divided, whose buffers
+        count after it."""
+        self._turn = turn
+        if turn.first is not None:
+            self.strategy.buffers_from(turn.first)
+
+    def _shadow(self) -> None:
+        """A micro-batch this rank has no batch for: every collective the others' backward
+        and step issue, with nothing of its own ([Note: joining])."""
+        self._turn = None
+        self._backward(self.strategy.shadow)
+        self.step()
 
     # -- state ---------------------------------------------------------------------------------
 

@@ -54,6 +54,8 @@ def _explain(err: ValidationError, origin: str) -> ConfigError:
                 else (f"valid keys here: {', '.join(valid)}")
             )
             lines.append(f"unknown key '{key}' (value {e['input']!r}); {hint}")
+        elif not loc:  # a rule across sections: its message names the keys
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
         else:
             val = e.get("input")
             lines.append(f"key '{key}' has invalid value {val!r}: {e['msg']}")

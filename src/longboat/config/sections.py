@@ -209,9 +209,14 @@ class DataConfig(_Section):
     """How :meth:`Engine.loader` shards and orders data."""
 
     shuffle: bool = True
-    remainder: Literal["drop", "pad"] = Field(
+    remainder: Literal["drop", "pad", "join"] = Field(
         "drop",
-        description="samples that do not fill every rank: drop them, or pad by repeating samples",
+        description="samples that do not fill every rank in an epoch's last step: drop them, "
+        "pad by repeating samples so every rank has as many batches, or join: each rank keeps "
+        "the samples that fall to it, and a rank that runs out of batches first (here, or in "
+        "your own iterable through engine.join) shadows the others' collectives with zero "
+        "contributions until all are done, each micro-batch's gradient averaged over the ranks "
+        "that had one ([Note: joining] in longboat/join.py)",
     )
     num_workers: int = Field(
         0, ge=0, description="worker processes loading batches (0: in the training process)"
@@ -441,6 +446,45 @@ class Config(_Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )
+
+    @model_validator(mode="after")
+    def _join_where_ranks_can_shadow(self) -> Config:
+        """``data.remainder = 'join'`` needs a rank without batches to take part in the others'
+        collectives with zero contributions ([Note: joining] in ``longboat/join.py``); where
+        that is not how the ranks would have to meet, it is refused with the reason."""
+        if self.data.remainder != "join":
+            return self
+        why = None
+        if self.strategy == "parameter_server":
+            why = (
+                "strategy 'parameter_server': async and ssp workers share no collective, so a "
+                "worker whose data ends simply leaves (the servers drop it and the others go "
+                "on), and in sync mode the servers average over every worker, not over those "
+                "that pushed in a step"
+            )
+        elif self.mesh.pp > 1:
+            why = (
+                f"mesh.pp = {self.mesh.pp}: a pipeline runs whole steps through "
+                "engine.train_step, its micro-batches passing between the stages, while join "
+                "shadows the micro-batch loop (engine(x), backward, step)"
+            )
+        elif self.mesh.tp > 1:
+            why = (
+                f"mesh.tp = {self.mesh.tp}: the tensor-parallel peers of a data-parallel rank "
+                "share its batches and would run out together, but joining is not built and "
+                "tested with tensor parallelism yet"
+            )
+        elif self.sync_batchnorm:
+            why = (
+                "sync_batchnorm: its statistics are all-reduced inside every batch-norm "
+                "layer's forward and backward, which a rank without a batch does not run"
+            )
+        if why is None:
+            return self
+        raise ValueError(
+            f"data.remainder = 'join' with {why}; use data.remainder = 'pad' (every rank gets "
+            "as many batches) or 'drop'"
+        )
 
     def service_ranks(self) -> int:
         """Ranks at the end of the world that serve instead of training (parameter servers,

@@ -201,7 +201,10 @@ class Monitor:
         n = max(self._n, 1)
         local = torch.tensor(
             [
-                math.nan if loss is None else loss,
+                0.0 if loss is None else loss,
+                # A rank without a loss (one that ran out of batches and shadowed the step,
+                # [Note: joining] in join.py) is left out of the mean.
+                float(loss is not None),
                 self._time / n,
                 self._tokens / n,
                 *(v / n for v in self._phases.values()),
@@ -215,7 +218,6 @@ class Monitor:
             local,
             table,
             step,
-            loss is None,
             due,
             float(self.optimizer.param_groups[0]["lr"]),
             self._loss_scale(),
@@ -229,19 +231,20 @@ class Monitor:
             return
         p.handle.wait()
         table = p.table.view(self.comm.world_size, -1)
-        step_s = max(float(table[:, 1].max()), 1e-12)
-        tokens = float(table[:, 2].sum())
+        step_s = max(float(table[:, 2].max()), 1e-12)
+        tokens = float(table[:, 3].sum())
         per_rank = self.flops.per_rank if self.flops is not None else None
+        had = table[:, 1] > 0
         event = StepEvent(
             step=p.step,
-            loss=None if p.no_loss else float(table[:, 0].mean()),
+            loss=float(table[had, 0].mean()) if bool(had.any()) else None,
             lr=p.lr,
             step_ms=step_s * 1e3,
             samples_per_s=self.train_batch_size / step_s,
             tokens_per_s=tokens / step_s if tokens else None,
             loss_scale=p.loss_scale,
             phases_ms=(
-                {k: float(v) * 1e3 for k, v in zip(COLUMNS, table[:, 3:].mean(0), strict=True)}
+                {k: float(v) * 1e3 for k, v in zip(COLUMNS, table[:, 4:].mean(0), strict=True)}
                 if self.breakdown is not None
                 else {}
             ),
@@ -292,7 +295,6 @@ class _Pending:
     local: torch.Tensor  # kept alive until the collective completes
     table: torch.Tensor
     step: int
-    no_loss: bool
     sinks: list[Sink]
     lr: float
     loss_scale: float | None

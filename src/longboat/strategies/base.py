@@ -86,6 +86,18 @@ class Strategy(Protocol):
         """Called after each backward has returned (saved tensors are released by then)."""
         ...
 
+    def shadow(self) -> None:
+        """Between ``before_backward`` and ``after_backward`` on a rank without a batch for
+        this micro-batch ([Note: joining] in ``join.py``): issue what the others' forward and
+        backward issue, contributing nothing. With ``after_backward`` (which launches what a
+        backward left, with zeros) and the step, this rank stays in step with the others."""
+        ...
+
+    def buffers_from(self, rank: int) -> None:
+        """Whose buffers every rank takes after the following micro-batches: data-parallel rank
+        ``rank`` (0, as DDP; while ranks have joined, the lowest one with a batch)."""
+        ...
+
     def finish_gradients(self) -> None:
         """After the boundary backward: start whatever communication is still outstanding."""
         ...

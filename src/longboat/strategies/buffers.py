@@ -16,6 +16,10 @@ Not right after the forward: autograd saved the buffers the forward used (BatchN
 statistics among them), and overwriting them before backward is an in-place modification that
 backward refuses. In plain PyTorch terms: after a training forward and its backward on every
 rank, each rank's buffers are what rank 0's forward left.
+
+While ranks have joined ([Note: joining] in ``join.py``), a rank without a batch ran no forward
+and takes part in the broadcast all the same (``shadow``), and the source is the lowest rank
+that had a batch: rank 0's buffers count as long as rank 0 has batches.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class BufferSync:
             groups.setdefault((b.dtype, b.device), []).append(b)
         self.groups = list(groups.values())
         self.dirty = False  # a training forward ran since the last sync
+        self.source = 0  # the group rank whose buffers count
         self._hook: RemovableHandle | None = None
         if self.groups and comm.world_size > 1:
             self._hook = model.register_forward_hook(self._after_forward)
@@ -54,15 +59,21 @@ class BufferSync:
             self.dirty = False
             self.sync()
 
+    def shadow(self) -> None:
+        """This rank has no batch, the others ran a training forward: sync after the backward
+        all the same ([Note: joining] in ``join.py``)."""
+        self.dirty = True
+
     @torch.no_grad()
     def sync(self) -> None:
-        """Give every rank rank 0's buffers now (collective)."""
+        """Give every rank the source's (rank 0's) buffers now (collective)."""
+        src = self.source
         for bufs in self.groups:
             if len(bufs) == 1:
-                self.comm.broadcast(bufs[0], src=0)
+                self.comm.broadcast(bufs[0], src=src)
                 continue
             flat = torch.cat([b.reshape(-1) for b in bufs])
-            self.comm.broadcast(flat, src=0)
+            self.comm.broadcast(flat, src=src)
             offset = 0
             for b in bufs:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))

@@ -160,6 +160,17 @@ class Replicate:
         assert self._buffers is not None
         self._buffers.after_backward()
 
+    def shadow(self) -> None:
+        # [Note: joining] in join.py: after_backward launches every bucket, this rank's
+        # gradients zeros (or what earlier micro-batches of the step accumulated) and its usage
+        # flags 0; the buffers' broadcast happens as after the others' training forward.
+        assert self._buffers is not None
+        self._buffers.shadow()
+
+    def buffers_from(self, rank: int) -> None:
+        assert self._buffers is not None
+        self._buffers.source = rank
+
     def finish_gradients(self) -> None:
         # Only launch here; waiting is deferred so the optimizer can overlap the tail of the
         # communication (see [Note: optimizer overlap]).

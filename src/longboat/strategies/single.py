@@ -38,6 +38,12 @@ class Single:
     def after_backward(self) -> None:
         pass
 
+    def shadow(self) -> None:
+        pass  # no other rank: only the last step of a loop is finished this way
+
+    def buffers_from(self, rank: int) -> None:
+        pass
+
     def finish_gradients(self) -> None:
         pass
 

@@ -48,6 +48,22 @@ root), once the whole backward returned. Each rank must run the same units in th
 unit whose module runs on some ranks only (a routed expert as a unit of its own) cannot be
 gathered by the others, and the desync check names it (each gather and reduce-scatter carries its
 unit's tag); put such modules inside a unit that always runs.
+
+[Note: stage-3 shadow] A rank without a batch for a micro-batch ([Note: joining] in ``join.py``)
+must still take part in stage 3's gathers, forward and backward, and in the reduce-scatters
+between them, in the order the others issue them. Two ways were open: run a forward and backward
+on no data (an empty or remembered batch), or replay the collectives without compute. The
+replay is the simpler correct one: an empty batch breaks layers such as BatchNorm, a remembered
+one costs a whole forward and backward, and either would mark parameters used and move the
+joined rank's buffers. So every real micro-batch records, in issue order, the gathers and
+reduce-scatters it put on the shard group (from ``before_forward`` to the reductions
+``after_backward`` launches), and a shadow replays its rank's last record: each gather
+synchronously (gathered, then freed at once), each reduce-scatter through the in-order launcher
+with the zeros of a unit that received no gradient. That is exactly the others' sequence because
+those events are the ones every rank sees alike ([Note: stage-3 order]) and every rank runs the
+same units in the same order on each micro-batch; a model whose units change from one
+micro-batch to the next would replay the wrong ones, and the desync check names the units
+then. A rank that runs out before its first micro-batch has nothing to replay and says so.
 """
 
 from __future__ import annotations
@@ -121,6 +137,10 @@ class Zero:
         self._swap: StateSwap | None = None  # [Note: optimizer state offload]
         self._shards: ShardSwap | None = None
         self._stream: UnitStream | None = None  # steps units with their offloaded parts
+        # [Note: stage-3 shadow]: this micro-batch's gathers and reductions, in issue order,
+        # and the last real micro-batch's, which a shadow replays
+        self._schedule: list[tuple[str, int]] = []
+        self._replay: list[tuple[str, int]] | None = None
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -207,6 +227,7 @@ class Zero:
                 self.cfg.prefetch,
                 lambda: self._order.advance(self._unit_done),
                 shards=self._shards,
+                record=self._schedule.append,
             )
             self._hooks += self._gathering.install()
         return model
@@ -314,7 +335,7 @@ class Zero:
     # -- gradients -----------------------------------------------------------------------------
 
     def before_forward(self) -> None:
-        pass
+        self._schedule.clear()  # [Note: stage-3 shadow]: a new micro-batch's record
 
     def before_backward(self, sync: bool) -> None:
         if self._gathering is not None and self._gathering.held:
@@ -335,10 +356,41 @@ class Zero:
             # micro-batch, or on this rank) are launched now, in order ([Note: launch order]),
             # before any other collective: ranks that completed them during backward did so.
             self._order.advance(self._unit_done, force=True)
+        if self._gathering is not None:
+            self._replay = list(self._schedule)  # [Note: stage-3 shadow]
         assert self._buffers is not None
         self._buffers.after_backward()
         if self._gathering is not None:
             self._gathering.backward_over()
+
+    def shadow(self) -> None:
+        """[Note: joining] in join.py. Stages 1-2: ``after_backward`` launches every unit (zeros,
+        or what earlier micro-batches of the step accumulated); stage 3 also replays the
+        gathers ([Note: stage-3 shadow])."""
+        assert self._buffers is not None
+        self._buffers.shadow()
+        if self._gathering is None:
+            return
+        if self._replay is None:
+            raise RuntimeError(
+                f"zero-3: data-parallel rank {self.dp.rank} ran out of batches before its first "
+                "micro-batch, so it has no record of the units' gathers to replay while the "
+                "others train ([Note: stage-3 shadow]); give every rank at least one micro-batch"
+            )
+        replay, gathering = self._replay, self._gathering
+        self._schedule.clear()
+        for kind, index in replay:
+            if kind == "gather":
+                u = self.units[index]
+                gathering.free(u)  # (every unit is sharded between micro-batches)
+                gathering.ready(u)
+                gathering.free(u)
+            else:  # the reductions go in unit order: this launches exactly unit ``index``
+                self._order.advance(lambda i, last=index: i <= last)
+
+    def buffers_from(self, rank: int) -> None:
+        assert self._buffers is not None
+        self._buffers.source = rank
 
     def _unit_done(self, index: int) -> bool:
         """Whether unit ``index``'s gradients of this backward are all in: for stage 3, on an
@@ -399,6 +451,8 @@ class Zero:
         else:
             u.reduced = torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
         u.shard_empty = False
+        if self._gathering is not None:
+            self._schedule.append(("reduce", index))  # [Note: stage-3 shadow]
         u.reduce_handle = self.comm.reduce_scatter(u.reduced, send, async_op=True, tag=u.tag)
         if self._shards is not None:
             # [Note: parameter offload]: memory is what offload is for, so at most

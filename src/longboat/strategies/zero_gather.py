@@ -40,8 +40,11 @@ class Gathering:
         prefetch: bool,
         on_unit_done: Callable[[], None],
         shards: Any = None,
+        record: Callable[[tuple[str, int]], None] | None = None,
     ) -> None:
         self.units = units
+        # Told of each gather put on the wire ([Note: stage-3 shadow] in zero.py)
+        self.record = record
         # [Note: parameter offload]: shards read before their gather, dropped after it
         self.shards = shards
         self.comm = comm
@@ -90,6 +93,8 @@ class Gathering:
             u.full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
         else:
             alloc_storage(u.full)
+        if self.record is not None:
+            self.record(("gather", u.index))
         u.gather_handle = self.comm.all_gather(u.full, u.shard, async_op=async_op, tag=u.tag)
         u.flat_param, u.state = u.full, UnitState.GATHERING
 
