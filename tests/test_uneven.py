@@ -40,6 +40,8 @@ STRATEGIES = {
         "zero": {"stage": 3, "unit_classes": ["Experts", "LSTM", "BatchNorm1d"]},
     },
 }
+# ZeRO-3 within pairs of ranks, replicated across the pairs ([Note: hybrid sharding]).
+STRATEGIES["zero3-hybrid"] = {**STRATEGIES["zero3"], "mesh": {"dp_replicate": 2}}
 
 RECIPE = reference.Recipe(model="zoo", optimizer="adamw", clip=1.0, scheduler=True)
 
@@ -137,6 +139,7 @@ def _cases():
     for name in ("replicate", "zero1", "zero2", "zero3"):
         for world in (2, 4):
             yield name, world
+    yield "zero3-hybrid", 4
 
 
 @pytest.mark.parametrize(("strategy", "world"), list(_cases()))
