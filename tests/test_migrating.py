@@ -17,6 +17,7 @@ EXPECTED = {
     "torch `DataParallel`": ("replicate", None, 1, None),
     "torch `DistributedDataParallel`": ("replicate", None, 1, None),
     "torch FSDP `NO_SHARD`": ("replicate", None, 1, None),
+    "torch DDP under `torch.distributed.algorithms.Join`": ("replicate", None, 1, None),
     "torch FSDP `SHARD_GRAD_OP` / FSDP2 `reshard_after_forward=False`": ("zero", 2, 1, None),
     "torch FSDP `FULL_SHARD` / FSDP2 `fully_shard`": ("zero", 3, 1, None),
     "torch FSDP `HYBRID_SHARD` / FSDP2 on a 2-D mesh": ("zero", 3, 2, None),

@@ -47,10 +47,11 @@ What the loop body may do: fetch a batch, ``engine(x)``, ``engine.backward(loss)
 ``engine.step()`` (after every backward, as the README's loop does), and anything that issues no
 collective. A joined rank does not run the body, so collectives of the script's own between
 batches (``should_stop``, ``save_checkpoint``, ``reduce_metrics``, ``gathered_parameters``) would
-meet the shadow's collectives: call them after the loop, where every rank is in step again (with
-the desync check on, a mismatch fails at once, naming the vote). Leaving the loop early
-(``break``, an exception) shadows nothing: a ``break`` is safe when every rank takes it at the
-same step before any rank has run out; otherwise bound the iterable instead. Refused by the
+meet the shadow's collectives: call them after the loop, where every rank is in step again. (With
+the desync check on, one on the control plane, where the vote goes, fails at once on every rank,
+naming the vote; anything else fails at the latest when ``comm.timeout_s`` is over.) Leaving the
+loop early (``break``, an exception) shadows nothing: a ``break`` is safe when every rank takes it
+at the same step before any rank has run out; otherwise bound the iterable instead. Refused by the
 config: pipelines, tensor parallelism, ``sync_batchnorm`` and parameter servers (the reasons are
 in ``Config``'s check).
 """
