@@ -7,11 +7,11 @@ import importlib.util
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from longboat.bench.models import resolve_model
 from longboat.bench.runner import BenchSettings, run_bench
 from longboat.bench.sides import LONGBOAT_SIDES, PEERS
+from longboat.observe.progress import task_progress
 from longboat.strategies import zero_stage
 
 
@@ -147,14 +147,7 @@ def bench(s: BenchSettings, out: Path, console: Console | None = None) -> dict[s
             "longboat bench draws its chart with matplotlib, which is not "
             "installed: pip install 'longboat[bench]'"
         )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with task_progress(console) as progress:
         task = progress.add_task("starting ranks", total=None)
 
         last: list[tuple[int, str]] = []

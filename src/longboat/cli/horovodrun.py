@@ -17,6 +17,7 @@ from pathlib import Path
 import typer
 
 from longboat.cli.app import app, usage_error
+from longboat.cli.hostopts import parse_hosts
 
 
 @app.command(
@@ -46,8 +47,6 @@ def horovodrun(
     ),
 ) -> None:
     """Run a Horovod job with Horovod's flags (`longboat horovodrun -np 2 python train.py`)."""
-    from longboat.launch import hosts as hostlist
-
     if mpi:
         raise usage_error("--mpi: longboat runs on gloo (CPU) and NCCL (GPU); drop --mpi")
     if host_discovery_script is not None:
@@ -59,17 +58,8 @@ def horovodrun(
         raise usage_error(f"-np {num_proc} is invalid: give 1 or more ranks")
     script, args = _script(command)
     argv = [sys.executable, "-m", "longboat.cli", "run"]
-    if hosts is not None or hostfile is not None:
-        if hosts is not None and hostfile is not None:
-            raise usage_error("-H and --hostfile together: give the hosts one way")
-        try:
-            found = (
-                hostlist.parse_host_list(hosts)
-                if hosts is not None
-                else hostlist.parse_hostfile(hostfile)  # type: ignore[arg-type]
-            )
-        except ValueError as e:
-            raise usage_error(str(e)) from None
+    found = parse_hosts(hostfile, hosts)
+    if found is not None:
         argv += ["-H", _fill(found, num_proc)]
     else:
         argv += ["-n", str(num_proc)]

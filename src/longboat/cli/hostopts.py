@@ -39,6 +39,22 @@ SSH_PORT = typer.Option(None, "--ssh-port", help="sshd's port on the hosts")
 SSH_OPTION = typer.Option(None, "--ssh-option", help="an extra ssh -o KEY=VALUE (repeatable)")
 
 
+def parse_hosts(hostfile: Path | None, host_list: str | None) -> list[Host] | None:
+    """The hosts of ``--hostfile`` or ``-H`` (None without either); usage errors exit 2."""
+    from longboat.launch import hosts as hostlist
+
+    if hostfile is None and host_list is None:
+        return None
+    if hostfile is not None and host_list is not None:
+        raise usage_error("--hostfile and -H/--hosts together: give the hosts one way")
+    try:
+        if hostfile is not None:
+            return hostlist.parse_hostfile(hostfile)
+        return hostlist.parse_host_list(host_list or "")
+    except ValueError as e:
+        raise usage_error(str(e)) from None
+
+
 def hosts_and_shell(
     hostfile: Path | None,
     host_list: str | None,
@@ -52,20 +68,13 @@ def hosts_and_shell(
     from longboat.launch import hosts as hostlist
     from longboat.launch import shells
 
-    if hostfile is None and host_list is None:
+    found = parse_hosts(hostfile, host_list)
+    if found is None:
         if include or exclude:
             raise usage_error("--include/--exclude choose among --hostfile or -H hosts; give one")
         return None
-    if hostfile is not None and host_list is not None:
-        raise usage_error("--hostfile and -H/--hosts together: give the hosts one way")
     try:
-        found = (
-            hostlist.parse_hostfile(hostfile)
-            if hostfile is not None
-            else hostlist.parse_host_list(host_list or "")
-        )
-        return hostlist.select(found, include, exclude), shells.make(
-            remote_shell, ssh_port, tuple(ssh_option or ())
-        )
+        chosen = hostlist.select(found, include, exclude)
+        return chosen, shells.make(remote_shell, ssh_port, tuple(ssh_option or ()))
     except ValueError as e:
         raise usage_error(str(e)) from None

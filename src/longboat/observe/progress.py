@@ -11,6 +11,7 @@ import logging
 import sys
 from datetime import timedelta
 
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from longboat.observe.events import StepEvent
@@ -69,3 +70,16 @@ class ConsoleSink:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+def task_progress(console: Console) -> Progress:
+    """A transient bar for a tool's phases (``longboat bench``, ``longboat tune``): what it does,
+    how far, and the time so far."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from longboat.observe.progress import task_progress
 from longboat.tune.search import TuneResult, TuneSettings, search
 from longboat.tune.space import COMM_DTYPES
 
@@ -164,14 +164,7 @@ def run(
 
     settings = settings_from_flags(flags)
     console = console or Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with task_progress(console) as progress:
         task = progress.add_task("building the search space", total=None)
         said: list[str] = []
 
