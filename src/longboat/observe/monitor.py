@@ -234,10 +234,15 @@ class Monitor:
         step_s = max(float(table[:, 2].max()), 1e-12)
         tokens = float(table[:, 3].sum())
         per_rank = self.flops.per_rank if self.flops is not None else None
+        # The mean over the ranks that had a loss (a rank that ran out of batches has none),
+        # without boolean indexing: its data-dependent shape fails under the planner's fake
+        # tensors.
         had = table[:, 1] > 0
+        count = float(had.sum())
+        loss_sum = float(torch.where(had, table[:, 0], torch.zeros_like(table[:, 0])).sum())
         event = StepEvent(
             step=p.step,
-            loss=float(table[had, 0].mean()) if bool(had.any()) else None,
+            loss=loss_sum / count if count else None,
             lr=p.lr,
             step_ms=step_s * 1e3,
             samples_per_s=self.train_batch_size / step_s,
