@@ -13,8 +13,8 @@ the global batch needs 8 micro-batches of 1 per rank, 439 MiB).
 
 Per measured candidate the results give the cost model's prediction against the measured
 median step, and the planned peak against the measured live-tensor peak and RSS increase
-(``ratios``). Load on the machine is recorded (``os.getloadavg`` before and after): other
-people's CPU-heavy work ran on this 2-core machine at the same time.
+(``ratios``). Load on the machine is recorded (``os.getloadavg`` before and after), so that a
+run beside other CPU-heavy work shows as such.
 
 Usage::
 
@@ -85,6 +85,8 @@ def ratio_table(report: dict[str, Any]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     load_before = os.getloadavg()
+    # Before the run writes its config files (tracked): read after, the commit reads as dirty.
+    recorded = versions()
     t0 = time.time()
     flags = Flags(
         model="reference-gpt",
@@ -109,13 +111,12 @@ def main(argv: list[str] | None = None) -> None:
         "exit_status": code,
         "predicted_vs_measured": table,
         "report": report,
-        "versions": versions(),
+        "versions": recorded,
         "machine": {
             **machine(),
+            # What else ran shows here: on a quiet machine both stay near 1 or below.
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
-            "shared": "yes: other people's CPU-heavy test runs shared this 2-core machine "
-            "during the measurement",
         },
         "wall_time_s": time.time() - t0,
     }
