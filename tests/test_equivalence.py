@@ -21,22 +21,7 @@ STEPS = 10
 GLOBAL_BATCH = 16
 TOL = 1e-5  # fp32, relative
 
-# Small buckets and per-module units: many buckets and units whose sizes divide no world size.
-STRATEGIES = {
-    "replicate": {
-        "strategy": "replicate",
-        "replicate": {"bucket_mb": 0.0005, "first_bucket_mb": 0.0002},
-    },
-    "zero1": {"strategy": "zero", "zero": {"stage": 1, "bucket_mb": 0.0005}},
-    "zero2": {"strategy": "zero", "zero": {"stage": 2, "bucket_mb": 0.0005}},
-    # The experts run on some ranks only, so their unit is the module that holds them all and
-    # runs everywhere (see docs: units must run on every rank); the tied pair and the rest sit
-    # in the root unit.
-    "zero3": {
-        "strategy": "zero",
-        "zero": {"stage": 3, "unit_classes": ["Experts", "LSTM", "BatchNorm1d"]},
-    },
-}
+STRATEGIES = harness.ZOO_STRATEGIES
 
 RECIPES = {
     # AdamW with weight decay moves any parameter it steps, used or not; clipping and the

@@ -181,6 +181,11 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "longboat.cli", *args]
 
 
+def _on_netns(hostfile: Path, *args: str) -> list[str]:
+    """``longboat run --hostfile HOSTFILE --remote-shell netns ARGS``."""
+    return _on_netns(hostfile, *args)
+
+
 def _run(argv: Sequence[str], **kw: object) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         list(argv), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, **kw
@@ -221,7 +226,7 @@ def test_digits_across_three_hosts_equals_four_ranks_on_one_machine(
     env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
     hostfile = _hostfile(tmp_path, hosts3.names, slots=(2, 1, 1))
     args = (str(DIGITS), "--epochs", "1")
-    many = _run(_cli("run", "--hostfile", str(hostfile), "--remote-shell", "netns", *args), env=env)
+    many = _run(_on_netns(hostfile, *args), env=env)
     assert many.returncode == 0, many.stderr[-3000:]
     one = _run(_cli("run", "-n", "4", *args))
     assert one.returncode == 0, one.stderr[-3000:]
@@ -316,12 +321,8 @@ def test_no_job_listener_on_the_wildcard(hosts3: NetnsHosts, tmp_path: Path) -> 
     sampler.start()
     try:
         run = _run(
-            _cli(
-                "run",
-                "--hostfile",
-                str(hostfile),
-                "--remote-shell",
-                "netns",
+            _on_netns(
+                hostfile,
                 "--master-port",
                 "29720",
                 str(ALLREDUCE),
@@ -350,12 +351,8 @@ def test_no_job_listener_on_the_wildcard(hosts3: NetnsHosts, tmp_path: Path) -> 
 def test_one_host_failing_stops_every_host(hosts3: NetnsHosts, tmp_path: Path) -> None:
     hostfile = _hostfile(tmp_path, hosts3.names)
     run = _run(
-        _cli(
-            "run",
-            "--hostfile",
-            str(hostfile),
-            "--remote-shell",
-            "netns",
+        _on_netns(
+            hostfile,
             "--grace-period",
             "2",
             str(ALLREDUCE),
@@ -375,7 +372,7 @@ def test_unreachable_hosts_are_each_named_before_anything_starts(
     hosts3: NetnsHosts, tmp_path: Path
 ) -> None:
     hostfile = _hostfile(tmp_path, [hosts3.names[0], "lbnohostA", "lbnohostB"])
-    run = _run(_cli("run", "--hostfile", str(hostfile), "--remote-shell", "netns", str(ALLREDUCE)))
+    run = _run(_on_netns(hostfile, str(ALLREDUCE)))
     assert run.returncode == 1
     for missing in ("lbnohostA", "lbnohostB"):
         assert f"longboat: host {missing} cannot run commands through netns" in run.stderr
@@ -393,7 +390,7 @@ def test_a_cut_link_is_named_by_every_survivor_within_the_timeout(
     h0, h1 = hosts3.names[:2]
     hostfile = _hostfile(tmp_path, [h0, h1])
     proc = subprocess.Popen(
-        _cli("run", "--hostfile", str(hostfile), "--remote-shell", "netns", "--grace-period",
+        _on_netns(hostfile, "--grace-period",
              "2", str(SCRIPTS / "train_until_cut.py"), str(timeout_s)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
     )  # fmt: skip
@@ -578,7 +575,7 @@ def test_stopping_the_launcher_stops_every_host(hosts3: NetnsHosts, tmp_path: Pa
     nothing is left in any namespace, and the launcher exits 128 + 15."""
     hostfile = _hostfile(tmp_path, hosts3.names[:2])
     proc = subprocess.Popen(
-        _cli("run", "--hostfile", str(hostfile), "--remote-shell", "netns", "--grace-period",
+        _on_netns(hostfile, "--grace-period",
              "5", str(ALLREDUCE), "--wait", "120"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
     )  # fmt: skip

@@ -26,20 +26,7 @@ ACCUM = 2
 BATCHES = 8  # micro-batches on a full rank: 4 steps
 FEWER = 3  # the short rank runs out inside step 3 and shadows the rest of it and step 4
 
-STRATEGIES = {
-    "single": {"strategy": "single"},
-    "replicate": {
-        "strategy": "replicate",
-        "replicate": {"bucket_mb": 0.0005, "first_bucket_mb": 0.0002},
-    },
-    "zero1": {"strategy": "zero", "zero": {"stage": 1, "bucket_mb": 0.0005}},
-    "zero2": {"strategy": "zero", "zero": {"stage": 2, "bucket_mb": 0.0005}},
-    # As in test_equivalence: the routed experts' unit runs on every rank.
-    "zero3": {
-        "strategy": "zero",
-        "zero": {"stage": 3, "unit_classes": ["Experts", "LSTM", "BatchNorm1d"]},
-    },
-}
+STRATEGIES = {"single": {"strategy": "single"}, **harness.ZOO_STRATEGIES}
 # ZeRO-3 within pairs of ranks, replicated across the pairs ([Note: hybrid sharding]).
 STRATEGIES["zero3-hybrid"] = {**STRATEGIES["zero3"], "mesh": {"dp_replicate": 2}}
 

@@ -7,11 +7,15 @@ the workers' process-group set-up (:mod:`longboat.world`) and the launcher share
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 
 # The variable each backend reads to choose its network interface.
 IFNAME_VARS = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+# Host names by node rank, comma-separated: set for every node by the hostfile launcher, read by
+# the reports that name a node (rendezvous failures, lost hosts).
+HOSTS_VAR = "LONGBOAT_HOSTS"
 
 
 def bind_listener(addr: str, port: int) -> socket.socket:
@@ -96,3 +100,10 @@ def master_route_interface(master_addr: str, env: Mapping[str, str]) -> tuple[di
     wanted = {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": "=" + name}  # "=": exact name
     chosen = {k: v for k, v in wanted.items() if not env.get(k)}
     return chosen, f"{name} ({via}), the interface that reaches the master {master_addr}"
+
+
+def node_label(node: int, env: Mapping[str, str] | None = None) -> str:
+    """``host h1 (node 1)`` where the hostfile launcher named the hosts, else ``node 1``."""
+    env = os.environ if env is None else env
+    hosts = [h for h in env.get(HOSTS_VAR, "").split(",") if h]
+    return f"host {hosts[node]} (node {node})" if 0 <= node < len(hosts) else f"node {node}"

@@ -136,7 +136,7 @@ class _Timed:
                 self._owner._check.finish(check)  # raises DesyncError on every rank alike
             # Bounded: measured with a host's link cut mid-run, a gloo work could wait forever
             # on the side that was cut off while the other side's timed out as configured.
-            out = self._work.wait(datetime.timedelta(seconds=self._owner.timeout_s))
+            out = self._work.wait(self._owner.wait_timeout)
         except RuntimeError as e:
             self._owner._failed(e, self._rec)
             raise
@@ -187,6 +187,7 @@ class Collectives:
         if self.world_size == 1:
             self.active = False
         self.timeout_s = timeout_s
+        self.wait_timeout = datetime.timedelta(seconds=timeout_s)  # every wait is bounded by it
         self.rules = rules
         # Wall time this rank spent blocked in collectives: inside synchronous calls and in
         # waits on asynchronous ones (the profiler's "waiting for communication").

@@ -22,10 +22,9 @@ from typing import Any
 import torch.distributed as dist
 
 from longboat.comm.trace import CallRecord, python_stack
+from longboat.network import node_label
 
 REPORT_DIR_VAR = "LONGBOAT_REPORT_DIR"
-# Host names by node rank, set by the hostfile launcher (longboat.launch.multihost.HOSTS_VAR).
-HOSTS_VAR = "LONGBOAT_HOSTS"
 # How long a rank waits for its peers' states; the whole report stays within 1 s of the timeout.
 _ANSWER_WAIT_S = 0.5
 
@@ -177,12 +176,6 @@ def _lost_nodes(mine: dict[str, Any], peers: dict[int, dict[str, Any] | None]) -
     return [n for n in range(int(nnodes)) if n not in answered]
 
 
-def host_name(node: int) -> str:
-    """``host h1 (node 1)`` under the hostfile launcher, else ``node 1``."""
-    hosts = [h for h in os.environ.get(HOSTS_VAR, "").split(",") if h]
-    return f"host {hosts[node]} (node {node})" if node < len(hosts) else f"node {node}"
-
-
 def _describe(rec: dict[str, Any] | None) -> str:
     if not rec:
         return "nothing"
@@ -209,8 +202,8 @@ def format_report(rep: dict[str, Any]) -> str:
     lost = rep.get("lost_nodes") or []
     if lost:
         lines.append(
-            f"  lost: {', '.join(host_name(n) for n in lost)}: none of its ranks answered "
-            f"(unreachable from {host_name(rep['ranks'][str(rep['rank'])]['node'])}, or down)"
+            f"  lost: {', '.join(node_label(n) for n in lost)}: none of its ranks answered "
+            f"(unreachable from {node_label(rep['ranks'][str(rep['rank'])]['node'])}, or down)"
         )
     if rep["not_arrived"]:
         known = _describe(rep["peer_last_known"]) if rep["peer_last_known"] else "unknown"

@@ -36,12 +36,10 @@ from longboat.launch.hosts import Host
 from longboat.launch.output import report
 from longboat.launch.run import RunOptions
 from longboat.launch.shells import RemoteShell, command_line
+from longboat.network import HOSTS_VAR
 
 DEFAULT_PORT = 29500
 CHECK_TIMEOUT_S = 10
-# Names the hosts for the workers' hang reports (node rank i is the i-th name); read by
-# longboat.comm.hang, which the launcher does not import (it would pull torch in).
-HOSTS_VAR = "LONGBOAT_HOSTS"
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 

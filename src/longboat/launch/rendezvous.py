@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import socket
 import time
 
@@ -41,22 +40,14 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from longboat.network import bind_listener, route_ip
+from longboat.network import bind_listener, node_label, route_ip
 
 BACKEND = "longboat-static"
 _NODE_KEY = "longboat/node/{node}"
-# Host names by node rank, set by the hostfile launcher (longboat.launch.multihost.HOSTS_VAR).
-_HOSTS_VAR = "LONGBOAT_HOSTS"
 
 
 class RendezvousFailed(RuntimeError):
     """The nodes did not all meet; the message names the missing ones and what was tried."""
-
-
-def node_name(node: int) -> str:
-    """``node 1 (host h1)`` under the hostfile launcher, else ``node 1``."""
-    hosts = [h for h in os.environ.get(_HOSTS_VAR, "").split(",") if h]
-    return f"node {node} (host {hosts[node]})" if node < len(hosts) else f"node {node}"
 
 
 LISTEN_FD_KEY = "listen_fd"
@@ -145,7 +136,7 @@ class StaticRendezvous(RendezvousHandler):
         except DistError as e:
             via = route_ip(self._addr)
             raise RendezvousFailed(
-                f"{node_name(self._node_rank)} could not reach node 0's rendezvous at {where} "
+                f"{node_label(self._node_rank)} could not reach node 0's rendezvous at {where} "
                 f"within {seconds} s (dialled from {via or 'no route'}): "
                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
             ) from None
@@ -160,18 +151,18 @@ class StaticRendezvous(RendezvousHandler):
                 missing = [n for n in range(self._nnodes) if n not in joined]
                 if time.monotonic() > deadline:
                     seen = ", ".join(
-                        f"{node_name(n)} from {json.loads(store.get(keys[n]))['via']}"
+                        f"{node_label(n)} from {json.loads(store.get(keys[n]))['via']}"
                         for n in joined
                     )
                     raise RendezvousFailed(
-                        f"{', '.join(map(node_name, missing))} never joined the rendezvous at "
+                        f"{', '.join(map(node_label, missing))} never joined the rendezvous at "
                         f"{where} within {seconds} s; joined: {seen}"
                     )
                 time.sleep(0.5)
         except DistError:  # node 0 gave up first (its deadline came earlier) and closed it
             raise RendezvousFailed(
-                f"{node_name(self._node_rank)}: node 0's rendezvous at {where} closed while "
-                f"waiting for {', '.join(map(node_name, missing)) or 'the other nodes'} "
+                f"{node_label(self._node_rank)}: node 0's rendezvous at {where} closed while "
+                f"waiting for {', '.join(map(node_label, missing)) or 'the other nodes'} "
                 "(node 0 reports who never joined)"
             ) from None
         return store
