@@ -183,7 +183,7 @@ def _cli(*args: str) -> list[str]:
 
 def _on_netns(hostfile: Path, *args: str) -> list[str]:
     """``longboat run --hostfile HOSTFILE --remote-shell netns ARGS``."""
-    return _on_netns(hostfile, *args)
+    return _cli("run", "--hostfile", str(hostfile), "--remote-shell", "netns", *args)
 
 
 def _run(argv: Sequence[str], **kw: object) -> subprocess.CompletedProcess[str]:
