@@ -449,6 +449,36 @@ class Collectives:
             )
         return self._issue(_all_gather, output, input, async_op=async_op)
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> Handle:
+        """Chunk j of ``input`` goes to rank j; ``output`` holds every rank's chunk for this
+        rank, in rank order (equal splits). ``tag`` says what the tensor is."""
+        if not self.active:
+            output.copy_(input)
+            return _Done()
+        if self.rules is not None:
+            self.rules.check("all_to_all", (output, input), self._group_name)
+        self.seq += 1
+        if self.observing:
+            return self._observed(
+                "all_to_all",
+                dist.all_to_all_single,
+                output,
+                input,
+                tensor=input,
+                out=output,
+                async_op=async_op,
+                tag=tag,
+                nbytes=input.numel() * input.element_size(),
+            )
+        return self._issue(dist.all_to_all_single, output, input, async_op=async_op)
+
+    def count_replaced(self, op: str, nbytes: int) -> None:
+        """The comm log's "would have sent" count ([Note: bytes saved] in ``commlog.py``)."""
+        if self.commlog is not None and self.active:
+            self.commlog.replace(op, nbytes)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` on every rank with group rank ``src``'s copy."""
         if not self.active:

@@ -61,6 +61,19 @@ class Comm(Protocol):
         """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``."""
         ...
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> Handle:
+        """Split ``input`` into ``world_size`` equal chunks and send chunk j to rank j;
+        ``output`` receives every rank's chunk for this rank, in rank order
+        (``all_to_all_single`` with equal splits)."""
+        ...
+
+    def count_replaced(self, op: str, nbytes: int) -> None:
+        """Tell the comm log that compressed collectives stood in for an exact ``op`` of
+        ``nbytes`` (which was not sent), so that it can show the bytes compression saved."""
+        ...
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` on every rank with group rank ``src``'s copy."""
         ...

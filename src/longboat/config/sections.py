@@ -332,6 +332,35 @@ class CommConfig(_Section):
     log_verbose: bool = Field(False, description="with log: also one line per collective")
 
 
+class CompressionConfig(_Section):
+    """Gradient compression on the data-parallel axis, for ``replicate`` and ``zero`` alike
+    (``longboat.comm.compression``, docs/compression.md): each method keeps an error-feedback
+    residual per tensor, so what compression drops in one step is sent in the next ones."""
+
+    method: Literal["none", "powersgd", "onebit"] = Field(
+        "none",
+        description="none: exact all-reduce; powersgd: matrices as rank-`rank` products "
+        "(Vogels et al. 2019), vectors exact; onebit: the sign of every element and one scale "
+        "per chunk, compressed on the worker and on the server side of the reduction (as in "
+        "1-bit Adam)",
+    )
+    rank: int = Field(4, ge=1, description="powersgd: the rank of each matrix's approximation")
+    warmup_steps: int = Field(
+        10,
+        ge=0,
+        description="optimizer steps that all-reduce exactly before compression starts",
+    )
+
+    @model_validator(mode="after")
+    def _rank_is_for_powersgd(self) -> CompressionConfig:
+        if "rank" in self.model_fields_set and self.method != "powersgd":
+            raise ValueError(
+                f"compression.rank = {self.rank} is for method 'powersgd' (method is "
+                f"{self.method!r}); remove it or set compression.method = 'powersgd'"
+            )
+        return self
+
+
 class ParameterServerConfig(_Section):
     """Dedicated server ranks (the last ``servers`` of the world) hold the parameters; workers
     push gradients and pull parameters (``longboat.ps``)."""
@@ -433,6 +462,7 @@ class Config(_Section):
     replicate: ReplicateConfig = Field(default_factory=ReplicateConfig)
     zero: ZeroConfig = Field(default_factory=ZeroConfig)
     parameter_server: ParameterServerConfig = Field(default_factory=ParameterServerConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -485,6 +515,41 @@ class Config(_Section):
             f"data.remainder = 'join' with {why}; use data.remainder = 'pad' (every rank gets "
             "as many batches) or 'drop'"
         )
+
+    @model_validator(mode="after")
+    def _compression_where_it_is_built(self) -> Config:
+        """Gradient compression replaces the data-parallel reduction of ``replicate`` and
+        ``zero``; what it cannot be combined with (yet) is refused with the reason."""
+        method = self.compression.method
+        if method == "none":
+            return self
+        why = None
+        if self.strategy == "parameter_server":
+            why = "strategy 'parameter_server': its workers push to servers, with no all-reduce"
+        elif self.precision.communication_data_type not in (None, "fp32"):
+            why = (
+                f"precision.communication_data_type = "
+                f"{self.precision.communication_data_type!r}: a compressed method chooses what "
+                "travels itself; remove one of the two"
+            )
+        elif self.precision.dtype == "fp16":
+            why = (
+                "precision.dtype = 'fp16': an overflowing step would leave inf in the "
+                "error-feedback residual, which every later step would send; use 'bf16'"
+            )
+        elif self.data.remainder == "join":
+            why = (
+                "data.remainder = 'join': a rank without a batch would still send its "
+                "error-feedback residual, which is not a zero contribution; use 'pad' or 'drop'"
+            )
+        elif self.mesh.pp > 1 or self.mesh.tp > 1:
+            why = (
+                f"mesh.pp = {self.mesh.pp}, mesh.tp = {self.mesh.tp}: compression is built and "
+                "tested on plain data parallelism only so far; use mesh.pp = mesh.tp = 1"
+            )
+        if why is None:
+            return self
+        raise ValueError(f"compression.method = {method!r} with {why}")
 
     def service_ranks(self) -> int:
         """Ranks at the end of the world that serve instead of training (parameter servers,

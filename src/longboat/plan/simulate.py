@@ -73,9 +73,9 @@ class _InFlight(_Done):
 class MetaCollectives:
     """The :class:`~longboat.comm.protocol.Comm` protocol for a group of ``world_size`` ranks,
     moving nothing. Counts the bytes each rank would send with ring algorithms (NCCL's and
-    gloo's large-message choice): all-reduce ``2(n-1)/n`` of the buffer, reduce-scatter and
-    all-gather ``(n-1)/n`` of the full buffer, broadcast the buffer once (the root's view), a
-    send its buffer. The doorways of one simulated rank share ``sent``."""
+    gloo's large-message choice): all-reduce ``2(n-1)/n`` of the buffer, reduce-scatter,
+    all-gather and all-to-all ``(n-1)/n`` of the full buffer, broadcast the buffer once (the
+    root's view), a send its buffer. The doorways of one simulated rank share ``sent``."""
 
     world_size: int
     rank: int = 0
@@ -130,6 +130,15 @@ class MetaCollectives:
     ) -> _Done:
         n = self.world_size
         return self._count("all_gather", (n - 1) / n * _nbytes(output), tag)
+
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> _Done:
+        n = self.world_size
+        return self._count("all_to_all", (n - 1) / n * _nbytes(input), tag)
+
+    def count_replaced(self, op: str, nbytes: int) -> None:
+        pass  # the planner compares runs with and without compression instead
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._count("broadcast", _nbytes(tensor))

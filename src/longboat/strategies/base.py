@@ -35,6 +35,9 @@ class StrategyContext:
     isolated: frozenset[int] = frozenset()
     #: ranks beside the mesh that serve this strategy (``longboat.ps.service``), or None
     service: Any = None
+    #: the ``compression`` section: how the data-parallel reduction is compressed
+    #: (``longboat.comm.compression``), or None
+    compression: Any = None
 
     @classmethod
     def of(
@@ -54,6 +57,7 @@ class StrategyContext:
             DTYPES[wire] if wire else None,
             isolated,
             service,
+            config.compression,
         )
 
 

@@ -28,6 +28,11 @@ gradient dtype (e.g. bf16 for fp32 gradients), the bucket's buffer is allocated 
 gradients are cast into it, all-reduced (half the bytes for bf16/fp16) and copied back, in one
 flat copy per bucket, into an fp32 buffer that ``p.grad`` are views of. Without it the fp32 path
 is unchanged: ``p.grad`` are views into the communicated bucket itself.
+
+With ``compression.method`` set, once its warm-up is over each bucket is reduced by the
+compressor instead of one all-reduce ([Note: compressed reduction] in
+``comm/compression/protocol.py``): synchronously, when the bucket is launched, its usage flags
+exact.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from longboat.comm import compression
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
 from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
@@ -74,6 +80,7 @@ class Replicate:
         # Per bucket, after its all-reduce: which of its parameters some rank used.
         self._used: list[list[bool]] = []
         self.overlapped_steps = 0  # steps taken bucket by bucket ([Note: optimizer overlap])
+        self.compressor = compression.build(ctx.compression)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -152,6 +159,14 @@ class Replicate:
         self._used[index] = used  # this rank's; the all-reduce tells about the others
         # An average: gloo has no AVG, the doorway divides first (and keeps magnitudes small).
         # The flags are divided too: what matters is only whether their sum is above zero.
+        c = self.compressor
+        if c is not None and c.compressing and self.comm.world_size > 1:
+            # [Note: compressed reduction]: the average as a compressed sum of divided buffers
+            b.buffer.div_(self.comm.world_size)
+            spans = [(off, p.shape) for off, p in zip(b.offsets, b.params, strict=True)]
+            c.all_reduce(f"bucket {index}", b.buffer, spans, self.comm)
+            b.handle = compression.Done()
+            return
         b.handle = self.comm.all_reduce(b.buffer, op="avg", async_op=True)
 
     def after_backward(self) -> None:
@@ -230,6 +245,7 @@ class Replicate:
         ):
             self.wait_gradients()
             optimizer.step()
+            self._stepped()
             return
         self.overlapped_steps += 1
         for p in self.params:
@@ -241,6 +257,11 @@ class Replicate:
                 p.grad = None
         for b in self._buckets:  # leave every averaged gradient visible after the step
             self._show_grads(b)
+        self._stepped()
+
+    def _stepped(self) -> None:
+        if self.compressor is not None:
+            self.compressor.step_done()  # the warm-up counts optimizer steps
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         # The buckets are where averaged gradients live (p.grad are views into them).

@@ -64,6 +64,16 @@ those events are the ones every rank sees alike ([Note: stage-3 order]) and ever
 same units in the same order on each micro-batch; a model whose units change from one
 micro-batch to the next would replay the wrong ones, and the desync check names the units
 then. A rank that runs out before its first micro-batch has nothing to replay and says so.
+
+[Note: compressed ZeRO] With ``compression.method`` set, once its warm-up is over a unit's
+reduce-scatter becomes a compressed all-reduce of the unit's full (divided) gradient over the
+shard group, after which each rank keeps its shard ([Note: compressed reduction] in
+``comm/compression/protocol.py``). That trades ZeRO's reduce-scatter, ``(n-1)/n`` of the fp32
+buffer per rank, for an all-reduce of a much smaller payload (PowerSGD's factors, 1-bit signs),
+which error feedback needs: a residual is kept for the whole unit, not the shard. It is
+synchronous, where the reduce-scatter overlapped the rest of backward. Stages 2-3 reduce every
+micro-batch, so with gradient accumulation each micro-batch's gradient is compressed (stage 1
+compresses the step's accumulated gradient once, as replicate does).
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.hooks import RemovableHandle
 
+from longboat.comm import compression
 from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
 from longboat.config import ConfigError
@@ -141,6 +152,7 @@ class Zero:
         # and the last real micro-batch's, which a shadow replays
         self._schedule: list[tuple[str, int]] = []
         self._replay: list[tuple[str, int]] | None = None
+        self.compressor = compression.build(ctx.compression)  # [Note: compressed ZeRO]
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -434,6 +446,16 @@ class Zero:
         # The average over every data-parallel rank: the shard group sums now, the replicas
         # at the boundary (gloo has no AVG: divide first).
         u.flat_grad.div_(self.dp.world_size)
+        c = self.compressor
+        if c is not None and c.compressing and self.comm.world_size > 1:  # [Note: compressed ZeRO]
+            spans = list(zip(u.offsets, u.shapes, strict=True))
+            c.all_reduce(f"unit {index}", u.flat_grad, spans, self.comm)
+            u.reduced = u.flat_grad[u.lo : u.hi].clone()
+            u.shard_empty = False
+            if self._gathering is not None:
+                self._schedule.append(("reduce", index))  # [Note: stage-3 shadow]
+            u.reduce_handle = compression.Done()
+            return
         # precision.communication_data_type: gradients travel (and are summed) in that
         # dtype, and land back in the fp32 shard in wait_gradients.
         send = u.flat_grad if self._wire in (None, u.dtype) else u.flat_grad.to(self._wire)
@@ -574,6 +596,8 @@ class Zero:
             if not self.policy.shard_grads:
                 assert u.flat_grad is not None
                 u.flat_grad.zero_()
+        if self.compressor is not None:
+            self.compressor.step_done()  # the warm-up counts optimizer steps
 
     def _step_and_gather(self, optimizer: torch.optim.Optimizer) -> None:
         """Stages 1-2: the updated shards are all-gathered into every rank's full flat
