@@ -28,7 +28,6 @@ from longboat.comm.compression.protocol import Span, Warmup, covered, replaced
 from longboat.comm.protocol import Comm
 
 
-
 def _shifts(device: torch.device) -> torch.Tensor:
     return torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
 
