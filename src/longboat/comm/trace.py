@@ -23,7 +23,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # Operation codes for fingerprints; order is part of the fingerprint format.
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "all_to_all")
 REDUCE_OPS = ("", "sum", "max", "min")
 _DTYPES = (
     torch.float32,
