@@ -38,6 +38,7 @@ LAYERS = [
         "longboat.checkpoint",
         "longboat.observe",
         "longboat.optim",
+        "longboat.onebit_adam",
         "longboat.grads",
         "longboat.schedule",
         "longboat.pipeline",

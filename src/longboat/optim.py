@@ -105,8 +105,14 @@ def check_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
 ) -> torch.optim.Optimizer:
-    """``torch.optim.<cfg.type>(params, **cfg.params)`` with errors that name the key."""
-    cls = getattr(torch.optim, cfg.type, None)
+    """``torch.optim.<cfg.type>(params, **cfg.params)`` (or longboat's ``OneBitAdam``) with
+    errors that name the key."""
+    if cfg.type == "OneBitAdam":
+        from longboat.onebit_adam import OneBitAdam
+
+        cls: Any = OneBitAdam
+    else:
+        cls = getattr(torch.optim, cfg.type, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         names = sorted(
             n
@@ -116,13 +122,14 @@ def build_optimizer(
             and n != "Optimizer"
         )
         raise ConfigError(
-            f"key 'optimizer.type' has unknown value {cfg.type!r}; choose one of {', '.join(names)}"
+            f"key 'optimizer.type' has unknown value {cfg.type!r}; choose one of "
+            f"{', '.join(names)}, or OneBitAdam"
         )
     try:
         return cls(params, **cfg.params)
     except TypeError as exc:
         raise ConfigError(
-            f"key 'optimizer.params' = {cfg.params!r} does not fit torch.optim.{cfg.type}: {exc}"
+            f"key 'optimizer.params' = {cfg.params!r} does not fit {cls.__name__}: {exc}"
         ) from None
 
 

@@ -5,14 +5,19 @@ Per matrix M (a parameter of two or more dimensions, viewed as ``shape[0] x rest
 factors are smaller than itself, with error feedback and a warm-started Q:
 
     M += error;  P = M Q;  all-reduce P;  P = orthonormal(P) (QR);  Q = M^T P;  all-reduce Q
-    M_hat = P Q^T;  error = M - M_hat;  M = M_hat
+    M_hat = P Q^T;  error = M - M_hat / n;  M = M_hat
 
-Both all-reduces sum pre-divided gradients, so P and Q are averages. Vectors, matrices too small
-to gain, and the elements no parameter covers are reduced exactly, packed into P's all-reduce: two
-collectives per buffer. Q starts from a normal sample drawn by a generator seeded with the
-buffer's key and the parameter's index, the same on every rank, and then keeps the last step's
-reduced Q (one power iteration per step). Factors are computed in fp32 whatever the gradients'
-dtype.
+Both all-reduces sum pre-divided gradients (``M`` is this rank's gradient divided by the ``n``
+ranks), so ``M_hat`` approximates the sum of every rank's ``M``, the average gradient. A rank's
+residual is what its own ``M`` was not represented by: its share of ``M_hat`` is ``M_hat / n``
+(as torch's ``powerSGD_hook`` keeps ``error = M - M_hat`` with undivided ``M`` and averaged
+``M_hat``), so that the residuals sum to the approximation's error over the ranks.
+
+Vectors, matrices too small to gain, and the elements no parameter covers are reduced exactly,
+packed into P's all-reduce: two collectives per buffer. Q starts from a normal sample drawn by
+a generator seeded with the buffer's key and the parameter's index, the same on every rank, and
+then keeps the last step's reduced Q (one power iteration per step). Factors are computed in
+fp32 whatever the gradients' dtype.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ class PowerSGD(Warmup):
                 q = sent_q[at : at + q.numel()].view_as(q)
                 at += q.numel()
                 approx = p @ q.T
-                self.error[(key, i)] = m - approx
+                self.error[(key, i)] = m - approx / comm.world_size
                 self.q[(key, i)] = q.clone()
                 view.copy_(approx.flatten())
         replaced(comm, flat)
