@@ -475,7 +475,10 @@ def test_digits_converges_with_compression(tmp_path, method):
     assert "[compression]" not in toml
     cfg = tmp_path / f"digits_{method}.toml"
     extra = "rank = 4\n" if method == "powersgd" else ""
-    cfg.write_text(toml + f'\n[compression]\nmethod = "{method}"\nwarmup_steps = 10\n{extra}')
+    # 1-bit with AdamW needs a long exact start here: warm-ups of 10, 50 and 100 of the 330
+    # steps reach 0.9361, 0.9444 and 0.9639 (PowerSGD: 0.9694 after 10); docs/compression.md
+    warmup = {"powersgd": 10, "onebit": 100}[method]
+    cfg.write_text(toml + f'\n[compression]\nmethod = "{method}"\nwarmup_steps = {warmup}\n{extra}')
     proc = subprocess.run(
         [
             sys.executable,
