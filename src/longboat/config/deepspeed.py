@@ -167,6 +167,13 @@ def _check_type(ds_key: str, given: str, typ: str, where: str) -> None:
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
             return
         what = "a torch.optim optimizer (DeepSpeed's own fused and 1-bit ones are not offered)"
+        if typ == "OneBitAdam":  # not translated: what travels compressed differs
+            what = (
+                "a torch.optim optimizer. DeepSpeed's 1-bit Adam all-reduces the momentum in 1 "
+                "bit; longboat's nearest, [compression] method = 'onebit' with [optimizer] type "
+                "= 'OneBitAdam', compresses the gradient instead (docs/compression.md) and is "
+                "written in a longboat config"
+            )
     else:
         cls = getattr(torch.optim.lr_scheduler, typ, None)
         if typ in ("WarmupLR", "WarmupDecayLR") or isinstance(cls, type):
