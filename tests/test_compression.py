@@ -57,7 +57,15 @@ STRATEGIES = {
     "zero-1": {"strategy": "zero", "zero": {"stage": 1, "bucket_mb": 0.001}},
     "zero-2": {"strategy": "zero", "zero": {"stage": 2, "bucket_mb": 0.001}},
     "zero-3": {"strategy": "zero", "zero": {"stage": 3}},  # units: ZERO3_UNITS
+    # hybrid sharding: compressed within each shard group of 2, exact across the 2 replicas
+    "zero-2-hybrid": {
+        "strategy": "zero",
+        "zero": {"stage": 2, "bucket_mb": 0.001},
+        "mesh": {"dp_replicate": 2},
+    },
 }
+#: ranks that compress together (the shard groups), by strategy; default: all of them
+GROUPS = {"zero-2-hybrid": 2}
 
 
 def _method(name: str, warmup: int = WARMUP) -> dict[str, Any]:
@@ -164,13 +172,19 @@ def simulate(
     method: str,
     layout: list[tuple[str, list[str]]],
     warmup: int,
+    group: int | None = None,
 ) -> tuple[list[list[float]], dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """Train ``recipe`` as N ranks would with ``method``'s compressed averaging (one
-    micro-batch per step); returns losses [step][rank], the state_dict and optimizer state."""
+    micro-batch per step); returns losses [step][rank], the state_dict and optimizer state.
+    ``group``: consecutive ranks compress together, and the groups' results are summed exactly
+    (hybrid sharding); default: all ranks form one group."""
     model, opt, sched = recipe.build()
     data = harness.data_for(recipe, GLOBAL_BATCH * len(order))
     params = dict(model.named_parameters())
-    sim: Any = SimPowerSGD(RANK) if method == "powersgd" else SimOneBit()
+    n_groups = len(order[0][0]) // (group or len(order[0][0]))
+    sims: list[Any] = [
+        SimPowerSGD(RANK) if method == "powersgd" else SimOneBit() for _ in range(n_groups)
+    ]
     losses = []
     for step, (micro,) in enumerate(order):
         n_ranks = len(micro)
@@ -204,7 +218,11 @@ def simulate(
             if step < warmup:
                 out = [_exact([part[i] for part in parts]) for i in range(len(names))]
             else:
-                out = sim.reduce(key, parts)
+                size = len(parts) // n_groups
+                per_group = [
+                    sims[g].reduce(key, parts[g * size : (g + 1) * size]) for g in range(n_groups)
+                ]
+                out = [_exact([o[i] for o in per_group]) for i in range(len(names))]
             for k, o in zip(names, out, strict=True):
                 if any(g[k] is not None for g in grads):  # a parameter no rank used: no grad
                     params[k].grad = o.clone()
@@ -276,6 +294,7 @@ def _run(ranks: Any, world: int, strategy: str, method: str, recipe: reference.R
         (2, "zero-2"),
         (4, "zero-2"),
         (2, "zero-3"),
+        (4, "zero-2-hybrid"),
     ],
 )
 def test_compressed_training_equals_the_plain_simulation(ranks, world, strategy, method):
@@ -288,7 +307,7 @@ def test_compressed_training_equals_the_plain_simulation(ranks, world, strategy,
     for res in results:
         assert res["layout"] == layout, "every rank lays buffers out alike"
         assert res["compressed_steps"] == STEPS
-    losses, state, optim = simulate(recipe, order, method, layout, WARMUP)
+    losses, state, optim = simulate(recipe, order, method, layout, WARMUP, GROUPS.get(strategy))
     for r, res in enumerate(results):
         for s, loss in enumerate(res["losses"]):
             want = losses[s][r]
@@ -535,3 +554,17 @@ def test_onebit_adam_is_adamw_until_its_variance_freezes():
             assert not torch.equal(a.weight, b.weight)
     with pytest.raises(ValueError, match="freeze_step"):
         OneBitAdam(a.parameters(), freeze_step=0)
+
+
+def test_one_bit_wire_format():
+    """Eight signs to a byte and four bytes of fp32 scale per row; zero counts as positive."""
+    from longboat.comm.compression.onebit import compress, decompress
+
+    x = torch.randn(3, 64)
+    x[0, :5] = 0.0
+    wire, approx = compress(x)
+    assert wire.dtype == torch.uint8 and wire.shape == (3, 64 // 8 + 4)
+    scale = x.norm(dim=1, keepdim=True) / 8.0  # sqrt(64)
+    want = torch.where(x >= 0, 1.0, -1.0) * scale
+    assert torch.equal(approx, want)
+    assert torch.equal(decompress(wire), want)
