@@ -17,6 +17,7 @@ from typing import Any
 from longboat.config import deepspeed_keys as keys
 from longboat.config.deepspeed_auto import resolve_auto
 from longboat.config.errors import ConfigError
+from longboat.config.sections import OWN_OPTIMIZERS
 
 log = logging.getLogger("longboat")
 
@@ -59,9 +60,16 @@ _SUPPORTED = frozenset(
     }
 )
 
-# DeepSpeed's optimizer names -> torch.optim class names. DeepSpeed's "Adam" is AdamW unless
+# DeepSpeed's optimizer names -> torch.optim class names, or longboat's own (its FusedLamb is
+# longboat.optim.Lamb, with the same parameters). DeepSpeed's "Adam" is AdamW unless
 # adam_w_mode is false (its FusedAdam defaults to decoupled weight decay).
-_OPTIMIZERS = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
+_OPTIMIZERS = {
+    "adam": "AdamW",
+    "adamw": "AdamW",
+    "sgd": "SGD",
+    "adagrad": "Adagrad",
+    "lamb": "Lamb",
+}
 
 
 def looks_like_deepspeed(data: Mapping[str, Any]) -> bool:
@@ -164,9 +172,11 @@ def _check_type(ds_key: str, given: str, typ: str, where: str) -> None:
 
     if ds_key == "optimizer":
         cls = getattr(torch.optim, typ, None)
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+        if typ in OWN_OPTIMIZERS or (
+            isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+        ):
             return
-        what = "a torch.optim optimizer (DeepSpeed's own fused and 1-bit ones are not offered)"
+        what = "a torch.optim optimizer or Lamb (DeepSpeed's 1-bit optimizers are not offered)"
     else:
         cls = getattr(torch.optim.lr_scheduler, typ, None)
         if typ in ("WarmupLR", "WarmupDecayLR") or isinstance(cls, type):

@@ -22,8 +22,13 @@ class BatchConfig(_Section):
     gradient_accumulation_steps: int | None = Field(None, gt=0, description="micro-batches/step")
 
 
+#: Optimizers longboat provides itself (``longboat.optim``), by the name a config gives them.
+OWN_OPTIMIZERS = ("Lamb",)
+
+
 class OptimizerConfig(_Section):
-    """An optimizer for the engine to build when the user passes none (``torch.optim`` name)."""
+    """An optimizer for the engine to build when the user passes none (a ``torch.optim`` name,
+    or one of ``OWN_OPTIMIZERS``)."""
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
