@@ -313,7 +313,7 @@ def translate(
     if "pipeline" in data:
         _pipeline(data["pipeline"], put)
     if "activation_checkpointing" in data:
-        _activation_checkpointing(data["activation_checkpointing"])
+        _activation_checkpointing(data["activation_checkpointing"], put)
 
     if "zero_optimization" in data:
         z = data["zero_optimization"]
@@ -463,7 +463,8 @@ def _pipeline(block: Any, put: Any) -> None:
 # DeepSpeed's ``activation_checkpointing`` block tunes how deepspeed.checkpointing stores the
 # checkpoints a model asks for in its own code; which modules are recomputed is longboat's
 # ``[activation_checkpointing]``. Buffer layout, synchronisation and timing do not change what is
-# computed; partitioning over tensor-parallel ranks and CPU copies are not offered.
+# computed; cpu_checkpointing keeps the checkpoints in CPU memory here too ([Note: cpu
+# checkpointing] in recompute.py); partitioning over tensor-parallel ranks has nothing to split.
 _AC_KEYS = {
     "partition_activations",
     "contiguous_memory_optimization",
@@ -474,7 +475,7 @@ _AC_KEYS = {
 }
 
 
-def _activation_checkpointing(block: Any) -> None:
+def _activation_checkpointing(block: Any, put: Any) -> None:
     b = _block(block, "activation_checkpointing", _AC_KEYS)
     if b.get("partition_activations", False):
         # It splits each checkpoint over the model-parallel ranks, which a DeepSpeed config
@@ -483,10 +484,15 @@ def _activation_checkpointing(block: Any) -> None:
             "DeepSpeed key 'activation_checkpointing.partition_activations' has no effect here: "
             "there are no tensor-parallel ranks to split checkpoints over"
         )
-    for key, why in (("cpu_checkpointing", "it copies checkpoints to CPU memory"),):
-        if b.get(key, False):
-            raise ConfigError(
-                f"DeepSpeed key 'activation_checkpointing.{key}' = true is not supported ({why}); "
-                "set it to false or remove it, and choose recomputed modules with "
-                "[activation_checkpointing] classes = [...]"
-            )
+    cpu = b.get("cpu_checkpointing", False)
+    if not isinstance(cpu, bool):
+        raise ConfigError(
+            f"DeepSpeed key 'activation_checkpointing.cpu_checkpointing' = {cpu!r} must be true "
+            "or false"
+        )
+    if cpu:
+        put(
+            "activation_checkpointing.cpu_checkpointing",
+            True,
+            "activation_checkpointing.cpu_checkpointing",
+        )

@@ -417,6 +417,12 @@ class ActivationCheckpointingConfig(_Section):
         default_factory=list, description="module class names to recompute, e.g. ['Block']"
     )
     every: int = Field(1, ge=1, description="recompute every k-th matching module (1: all)")
+    cpu_checkpointing: bool = Field(
+        False,
+        description="keep the recomputed modules' inputs in CPU memory between forward and "
+        "backward on an accelerator (torch.autograd.graph.save_on_cpu; DeepSpeed's key); "
+        "no effect on a CPU device",
+    )
 
 
 class Config(_Section):
