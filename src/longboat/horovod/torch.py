@@ -362,13 +362,17 @@ class _DistributedOptimizer:
         # the same; with Sum, f is not applied.
         pre = 1.0 / self.predivide if self.op == Average else 1.0
         post = self.predivide / size() if self.op == Average else 1.0
-        wires = [self.compression.compress(g * pre if pre != 1 else g.clone()) for g in grads]
+        # Without prescaling or compression the wire is the gradient itself, reduced in place.
+        wires = [self.compression.compress(g * pre if pre != 1 else g) for g in grads]
         _announce(joining.ALLREDUCE, [w for w, _ in wires], "allreduce")
         if size() > 1:
             joining.flat_allreduce([w for w, _ in wires])
         for grad, (wire, dtype) in zip(grads, wires, strict=True):
             out = self.compression.decompress(wire, dtype)
-            grad.copy_(out * post if post != 1 else out)
+            if post != 1:
+                grad.copy_(out * post)
+            elif out is not grad:
+                grad.copy_(out)
 
     def step(self, closure: Any = None) -> Any:
         self.synchronize()
