@@ -15,9 +15,22 @@ model is built (the caller's baseline: after imports, before the model) through 
 optimizer steps (the second one holds the optimizer state the first created), each of the
 config's ``batch.gradient_accumulation_steps`` micro-batches. Everything a rank holds is
 in it: parameters, gradients, optimizer state, buckets and communication buffers, activations
-saved for backward and the transient tensors of each operator. What it cannot see: memory
-inside kernels and communication libraries (gloo/NCCL staging), allocator overhead and
-fragmentation.
+saved for backward and the transient tensors of each operator, and the staging copy gloo makes
+for a reduce-scatter ([Note: gloo staging]). What it cannot see: other memory inside kernels and
+communication libraries, allocator overhead and fragmentation.
+
+[Note: gloo staging] gloo has no reduce-scatter of its own: torch's ProcessGroupGloo runs it as
+an all-reduce of a copy of the whole input, then copies this rank's chunk into the output. The
+copy (the input's size, not the output's) is allocated on the calling thread when the operation
+is issued and freed when its work object goes, after the wait: measured on this torch, three
+asynchronous reduce-scatters of 40 MB each raise a rank's RSS by 115 MB before the peer has
+issued any. ZeRO-1/2 keep each unit's reduction in flight from its launch in the backward to
+its landing, so each in-flight unit holds a second full-size gradient buffer. The meta doorway
+makes the same copy (fake, so nothing is allocated) and hands it to the operation's handle, for
+the backends that stage this way (:data:`STAGING_BACKENDS`); NCCL reduce-scatters in place. A
+real run's live-tensor count sees the copy only from the wait (torch splits it into chunks on
+the calling thread there), so where several reductions are in flight at once the plan is above
+that count by the copies the count has not seen yet, and equal to the memory the rank holds.
 
 [Note: fake tensors] The run uses fake CPU tensors (``FakeTensorMode``): meta tensors underneath,
 so nothing is allocated, but with the CPU device type. Plain meta tensors would be faster (about
@@ -48,6 +61,11 @@ from longboat.plan.tracker import LiveBytes
 from longboat.topology import Topology
 from longboat.world import World
 
+#: Backends whose reduce-scatter stages the whole input in a copy ([Note: gloo staging]).
+STAGING_BACKENDS = frozenset({"gloo"})
+#: The backend a plan assumes: the planner traces a CPU run, whose ranks talk gloo.
+DEFAULT_BACKEND = "gloo"
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -60,6 +78,8 @@ class _InFlight(_Done):
 
     def __init__(self) -> None:
         self.waited = False
+        # What the communication library holds until the handle goes ([Note: gloo staging]).
+        self.staging: torch.Tensor | None = None
 
     def wait(self) -> bool:
         self.waited = True
@@ -97,11 +117,14 @@ class MetaCollectives:
     prefix: str = ""  # put before each operation's name in ``sent``
     #: bytes per tag (the tensor-parallel layers tag theirs with the module's name), or None
     by_tag: dict[str, int] | None = None
+    #: the data plane's backend: whether a reduce-scatter stages its input in a copy
+    #: ([Note: gloo staging])
+    backend: str = DEFAULT_BACKEND
 
     def log_summary(self) -> list[dict[str, Any]]:
         return []
 
-    def _count(self, op: str, nbytes: float, tag: str = "") -> _Done:
+    def _count(self, op: str, nbytes: float, tag: str = "") -> _InFlight:
         if self.world_size > 1:
             key = self.prefix + op
             self.sent[key] = self.sent.get(key, 0) + int(nbytes)
@@ -123,7 +146,10 @@ class MetaCollectives:
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
     ) -> _Done:
         n = self.world_size
-        return self._count("reduce_scatter", (n - 1) / n * _nbytes(input), tag)
+        done = self._count("reduce_scatter", (n - 1) / n * _nbytes(input), tag)
+        if n > 1 and self.backend in STAGING_BACKENDS:  # [Note: gloo staging]
+            done.staging = torch.empty_like(input)  # fake or meta like the input: no memory
+        return done
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
@@ -185,12 +211,14 @@ def simulate(
     rank: int = 0,
     shapes: stages.Shapes | None = None,
     service: Callable[[dict[str, int]], Any] | None = None,
+    backend: str = DEFAULT_BACKEND,
 ) -> Simulated:
     """Run setup and two steps of ``config``'s strategy on meta tensors at ``world_size``, as
     rank ``rank`` would. With pipeline stages (``mesh.pp > 1``) the steps are a schedule's, and
     ``shapes`` holds what the other stages send ([Note: planning stages] in stages.py).
     ``service``: makes the ranks beside the mesh that the strategy talks to (a parameter
-    server's, ``plan/parameter_server.py``), given the dict to count the bytes it sends in."""
+    server's, ``plan/parameter_server.py``), given the dict to count the bytes it sends in.
+    ``backend``: the data plane's, for what its collectives stage ([Note: gloo staging])."""
     from longboat.engine import assemble, resolve_mesh
 
     sent: dict[str, int] = {}
@@ -205,9 +233,11 @@ def simulate(
         # The tensor-parallel layers' traffic is told apart from the data-parallel strategy's,
         # and counted per layer.
         lambda n, r, axis: (
-            MetaCollectives(n, r, sent=sent, calls=calls, prefix="tp ", by_tag=layers)
+            MetaCollectives(
+                n, r, sent=sent, calls=calls, prefix="tp ", by_tag=layers, backend=backend
+            )
             if axis == "tp"
-            else MetaCollectives(n, r, sent=sent, calls=calls)
+            else MetaCollectives(n, r, sent=sent, calls=calls, backend=backend)
         ),
         control=lambda: MetaCollectives(1),
     )
