@@ -806,3 +806,29 @@ def test_plan_cli_plans_the_accumulation(tmp_path):
     res = _invoke(*_gpt_cli("--world-size", "2", "--config", str(toml), "--micro-batch", "3"))
     assert res.exit_code == 2, res.output
     assert "train_batch_size=16 is not divisible by micro_batch_size=3" in res.output
+
+
+@pytest.mark.parametrize(
+    "strategy", ["single", "replicate", "zero-1", "zero-2", "zero-3", "zero-3+offload"]
+)
+def test_folded_accumulation_predicts_what_every_micro_batch_does(strategy):
+    # [Note: folded accumulation]: 8 micro-batches a step simulated as 4, the third counted
+    # for the 5 between the second and the last; every figure as when all 8 run.
+    from dataclasses import asdict
+
+    def config(accumulation: int) -> Any:
+        base = load_config({**_config("zero-1", "gpt", {}), "batch": {"micro_batch_size": 2}})
+        batch = base.batch.model_copy(update={"gradient_accumulation_steps": accumulation})
+        return strategy_config(base.model_copy(update={"batch": batch}), strategy, 2)
+
+    n = 1 if strategy == "single" else 2
+    target = resolve("gpt", GPT_ARGS)
+    folded = simulate(target, config(8), n, 2, OPTIMIZERS["adamw"])
+    every = simulate(target, config(8), n, 2, OPTIMIZERS["adamw"], fold=False)
+    assert asdict(folded) == asdict(every)
+    if strategy in ("zero-2", "zero-3"):  # a reduction per micro-batch: 8 of one's
+        one = simulate(target, config(1), n, 2, OPTIMIZERS["adamw"])
+        assert folded.comm_calls["reduce_scatter"] == 8 * one.comm_calls["reduce_scatter"]
+        assert folded.comm_bytes["reduce_scatter"] == 8 * one.comm_bytes["reduce_scatter"]
+    if strategy == "zero-3+offload":
+        assert folded.disk_moved > every.disk_moved / 8 > 0
