@@ -24,13 +24,14 @@ an all-reduce of a copy of the whole input, then copies this rank's chunk into t
 copy (the input's size, not the output's) is allocated on the calling thread when the operation
 is issued and freed when its work object goes, after the wait: measured on this torch, three
 asynchronous reduce-scatters of 40 MB each raise a rank's RSS by 115 MB before the peer has
-issued any. ZeRO-1/2 keep each unit's reduction in flight from its launch in the backward to
-its landing, so each in-flight unit holds a second full-size gradient buffer. The meta doorway
-makes the same copy (fake, so nothing is allocated) and hands it to the operation's handle, for
-the backends that stage this way (:data:`STAGING_BACKENDS`); NCCL reduce-scatters in place. A
-real run's live-tensor count sees the copy only from the wait (torch splits it into chunks on
-the calling thread there), so where several reductions are in flight at once the plan is above
-that count by the copies the count has not seen yet, and equal to the memory the rank holds.
+issued any. ZeRO (every stage) keeps each unit's reduction in flight from its launch in the
+backward to its landing, so each in-flight unit holds a second full-size gradient buffer. The
+meta doorway makes the same copy (fake, so nothing is allocated) and hands it to the operation's
+handle, for the backends that stage this way (:data:`STAGING_BACKENDS`); NCCL reduce-scatters in
+place. A real run's live-tensor count sees the copy only from the wait (torch splits it into
+chunks on the calling thread there), so where several reductions are in flight at once the plan
+is above that count by the copies the count has not seen yet, and equal to the memory the rank
+holds (``tests/test_plan.py`` counts them from the issue on a real run).
 
 [Note: folded accumulation] Without pipeline stages, the micro-batches of one optimizer step are
 of a few kinds: the first (gradients come into being; ZeRO reduces into the empty shard in
@@ -243,6 +244,7 @@ def simulate(
     ``backend``: the data plane's, for what its collectives stage ([Note: gloo staging]).
     ``fold``: simulate a long accumulation as four micro-batches ([Note: folded
     accumulation]); False runs every one (the tests compare the two)."""
+    from longboat.config.batch import resolve_batch
     from longboat.engine import assemble, resolve_mesh
 
     sent: dict[str, int] = {}
@@ -271,7 +273,11 @@ def simulate(
         config = config.model_copy(
             update={"precision": config.precision.model_copy(update={"dtype": "bf16"})}
         )
-    accumulation = config.batch.gradient_accumulation_steps or 1
+    accumulation = (
+        resolve_batch(config.batch, mesh.dp).gradient_accumulation_steps
+        if config.batch.micro_batch_size or config.batch.train_batch_size
+        else 1
+    )
     repeats = 1  # how many micro-batches the third one stands for
     if fold and mesh.pp == 1 and accumulation > FOLDED:  # [Note: folded accumulation]
         repeats = accumulation - (FOLDED - 1)
