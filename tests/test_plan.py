@@ -283,8 +283,9 @@ class _StagedLiveBytes(LiveBytes):
         return run
 
 
-def _staged_live_peak(strategy: str, micro: int) -> int:
-    """As :func:`_live_peak` at ``micro``, with gloo's staging counted from the issue."""
+def _staged_live_peak(strategy: str, micro: int, accumulation: int = 1) -> int:
+    """As :func:`_live_peak` at ``micro`` and ``accumulation``, with gloo's staging counted
+    from the issue."""
     import longboat
 
     tracker = _StagedLiveBytes()
@@ -292,10 +293,10 @@ def _staged_live_peak(strategy: str, micro: int) -> int:
         torch.manual_seed(0)
         net = GPT(**GPT_ARGS)
         cfg = {**_config(strategy, "gpt", {}), "comm": {"desync_check": False}}
-        cfg["batch"] = {"micro_batch_size": micro}
+        cfg["batch"] = {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation}
         engine = longboat.initialize(net, OPTIMIZERS["adamw"](net.parameters()), cfg)
         gen = torch.Generator().manual_seed(1)
-        for _ in range(2):
+        for _ in range(2 * accumulation):
             x, y = synthetic_tokens(micro, GPT_ARGS["seq_len"], GPT_ARGS["vocab_size"], gen)
             engine.backward(gpt_loss(engine(x), y))
             engine.step()
@@ -303,20 +304,25 @@ def _staged_live_peak(strategy: str, micro: int) -> int:
     return tracker.max_peak
 
 
-@pytest.mark.parametrize("strategy", ["zero-1", "zero-2"])
-def test_zero_peak_counts_gloo_staging_and_equals_the_real_peak(ranks, strategy):
-    # Micro-batch 1: the peak is at the end of the backward, where every unit's reduction is
-    # in flight (buckets of 0.01 MiB: several units), each holding gloo's copy of its input.
-    cfg = load_config({**_config(strategy, "gpt", {}), "batch": {"micro_batch_size": 1}})
+@pytest.mark.parametrize(
+    ("strategy", "accumulation"), [("zero-1", 1), ("zero-2", 1), ("zero-2", 4), ("zero-3", 4)]
+)
+def test_zero_peak_counts_gloo_staging_and_equals_the_real_peak(ranks, strategy, accumulation):
+    # Micro-batch 1: the peak is in the backward, where the units' reductions are in flight
+    # (buckets of 0.01 MiB: several units), each holding gloo's copy of its input; with
+    # accumulation, ZeRO-2 and 3 reduce after every micro-batch.
+    batch = {"micro_batch_size": 1, "gradient_accumulation_steps": accumulation}
+    cfg = load_config({**_config(strategy, "gpt", {}), "batch": batch})
     target = resolve("gpt", GPT_ARGS)
     cfg = strategy_config(cfg, strategy, 1)
     gloo = simulate(target, cfg, 2, 1, OPTIMIZERS["adamw"]).peak  # the default backend
     nccl = simulate(target, cfg, 2, 1, OPTIMIZERS["adamw"], backend="nccl").peak
-    for rank, real in enumerate(ranks(2, _staged_live_peak, strategy, 1)):
+    for rank, real in enumerate(ranks(2, _staged_live_peak, strategy, 1, accumulation)):
         # The real run's token batch is one [B, T + 1] tensor, sliced: a few hundred bytes.
         assert -1024 <= real - gloo <= 1024, f"rank {rank}: plan {gloo} (nccl {nccl}), real {real}"
     assert gloo > nccl  # NCCL reduce-scatters in place: no copy
-    assert make_plan(target, cfg, 2, 1, "adamw", [strategy]).strategies[0].peak == gloo
+    plan = make_plan(target, cfg, 2, 1, "adamw", [strategy])
+    assert plan.accumulation == accumulation and plan.strategies[0].peak == gloo
 
 
 def _rs_staging(size: int) -> list[int]:
