@@ -19,9 +19,27 @@ run beside other CPU-heavy work shows as such.
 Usage::
 
     python benchmarks/tune_reference.py            # from the repository's root; minutes
+    python benchmarks/tune_reference.py --full     # every candidate that fits; 10-15 minutes
 
 Writes ``benchmarks/results/tune_reference.json`` and the chosen config beside it
 (``tune_reference.toml``, ``tune_reference.deepspeed.json`` where DeepSpeed's keys can say it).
+
+``--full`` runs ``longboat tune --top all`` (``tune_reference_full.json``): every candidate
+the planner lets through is measured side by side, and the results hold the ratio table for
+each (predicted against measured step and memory) and the verdict of
+[Note: verifying the choice] (``longboat/tune/verify.py``): whether the choice of the default
+``--top 3`` is the fastest of all that fit, within a 5% band of paired per-round ratios. The
+space is the default run's, unrestricted: since the planner counts gloo's reduce-scatter staging
+([Note: gloo staging] in ``longboat/plan/simulate.py``) it lets 18 of the 56 candidates through
+at 400 MiB (14 ZeRO-1, ZeRO-2 at micro-batch 8 with recompute at both bucket sizes, ZeRO-3 at
+micro-batches 1 and 8), and each costs about 25 s to measure (6 steps of 1.2-1.6 s side by
+side, then a memory launch of its own): about 8 minutes of measuring after 1-3 minutes of
+planning. ``--time 30m`` leaves room for a slower machine rather than cutting rounds short; to
+shorten it, ``--bucket-mb 25`` halves the ZeRO-1/2 candidates (10 of 28 fit). A smoke run of the
+path, in a minute or two::
+
+    python benchmarks/tune_reference.py --full --model tiny-gpt --seq-len 16 --steps 1 \
+        --micro-batches 4,8 --bucket-mb 25 --no-recompute --out /tmp/tune_full_smoke.json
 """
 
 from __future__ import annotations
@@ -43,11 +61,25 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="400MiB", help="memory per rank, as longboat plan counts")
-    p.add_argument("--time", default="10m", help="time for the whole search")
-    p.add_argument("--top", type=int, default=3, help="candidates measured")
+    p.add_argument("--time", default=None, help="time for the whole search (10m; --full 30m)")
+    p.add_argument("--top", default=None, help="candidates measured (3; --full: all)")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--out", type=Path, default=RESULTS / "tune_reference.json")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--full", action="store_true", help="measure every candidate that fits (--top all)"
+    )
+    p.add_argument("--bucket-mb", default="25,5", help="bucket sizes to try, MiB")
+    p.add_argument("--micro-batches", default=None, help="micro-batch sizes (default: all)")
+    p.add_argument("--no-recompute", action="store_true", help="do not try recompute")
+    p.add_argument("--model", default="reference-gpt", help="for a smoke run: tiny-gpt")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5, help="measured steps per candidate")
+    p.add_argument("--out", type=Path, default=None, help="the results JSON")
+    args = p.parse_args(argv)
+    full = args.full
+    args.time = args.time or ("30m" if full else "10m")
+    args.top = args.top or ("all" if full else "3")
+    args.out = args.out or RESULTS / ("tune_reference_full.json" if full else "tune_reference.json")
+    return args
 
 
 def ratio_table(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -64,6 +96,7 @@ def ratio_table(report: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "candidate": c["name"],
                 "status": c["status"],
+                "rank_by_cost_model": c["rank_by_cost_model"],
                 "predicted_step_s": pred["step_time"]["total_s"],
                 "measured_step_median_s": m["step_time_median_s"],
                 "measured_over_predicted_step": c["ratios"]["measured_over_predicted_step"],
@@ -89,11 +122,16 @@ def main(argv: list[str] | None = None) -> None:
     recorded = versions()
     t0 = time.time()
     flags = Flags(
-        model="reference-gpt",
+        model=args.model,
         world_size=args.world_size,
         budget=args.budget,
         time=args.time,
         top=args.top,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        bucket_mb=args.bucket_mb,
+        micro_batches=args.micro_batches,
+        recompute=not args.no_recompute,
     )
     # Relative to where it runs (the repository's root, as documented), so the results name
     # the files as the repository holds them.
@@ -101,15 +139,29 @@ def main(argv: list[str] | None = None) -> None:
     text, code, report = run(flags, toml, as_json=False)
     print(text, flush=True)
     table = ratio_table(report)
+    verification = report["verification"]
+    if verification is not None:  # --top all: each row's paired ratio to the default's choice
+        paired = {r["candidate"]: r for r in verification["rows"]}
+        for r in table:
+            v = paired.get(r["candidate"], {})
+            r["paired_ratio_to_default_choice"] = v.get("paired_ratio_to_choice")
+            r["verdict"] = v.get("verdict", "measured over the budget")
     out = {
-        "benchmark": "tune_reference",
+        "benchmark": "tune_reference_full" if args.full else "tune_reference",
         "command": (
-            f"longboat tune --model reference-gpt --world-size {args.world_size} --budget "
-            f"{args.budget} --time {args.time} --top {args.top} --out {toml.name}"
+            f"longboat tune --model {args.model} --world-size {args.world_size} --budget "
+            f"{args.budget} --time {args.time} --top {args.top} --bucket-mb {args.bucket_mb} "
+            f"--steps {args.steps}"
+            + (f" --seq-len {args.seq_len}" if args.seq_len != 128 else "")
+            + (f" --micro-batches {args.micro_batches}" if args.micro_batches else "")
+            + (" --no-recompute" if args.no_recompute else "")
+            + f" --out {toml.name}"
         ),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "exit_status": code,
         "predicted_vs_measured": table,
+        # --full: is the default --top 3's choice the fastest of all that fit?
+        "verification": verification,
         "report": report,
         "versions": recorded,
         "machine": {
@@ -133,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['fastest_over_predicted_step']:6.2f} {r['planned_peak_mib']:7.1f} "
             f"{r['measured_live_peak_mib'] or 0:7.1f}"
         )
+    if verification is not None:
+        print(f"verdict: {verification['verdict']}")
     print(f"wrote {args.out}")
 
 

@@ -38,7 +38,6 @@ LAYERS = [
         "longboat.checkpoint",
         "longboat.observe",
         "longboat.optim",
-        "longboat.onebit_adam",
         "longboat.grads",
         "longboat.schedule",
         "longboat.pipeline",

@@ -528,8 +528,8 @@ def test_digits_converges_with_compression(tmp_path, method):
 def test_onebit_adam_is_adamw_until_its_variance_freezes():
     """Against torch's AdamW on the same gradients: equal for ``freeze_step`` steps; after
     them ``exp_avg_sq`` no longer moves, while the momentum and the parameters do."""
-    from longboat.onebit_adam import OneBitAdam
     from longboat.optim import is_elementwise
+    from longboat.optim.onebit_adam import OneBitAdam
 
     torch.manual_seed(0)
     a, b = nn.Linear(6, 5), nn.Linear(6, 5)

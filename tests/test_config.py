@@ -201,8 +201,8 @@ def test_deepspeed_dialect_translates():
         ),
         ({"train_batch_size": 8, "pipeline": {"micro_batches": 4}}, ["pipeline.micro_batches"]),
         (
-            {"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": True}},
-            ["activation_checkpointing.cpu_checkpointing"],
+            {"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": "yes"}},
+            ["activation_checkpointing.cpu_checkpointing", "'yes'"],
         ),
     ],
 )

@@ -27,8 +27,6 @@ DIFFERENT: dict[str, str] = {
     "dse_bing_bert_onebitadam_nccl.json": "optimizer OneBitAdam: DeepSpeed's 1-bit Adam",
     "dse_bing_bert_onebit_micro_only.json": "optimizer OneBitAdam: DeepSpeed's 1-bit Adam",
     "ds_docs_onebit_lamb.json": "optimizer OneBitLamb: DeepSpeed's 1-bit LAMB",
-    "dse_cifar_ds_config_lamb.json": "optimizer Lamb: DeepSpeed's fused LAMB, not in torch.optim",
-    "dse_megatron_zero_offload.json": "activation_checkpointing.cpu_checkpointing: CPU copies",
 }
 # A refusal may name a key the file lacks: the batch size DeepSpeed requires.
 REQUIRED = {"train_batch_size", "train_micro_batch_size_per_gpu"}

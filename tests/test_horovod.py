@@ -1,10 +1,12 @@
 """``longboat.horovod.torch``: Adasum against the published rule on known vectors, the
-collectives at 2 ranks, and a Horovod-style script under ``longboat run -n 2`` against the same
-training under ``replicate`` ([Note: Horovod API], [Note: Adasum])."""
+collectives at 2 ranks, a Horovod-style script under ``longboat run -n 2`` against the same
+training under ``replicate`` ([Note: Horovod API], [Note: Adasum]), and ``hvd.join()`` with one
+rank 3 batches short against a plain PyTorch loop ([Note: Horovod join])."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +14,14 @@ from pathlib import Path
 import harness
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from longboat.horovod import adasum
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
+sys.path.insert(0, str(SCRIPTS))  # the pool's ranks import the join script's train() too
+import horovod_join  # noqa: E402
 
 
 def test_adasum_follows_the_published_rule_on_known_vectors():
@@ -87,6 +93,88 @@ def test_a_horovod_style_script_trains_as_replicate_does():
     for k, v in rep["params"].items():
         got, want = torch.tensor(hvd["params"][k]), torch.tensor(v)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), k
+
+
+def _join_reference(size: int, batches: int, short: int, bpps: int) -> dict:
+    """Plain PyTorch, one model: in each round (one optimizer step of the Horovod script) the
+    gradient is the sum over the ranks that still have batches of their round's gradients,
+    divided by all ``size`` ranks (Horovod's Average while ranks have joined: their zeros
+    count); the direct allreduce of each rank's round loss is divided by ``size`` too."""
+    torch.manual_seed(0)  # rank 0's initialisation, which the script broadcasts
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * size, momentum=0.9)
+    counts = [batches - 3 if r == short else batches for r in range(size)]
+    losses: list[list[float]] = [[] for _ in range(size)]
+    averaged = []
+    for k in range(math.ceil(max(counts) / bpps)):
+        opt.zero_grad()
+        total = 0.0
+        for r in range(size):
+            for i in range(k * bpps, min((k + 1) * bpps, counts[r])):
+                g = torch.Generator().manual_seed(1000 * r + i)
+                x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+                loss = F.cross_entropy(model(x), y)
+                (loss / size).backward()
+                losses[r].append(loss.item())
+                total += loss.item()
+        opt.step()
+        averaged.append(total / size)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"counts": counts, "losses": losses, "averaged": averaged, "params": params}
+
+
+def _check_join(got: list[dict], size: int, short: int, bpps: int) -> None:
+    want = _join_reference(size, 8, short, bpps)
+    assert [out["rank"] for out in got] == list(range(size))
+    for r, out in enumerate(got):
+        assert len(out["losses"]) == want["counts"][r]
+        for a, b in zip(out["losses"], want["losses"][r], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (r, out["losses"], want["losses"][r])
+        rounds = math.ceil(want["counts"][r] / bpps)
+        for a, b in zip(out["averaged"], want["averaged"][:rounds], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (r, out["averaged"], want["averaged"])
+        # the ranks with all their batches join together, after the short one: the highest
+        assert out["last"] == max(q for q in range(size) if q != short)
+        for k, v in want["params"].items():
+            t = torch.tensor(out["params"][k])
+            assert (t - v).abs().max() <= 1e-5 * v.abs().max(), (r, k)
+
+
+def _join_rank(short: int, bpps: int) -> dict:
+    return horovod_join.train(8, short, bpps)
+
+
+@pytest.mark.parametrize(("size", "short", "bpps"), [(2, 1, 2), (4, 2, 1), (4, 0, 2)])
+def test_join_with_one_rank_three_batches_short_trains_as_plain_pytorch(ranks, size, short, bpps):
+    _check_join(ranks(size, _join_rank, short, bpps), size, short, bpps)
+
+
+def test_a_horovod_style_script_with_join_under_longboat_run():
+    script = str(SCRIPTS / "horovod_join.py")
+    res = harness.longboat_run("-n", "2", script, "--short", "0", "--bpps", "1")
+    assert res.returncode == 0, res.stdout
+    lines = [ln.split("]: ", 1)[-1] for ln in res.stdout.splitlines() if '"losses"' in ln]
+    got = sorted((json.loads(ln) for ln in lines), key=lambda out: out["rank"])
+    _check_join(got, 2, 0, 1)
+
+
+def _allgather_while_joined() -> str:
+    import longboat.horovod.torch as hvd
+
+    hvd.init()
+    try:
+        if hvd.rank() == 1:
+            hvd.join()
+        else:
+            hvd.allgather(torch.zeros(2, 1))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_collective_a_joined_rank_cannot_take_part_in_fails_on_every_rank(ranks):
+    for message in ranks(2, _allgather_while_joined):
+        assert "called hvd.join()" in message and "[1]" in message, message
 
 
 def _elastic(*flags: str, crash_at: int = -1) -> dict:

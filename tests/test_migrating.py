@@ -46,6 +46,17 @@ EXPECTED = {
     'Lightning Fabric `strategy="deepspeed_stage_2"`': ("zero", 2, 1, None),
     'Lightning Fabric `strategy="deepspeed_stage_3_offload"`': ("zero", 3, 1, None),
     'Lightning Fabric `strategy="single_device"`': ("single", None, 1, None),
+    "Horovod `hvd.join()`": ("replicate", None, 1, None),
+    'DeepSpeed `"optimizer": {"type": "Lamb"}`': ("replicate", None, 1, None),
+    "DeepSpeed `activation_checkpointing.cpu_checkpointing`": ("replicate", None, 1, None),
+}
+# row -> further keys the row's config must resolve to
+FIELDS = {
+    "Horovod `hvd.join()`": {"data.remainder": "join"},
+    'DeepSpeed `"optimizer": {"type": "Lamb"}`': {"optimizer.type": "Lamb"},
+    "DeepSpeed `activation_checkpointing.cpu_checkpointing`": {
+        "activation_checkpointing.cpu_checkpointing": True
+    },
 }
 
 
@@ -75,3 +86,8 @@ def test_each_row_resolves_as_its_framework_means(row):
     assert (cfg.mesh.dp_replicate or 1) == replicas
     if mode is not None:
         assert cfg.parameter_server.mode == mode
+    for key, want in FIELDS.get(row, {}).items():
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        assert node == want, (row, key)

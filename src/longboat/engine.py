@@ -726,7 +726,7 @@ def assemble(
             "sync_batchnorm: %d batch norm layer(s) synchronised over the data-parallel ranks",
             n,
         )
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, device)
     if device.type != "cpu":
         model.to(device)
     if optimizer is None:

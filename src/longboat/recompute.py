@@ -7,6 +7,15 @@ non-reentrant), trading compute for activation memory, under every strategy and 
 The module keeps its parameters and names; only its ``forward`` is wrapped, and only while
 gradients are on (evaluation under ``no_grad`` runs it plainly). A module that holds BatchNorm
 is refused: the recomputation would update its running statistics a second time.
+
+[Note: cpu checkpointing] ``cpu_checkpointing = true`` (DeepSpeed's
+``activation_checkpointing.cpu_checkpointing``) keeps what a recomputed module holds between its
+forward and its backward, its inputs, in CPU memory: the checkpoint runs under
+``torch.autograd.graph.save_on_cpu``, whose hooks see exactly the tensors the checkpoint saves
+for its recomputation (the ops inside save nothing, being recomputed), so the inputs are copied
+to CPU (pinned on CUDA) after the forward and back to the device when the backward recomputes
+the module. The values are the same, only where they wait changes. On a CPU device they are in
+CPU memory already: the key is accepted with one log line saying it has no effect.
 """
 
 from __future__ import annotations
@@ -17,14 +26,32 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from longboat.config import ActivationCheckpointingConfig, ConfigError
 
+log = logging.getLogger("longboat")
 
-def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointingConfig) -> int:
+
+def apply_activation_checkpointing(
+    model: nn.Module, cfg: ActivationCheckpointingConfig, device: torch.device | None = None
+) -> int:
     """Wrap the forward of the modules ``cfg`` names; returns how many. Call it before a
-    strategy installs its hooks (``initialize`` does)."""
+    strategy installs its hooks (``initialize`` does); ``device``: where the model runs
+    (default CPU), for ``cfg.cpu_checkpointing`` ([Note: cpu checkpointing])."""
+    device = device or torch.device("cpu")
+    offload = cfg.cpu_checkpointing and bool(cfg.classes) and device.type != "cpu"
+    if cfg.cpu_checkpointing and not cfg.classes:
+        log.info(
+            "activation_checkpointing.cpu_checkpointing has no effect: no module is recomputed "
+            "(name them with activation_checkpointing.classes)"
+        )
+    elif cfg.cpu_checkpointing and not offload:
+        log.info(
+            "activation_checkpointing.cpu_checkpointing has no effect on a CPU device: the "
+            "recomputed modules' inputs are in CPU memory already"
+        )
     if not cfg.classes:
         return 0
     wanted = set(cfg.classes)
@@ -45,23 +72,27 @@ def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointin
                 f"({type(m).__name__}) holds BatchNorm, whose running statistics the "
                 "recomputation would update twice; choose modules without it"
             )
-        _wrap(m)
+        _wrap(m, offload, pin=device.type == "cuda")
         chosen.append((name, m))
-    logging.getLogger("longboat").info(
-        "activation checkpointing: %d module(s) of %s recomputed in backward",
+    log.info(
+        "activation checkpointing: %d module(s) of %s recomputed in backward%s",
         len(chosen),
         ", ".join(sorted(wanted)),
+        ", their inputs kept in CPU memory" if offload else "",
     )
     return len(chosen)
 
 
-def _wrap(module: nn.Module) -> None:
+def _wrap(module: nn.Module, offload: bool, pin: bool) -> None:
     forward = module.forward
 
     @functools.wraps(forward)
     def recomputed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        if offload:  # [Note: cpu checkpointing]
+            with save_on_cpu(pin_memory=pin):
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     module.forward = recomputed  # type: ignore[method-assign]

@@ -19,7 +19,11 @@ def plan(
         "--model-args",
         help="JSON keyword arguments for the model, e.g. '{\"d_model\": 1024}'",
     ),
-    micro_batch: int = options.MICRO_BATCH,
+    micro_batch: int | None = typer.Option(
+        None,
+        "--micro-batch",
+        help="samples per rank per forward (default: the config's batch.micro_batch_size, else 8)",
+    ),
     seq_len: int | None = typer.Option(
         None, "--seq-len", help="tokens per sample for GPT models (default: the model's)"
     ),
@@ -47,7 +51,8 @@ def plan(
     micro_batches: int | None = typer.Option(
         None,
         "--micro-batches",
-        help="micro-batches per step with --pp (default: the config's accumulation steps)",
+        help="micro-batches per optimizer step: gradient accumulation, or with --pp the "
+        "schedule's (default: from the config's batch triple at this world size, else 1)",
     ),
     schedule: str | None = typer.Option(
         None, "--schedule", help="gpipe, 1f1b or interleaved (default: the config's, else 1f1b)"

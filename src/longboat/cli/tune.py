@@ -30,7 +30,12 @@ def tune(
         None, "--global-batch", help="samples per optimizer step (default: 8 per rank)"
     ),
     time: str = typer.Option("10m", "--time", help="time for the whole search, e.g. 10m, 90s"),
-    top: int = typer.Option(3, "--top", help="how many of the best-predicted to measure"),
+    top: str = typer.Option(
+        "3",
+        "--top",
+        help="how many of the best-predicted to measure, or all: every candidate that fits, "
+        "and whether the choice of the default --top 3 is the fastest of them",
+    ),
     out: Path = typer.Option(
         Path("tuned.toml"),
         "--out",
@@ -63,6 +68,12 @@ def tune(
     offload_dir: Path | None = typer.Option(
         None, "--offload-dir", help="also try ZeRO-3 with its state on disk in this directory"
     ),
+    noise_band: float = typer.Option(
+        0.05,
+        "--noise-band",
+        help="with --top all: how much faster in paired rounds (a fraction) a candidate must be "
+        "to count as faster than the default's choice",
+    ),
 ) -> None:
     """Find the fastest configuration whose planned memory fits the budget, and write it."""
     from longboat.bench.runner import BenchError
@@ -83,6 +94,7 @@ def tune(
         recompute=recompute,
         comm_dtypes=comm_dtypes,
         offload_dir=offload_dir,
+        noise_band=noise_band,
     )
     try:
         text, code, _ = run(flags, out, as_json)

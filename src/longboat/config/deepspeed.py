@@ -17,6 +17,7 @@ from typing import Any
 from longboat.config import deepspeed_keys as keys
 from longboat.config.deepspeed_auto import resolve_auto
 from longboat.config.errors import ConfigError
+from longboat.config.sections import OWN_OPTIMIZERS
 
 log = logging.getLogger("longboat")
 
@@ -59,9 +60,16 @@ _SUPPORTED = frozenset(
     }
 )
 
-# DeepSpeed's optimizer names -> torch.optim class names. DeepSpeed's "Adam" is AdamW unless
+# DeepSpeed's optimizer names -> torch.optim class names, or longboat's own (its FusedLamb is
+# longboat.optim.Lamb, with the same parameters). DeepSpeed's "Adam" is AdamW unless
 # adam_w_mode is false (its FusedAdam defaults to decoupled weight decay).
-_OPTIMIZERS = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
+_OPTIMIZERS = {
+    "adam": "AdamW",
+    "adamw": "AdamW",
+    "sgd": "SGD",
+    "adagrad": "Adagrad",
+    "lamb": "Lamb",
+}
 
 
 def looks_like_deepspeed(data: Mapping[str, Any]) -> bool:
@@ -163,17 +171,20 @@ def _check_type(ds_key: str, given: str, typ: str, where: str) -> None:
     import torch
 
     if ds_key == "optimizer":
-        cls = getattr(torch.optim, typ, None)
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
-            return
-        what = "a torch.optim optimizer (DeepSpeed's own fused and 1-bit ones are not offered)"
-        if typ == "OneBitAdam":  # not translated: what travels compressed differs
-            what = (
-                "a torch.optim optimizer. DeepSpeed's 1-bit Adam all-reduces the momentum in 1 "
-                "bit; longboat's nearest, [compression] method = 'onebit' with [optimizer] type "
-                "= 'OneBitAdam', compresses the gradient instead (docs/compression.md) and is "
-                "written in a longboat config"
+        if typ == "OneBitAdam":  # not translated: what travels in 1 bit differs
+            raise ConfigError(
+                f"DeepSpeed key 'optimizer.type' = {given!r} in {where}: DeepSpeed's 1-bit Adam "
+                "all-reduces the momentum in 1 bit, which longboat does not offer. Its nearest, "
+                "[compression] method = 'onebit' with [optimizer] type = 'OneBitAdam', "
+                "compresses the gradient instead (docs/compression.md): write those in a "
+                "longboat config, or leave the 'optimizer' block out"
             )
+        cls = getattr(torch.optim, typ, None)
+        if typ in OWN_OPTIMIZERS or (
+            isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+        ):
+            return
+        what = "a torch.optim optimizer or Lamb (DeepSpeed's 1-bit optimizers are not offered)"
     else:
         cls = getattr(torch.optim.lr_scheduler, typ, None)
         if typ in ("WarmupLR", "WarmupDecayLR") or isinstance(cls, type):
@@ -310,7 +321,7 @@ def translate(
     if "pipeline" in data:
         _pipeline(data["pipeline"], put)
     if "activation_checkpointing" in data:
-        _activation_checkpointing(data["activation_checkpointing"])
+        _activation_checkpointing(data["activation_checkpointing"], put)
 
     if "zero_optimization" in data:
         z = data["zero_optimization"]
@@ -460,7 +471,8 @@ def _pipeline(block: Any, put: Any) -> None:
 # DeepSpeed's ``activation_checkpointing`` block tunes how deepspeed.checkpointing stores the
 # checkpoints a model asks for in its own code; which modules are recomputed is longboat's
 # ``[activation_checkpointing]``. Buffer layout, synchronisation and timing do not change what is
-# computed; partitioning over tensor-parallel ranks and CPU copies are not offered.
+# computed; cpu_checkpointing keeps the checkpoints in CPU memory here too ([Note: cpu
+# checkpointing] in recompute.py); partitioning over tensor-parallel ranks has nothing to split.
 _AC_KEYS = {
     "partition_activations",
     "contiguous_memory_optimization",
@@ -471,7 +483,7 @@ _AC_KEYS = {
 }
 
 
-def _activation_checkpointing(block: Any) -> None:
+def _activation_checkpointing(block: Any, put: Any) -> None:
     b = _block(block, "activation_checkpointing", _AC_KEYS)
     if b.get("partition_activations", False):
         # It splits each checkpoint over the model-parallel ranks, which a DeepSpeed config
@@ -480,10 +492,15 @@ def _activation_checkpointing(block: Any) -> None:
             "DeepSpeed key 'activation_checkpointing.partition_activations' has no effect here: "
             "there are no tensor-parallel ranks to split checkpoints over"
         )
-    for key, why in (("cpu_checkpointing", "it copies checkpoints to CPU memory"),):
-        if b.get(key, False):
-            raise ConfigError(
-                f"DeepSpeed key 'activation_checkpointing.{key}' = true is not supported ({why}); "
-                "set it to false or remove it, and choose recomputed modules with "
-                "[activation_checkpointing] classes = [...]"
-            )
+    cpu = b.get("cpu_checkpointing", False)
+    if not isinstance(cpu, bool):
+        raise ConfigError(
+            f"DeepSpeed key 'activation_checkpointing.cpu_checkpointing' = {cpu!r} must be true "
+            "or false"
+        )
+    if cpu:
+        put(
+            "activation_checkpointing.cpu_checkpointing",
+            True,
+            "activation_checkpointing.cpu_checkpointing",
+        )

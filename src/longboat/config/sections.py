@@ -22,8 +22,13 @@ class BatchConfig(_Section):
     gradient_accumulation_steps: int | None = Field(None, gt=0, description="micro-batches/step")
 
 
+#: Optimizers longboat provides itself (``longboat.optim``), by the name a config gives them.
+OWN_OPTIMIZERS = ("Lamb", "OneBitAdam")
+
+
 class OptimizerConfig(_Section):
-    """An optimizer for the engine to build when the user passes none (``torch.optim`` name)."""
+    """An optimizer for the engine to build when the user passes none (a ``torch.optim`` name,
+    or one of ``OWN_OPTIMIZERS``)."""
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
@@ -441,6 +446,12 @@ class ActivationCheckpointingConfig(_Section):
         default_factory=list, description="module class names to recompute, e.g. ['Block']"
     )
     every: int = Field(1, ge=1, description="recompute every k-th matching module (1: all)")
+    cpu_checkpointing: bool = Field(
+        False,
+        description="keep the recomputed modules' inputs in CPU memory between forward and "
+        "backward on an accelerator (torch.autograd.graph.save_on_cpu; DeepSpeed's key); "
+        "no effect on a CPU device",
+    )
 
 
 class Config(_Section):

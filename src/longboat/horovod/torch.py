@@ -5,14 +5,16 @@
 group (gloo on CPU, NCCL on GPU), joined by :func:`init` from the launcher's environment as
 ``longboat.initialize`` joins it; the job's shape is read from that group and the environment
 each time, so this module keeps no state of its own. ``DistributedOptimizer`` averages (or sums,
-or Adasum-combines) each parameter's gradient across ranks in ``step()``: all reductions launched
-at once in the optimizer's parameter order, then waited for. Horovod launches each from a hook
+or Adasum-combines) each parameter's gradient across ranks in ``step()``: the gradients, in the
+optimizer's parameter order, flattened into one buffer per dtype (as Horovod's fusion buffer
+packs them) and reduced at once. Horovod launches each from a hook
 during the backward and agrees on the order between ranks at run time; launched from hooks here,
 a parameter that one rank's backward did not reach would put the ranks' collectives out of order,
 so this first version gives up that overlap for an order every rank shares. ``hvd.elastic``
 resumes from the last commit on longboat's restarts ([Note: elastic on restarts] in
-elastic.py). Not here: ``join`` (uneven inputs are longboat's own question), process sets, the
-C++ timeline.
+elastic.py). ``hvd.join()`` lets ranks with fewer batches stop early ([Note: Horovod join] in
+joining.py): each round of collectives here starts with a small vote for it. Not here: process
+sets, the C++ timeline.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longboat.horovod import adasum, elastic  # noqa: F401 (hvd.elastic, as in Horovod)
+from longboat.horovod import (
+    adasum,
+    elastic,  # noqa: F401 (hvd.elastic, as in Horovod)
+    joining,
+)
 from longboat.world import World, destroy_process_group, init_process_group
 
 # Reduction ops, as Horovod names them.
@@ -135,6 +141,39 @@ def _op(average: bool | None, op: str | None) -> str:
     return op
 
 
+def _device(tensor: torch.Tensor | None = None) -> torch.device:
+    if tensor is not None:
+        return tensor.device
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _announce(kind: int, tensors: list[torch.Tensor], what: str) -> None:
+    """This rank's vote before a round of collectives ([Note: Horovod join])."""
+    if size() > 1:
+        joining.announce(
+            kind, joining.numels_of(tensors), _device(tensors[0] if tensors else None), what
+        )
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data: take part in the other ranks' allreduces (direct ones and
+    ``DistributedOptimizer``'s) with zeros until every rank has called ``join``, then return
+    the rank that joined last, the same on every rank ([Note: Horovod join] in joining.py).
+
+    While a rank has joined, ``op=Average`` still divides by ``hvd.size()``, all ranks, as
+    Horovod does: the result is the sum over the ranks still active, divided by the number of
+    all ranks. Other collectives (allgather, broadcast, alltoall, barrier, Adasum) raise on
+    every rank while a rank has joined. ``device``: the CUDA device index for the zeros, or -1
+    (the default) for CPU, as in Horovod.
+    """
+    if size() == 1:
+        return rank()
+    where = torch.device("cpu") if device < 0 else torch.device("cuda", device)
+    return joining.join(where)
+
+
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -147,8 +186,10 @@ def allreduce_async_(
     """Start reducing ``tensor`` in place across ranks."""
     op = _op(average, op)
     if op == Adasum:
+        _announce(joining.ADASUM, [tensor], "allreduce(op=Adasum)")
         return _Handle(None, lambda: tensor.copy_(_adasum(tensor)))
     wire, dtype = compression.compress(tensor * prescale_factor if prescale_factor != 1 else tensor)
+    _announce(joining.ALLREDUCE, [wire], "allreduce")
     work = dist.all_reduce(wire, async_op=True) if size() > 1 else None
 
     def finish() -> torch.Tensor:
@@ -194,6 +235,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dim 0 in rank order (first dims may differ)."""
     if size() == 1:
         return tensor.clone()
+    _announce(joining.OTHER, [], "allgather")
     rows = torch.tensor([tensor.shape[0] if tensor.dim() else 1], dtype=torch.int64)
     counts = [torch.empty_like(rows) for _ in range(size())]
     dist.all_gather(counts, rows)
@@ -207,6 +249,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     if size() > 1:
+        _announce(joining.OTHER, [], "broadcast")
         dist.broadcast(tensor, src=root_rank)
     return tensor
 
@@ -219,6 +262,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     box = [obj]
     if size() > 1:
+        _announce(joining.OTHER, [], "broadcast_object")
         dist.broadcast_object_list(box, src=root_rank)
     return box[0]
 
@@ -232,6 +276,7 @@ def alltoall(tensor: torch.Tensor, splits: torch.Tensor | None = None) -> torch.
         raise ValueError(f"alltoall: splits {send} do not add up to {tensor.shape[0]} rows")
     if k == 1:
         return tensor.clone()
+    _announce(joining.OTHER, [], "alltoall")
     recv_counts = torch.empty(k, dtype=torch.int64)
     dist.all_to_all_single(recv_counts, torch.tensor(send, dtype=torch.int64))
     recv = [int(c) for c in recv_counts]
@@ -242,6 +287,7 @@ def alltoall(tensor: torch.Tensor, splits: torch.Tensor | None = None) -> torch.
 
 def barrier() -> None:
     if size() > 1:
+        _announce(joining.OTHER, [], "barrier")
         dist.barrier()
 
 
@@ -295,47 +341,44 @@ class _DistributedOptimizer:
         self.predivide = gradient_predivide_factor
         if op == Adasum and gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor needs op=hvd.Average or hvd.Sum")
-        self._handles: dict[int, tuple[torch.nn.Parameter, _Handle]] = {}
 
-    def _launch(self, p: torch.nn.Parameter) -> _Handle:
-        assert p.grad is not None
+    def synchronize(self) -> None:
+        """Reduce every gradient in the optimizer's parameter order (a parameter this rank did
+        not use contributes zeros). Average and Sum reduce the gradients flattened into one
+        buffer per dtype, the buffers a joined rank contributes zeros to ([Note: Horovod
+        join]); Adasum reduces each gradient by itself."""
+        grads = []
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                if p.requires_grad:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    grads.append(p.grad)
         if self.op == Adasum:
-            return allreduce_async_(p.grad, op=Adasum)
+            for grad in grads:
+                allreduce_(grad, op=Adasum)
+            return
         # Horovod's predivide: 1/f before the sum, f/size after (Average), so the average is
         # the same; with Sum, f is not applied.
         pre = 1.0 / self.predivide if self.op == Average else 1.0
-        post = self.predivide if self.op == Average else 1.0
-        return allreduce_async_(
-            p.grad,
-            op=self.op,
-            prescale_factor=pre,
-            postscale_factor=post,
-            compression=self.compression,
-        )
-
-    def synchronize(self) -> None:
-        """Reduce every gradient: all launched in the optimizer's parameter order (a parameter
-        this rank did not use contributes zeros), then waited for."""
-        for g in self.optimizer.param_groups:
-            for p in g["params"]:
-                if p.requires_grad and id(p) not in self._handles:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    self._handles[id(p)] = (p, self._launch(p))
-        for _, h in self._handles.values():
-            h.wait()
-        self._handles.clear()
+        post = self.predivide / size() if self.op == Average else 1.0
+        # Without prescaling or compression the wire is the gradient itself, reduced in place.
+        wires = [self.compression.compress(g * pre if pre != 1 else g) for g in grads]
+        _announce(joining.ALLREDUCE, [w for w, _ in wires], "allreduce")
+        if size() > 1:
+            joining.flat_allreduce([w for w, _ in wires])
+        for grad, (wire, dtype) in zip(grads, wires, strict=True):
+            out = self.compression.decompress(wire, dtype)
+            if post != 1:
+                grad.copy_(out * post)
+            elif out is not grad:
+                grad.copy_(out)
 
     def step(self, closure: Any = None) -> Any:
         self.synchronize()
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
-            raise RuntimeError(
-                "zero_grad() with gradient reductions in flight: call step() (or "
-                "synchronize()) first"
-            )
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, state_dict, ...
@@ -387,6 +430,7 @@ __all__ = [
     "gloo_built",
     "init",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "mpi_built",

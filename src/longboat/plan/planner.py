@@ -67,21 +67,19 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 
 def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
     """``base`` (its bucket sizes, units, precision, mesh and pipeline...) with ``strategy``
-    and the micro-batch. One micro-batch per step, or with pipeline stages the config's
-    ``batch.gradient_accumulation_steps`` (the schedule's micro-batches); ``single`` is one
-    process with the whole model, for comparison."""
+    and the micro-batch. Each step runs the config's ``batch.gradient_accumulation_steps``
+    micro-batches (1 when unset; with pipeline stages, the schedule's micro-batches);
+    ``single`` is one process with the whole model, for comparison, at the same micro-batch
+    and accumulation."""
     if strategy not in KNOWN:
         raise PlanInputError(
             f"--strategies: unknown strategy {strategy!r}; choose from {', '.join(KNOWN)}"
         )
-    staged = base.mesh.pp > 1 and strategy != "single"
     batch = base.batch.model_copy(
         update={
             "micro_batch_size": micro_batch,
             "train_batch_size": None,
-            "gradient_accumulation_steps": (
-                (base.batch.gradient_accumulation_steps or 1) if staged else 1
-            ),
+            "gradient_accumulation_steps": base.batch.gradient_accumulation_steps or 1,
         }
     )
     update: dict[str, Any] = {
@@ -149,6 +147,7 @@ class Plan:
     recommended: str | None
     reason: str
     pipeline: dict[str, Any] | None = None  # pp, schedule, micro-batches, idle fraction
+    accumulation: int = 1  # micro-batches per optimizer step (with pp: the schedule's)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -317,6 +316,7 @@ def make_plan(
         recommended=recommended,
         reason=reason,
         pipeline=_pipeline_facts(base, world_size),
+        accumulation=base.batch.gradient_accumulation_steps or 1,
     )
 
 

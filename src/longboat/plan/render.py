@@ -72,11 +72,17 @@ def _pipeline_line(plan: Plan) -> str:
     )
 
 
+def _per_step(plan: Plan) -> str:
+    if plan.accumulation == 1 or plan.pipeline:  # a pipeline's line says its micro-batches
+        return ""
+    return f" x {plan.accumulation} per step (accumulation)"
+
+
 def render(plan: Plan, width: int = 120) -> str:
     """The plan as text: one row per strategy, then the recommendation."""
     title = (
         f"{plan.model}: {plan.trainable_params:,} trainable parameters, micro-batch "
-        f"{plan.micro_batch}, {plan.world_size} rank(s), {plan.precision}, "
+        f"{plan.micro_batch}{_per_step(plan)}, {plan.world_size} rank(s), {plan.precision}, "
         f"{plan.optimizer}; MiB per rank"
     )
     table = Table(title=title, title_justify="left")

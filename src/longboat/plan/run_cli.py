@@ -12,11 +12,32 @@ from longboat.plan.render import parse_bytes, render
 from longboat.plan.target import PlanInputError, resolve
 from longboat.strategies import zero_stage
 
+DEFAULT_MICRO_BATCH = 8  # as longboat bench's
+
+
+def accumulation_of(base: lb_config.Config, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per optimizer step from ``base``'s batch triple at ``micro_batch`` on the
+    data-parallel ranks of ``world_size`` (``train_batch_size / (micro x dp)``, or its
+    ``gradient_accumulation_steps``; 1 when it sets neither). A triple that does not hold
+    raises the config's own :class:`~longboat.config.ConfigError`, naming the keys."""
+    from longboat.config.batch import resolve_batch
+    from longboat.engine import resolve_mesh
+
+    batch = base.batch
+    if batch.train_batch_size is None:
+        return batch.gradient_accumulation_steps or 1
+    if batch.micro_batch_size is not None and batch.gradient_accumulation_steps is not None:
+        # All three given: the micro-batch may be --micro-batch's, so the accumulation is
+        # derived again from the global batch.
+        batch = batch.model_copy(update={"gradient_accumulation_steps": None})
+    batch = batch.model_copy(update={"micro_batch_size": micro_batch})
+    return resolve_batch(batch, resolve_mesh(base, world_size).dp).gradient_accumulation_steps
+
 
 def run_plan(
     model: str,
     model_args: str | None,
-    micro_batch: int,
+    micro_batch: int | None,
     seq_len: int | None,
     world_size: int,
     precision: str | None,
@@ -37,6 +58,10 @@ def run_plan(
 
     Exit status 1 when a budget was given and no strategy fits it (a verdict, not a usage
     error); 0 otherwise.
+
+    ``micro_batch`` None: the config's ``batch.micro_batch_size``, else 8. ``micro_batches``
+    (micro-batches per optimizer step) None: what the config's batch triple gives at the
+    world size's data-parallel ranks (:func:`accumulation_of`), else 1.
     """
     kwargs: dict[str, Any] = {}
     if model_args:
@@ -72,6 +97,20 @@ def run_plan(
             if value is not None:
                 data.setdefault(section, {})[key] = value
         base = lb_config.load_config(data)
+    if micro_batch is None:
+        micro_batch = base.batch.micro_batch_size or DEFAULT_MICRO_BATCH
+    if micro_batches is None:
+        base = base.model_copy(
+            update={
+                "batch": base.batch.model_copy(
+                    update={
+                        "gradient_accumulation_steps": accumulation_of(
+                            base, micro_batch, world_size
+                        )
+                    }
+                )
+            }
+        )
     # "zero2" as `longboat bench` spells it is accepted too.
     names = (
         tuple(

@@ -95,7 +95,12 @@ from longboat.observe.memory import (
     optimizer_state_bytes_per_param,
     optimizer_state_tensors,
 )
-from longboat.optim import describe_elementwise, has_step_hooks, is_elementwise
+from longboat.optim import (
+    describe_elementwise,
+    has_step_hooks,
+    is_elementwise,
+    why_not_elementwise,
+)
 from longboat.strategies import zero_state
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.buffers import BufferSync
@@ -161,8 +166,8 @@ class Zero:
             raise ConfigError(
                 f"strategy 'zero' steps the optimizer on pieces of flat shards, which is exact "
                 f"only for element-wise optimizers: {describe_elementwise()}; "
-                f"{type(optimizer).__name__} is not one of them (it may couple elements of a "
-                "tensor). Use strategy 'replicate', or one of those optimizers"
+                f"{type(optimizer).__name__} is not one of them ({why_not_elementwise(optimizer)})."
+                " Use strategy 'replicate', or one of those optimizers"
             )
         if optimizer.state:
             raise ConfigError(

@@ -3,8 +3,9 @@ planner and confirmed by measurement (see ``docs/tune.md``).
 
 :mod:`.space` builds the candidates (real longboat configs), :mod:`.machine` measures this
 machine's rates, :mod:`.cost` predicts a step's time, :mod:`.search` plans, prunes, ranks and
-measures, :mod:`.output` writes the chosen config (TOML and DeepSpeed JSON), :mod:`.report` the
-table and JSON, :mod:`.command` checks the flags and runs it with progress.
+measures, :mod:`.verify` checks the default's choice when every candidate that fits was measured
+(``--top all``), :mod:`.output` writes the chosen config (TOML and DeepSpeed JSON),
+:mod:`.report` the table and JSON, :mod:`.command` checks the flags and runs it with progress.
 """
 
 from longboat.tune.cost import Planned, Prediction, Rates, Work, predict

@@ -14,6 +14,7 @@ from rich.console import Console
 from longboat.observe.progress import task_progress
 from longboat.tune.search import TuneResult, TuneSettings, search
 from longboat.tune.space import COMM_DTYPES
+from longboat.tune.verify import NOISE_BAND
 
 
 class TuneUsageError(ValueError):
@@ -53,7 +54,7 @@ class Flags:
     budget: str | None = None
     global_batch: int | None = None
     time: str = "10m"
-    top: int = 3
+    top: str = "3"  # a number, or "all": every candidate that fits
     seq_len: int = 128
     warmup: int = 1
     steps: int = 5
@@ -62,6 +63,20 @@ class Flags:
     recompute: bool = True
     comm_dtypes: str = "fp32"
     offload_dir: Path | None = None
+    noise_band: float = NOISE_BAND
+
+
+def parse_top(text: str) -> int | None:
+    """``--top``: a positive number, or ``all`` (None: every candidate that fits)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        top = int(text)
+    except ValueError:
+        top = 0
+    if top < 1:
+        raise TuneUsageError(f"--top {text} is invalid: use 1 or more, or all")
+    return top
 
 
 def settings_from_flags(f: Flags) -> TuneSettings:
@@ -72,7 +87,6 @@ def settings_from_flags(f: Flags) -> TuneSettings:
 
     for flag, v in (
         ("--world-size", f.world_size),
-        ("--top", f.top),
         ("--steps", f.steps),
         ("--warmup", f.warmup),
         ("--seq-len", f.seq_len),
@@ -103,13 +117,17 @@ def settings_from_flags(f: Flags) -> TuneSettings:
         raise TuneUsageError(
             f"--comm-dtypes has unknown value {bad[0]!r}: choose from {','.join(COMM_DTYPES)}"
         )
+    if not 0 <= f.noise_band < 1:
+        raise TuneUsageError(
+            f"--noise-band {f.noise_band} is invalid: give a fraction from 0 to below 1, e.g. 0.05"
+        )
     return TuneSettings(
         model=f.model,
         world_size=f.world_size,
         global_batch=batch,
         budget=budget,
         time_s=parse_duration(f.time),
-        top=f.top,
+        top=parse_top(f.top),
         seq_len=f.seq_len,
         warmup=f.warmup,
         steps=f.steps,
@@ -118,6 +136,7 @@ def settings_from_flags(f: Flags) -> TuneSettings:
         recompute=f.recompute,
         comm_dtypes=comm,
         offload_dir=None if f.offload_dir is None else str(f.offload_dir),
+        noise_band=f.noise_band,
     )
 
 

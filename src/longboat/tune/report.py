@@ -83,6 +83,8 @@ def to_json(result: TuneResult, outputs: dict[str, Any] | None = None) -> dict[s
         "reason": result.reason,
         "launched": result.launched,
         "phases_s": result.phases_s,
+        # --top all: [Note: verifying the choice] in verify.py
+        "verification": None if result.verification is None else result.verification.to_json(),
         "candidates": [outcome_json(o, result.winner) for o in _sorted(result)],
         "bench": {k: bench[k] for k in ("settings", "round_order", "wall_time_s") if k in bench},
         "outputs": outputs or {},
@@ -161,6 +163,16 @@ def render(result: TuneResult, outputs: dict[str, Any] | None = None, width: int
         lines.append(f"chosen: {result.winner} ({result.reason})")
     else:
         lines.append(f"chosen: none ({result.reason})")
+    v = result.verification
+    if v is not None:
+        lines.append(f"verified (--top all): {v.verdict}")
+        for row in v.rows:
+            lines.append(
+                f"  {row['candidate']:<28} median {row['step_time_median_s']:.3f} s, paired "
+                f"{row['paired_ratio_to_choice']:.3f} x the choice: {row['verdict']}"
+            )
+        for line in v.left_out:
+            lines.append(f"  left out: {_first_line(line, 100)}")
     for what, path in (outputs or {}).items():
         lines.append(f"{what}: {path}")
     return "\n".join(lines)

@@ -15,7 +15,10 @@ measure the best few side by side, and choose the fastest measured one that fits
    live-tensor peak the planner predicts and peak RSS). The bench's deadline is the end of the
    time budget: no round and no memory launch starts after it;
 6. the winner: the measured candidate with the lowest median step whose measured live-tensor
-   peak is within the budget (every one of them was predicted to fit).
+   peak is within the budget (every one of them was predicted to fit);
+7. with ``--top all`` (``top=None``), every fitting candidate was measured (as the time allowed),
+   and ``verify.py`` checks what the default ``--top`` would have chosen against all of them
+   ([Note: verifying the choice]).
 
 The planner, the work counter, the rates and the runner can be injected, which the tests use to
 count launches and to rank synthetic candidates.
@@ -24,9 +27,8 @@ count launches and to rank synthetic candidates.
 from __future__ import annotations
 
 import shutil
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,6 +40,7 @@ from longboat.plan.target import PlanInputError
 from longboat.tune.cost import Planned, Prediction, Rates, Work, count_work, predict
 from longboat.tune.space import DEFAULT_BUCKETS_MB, Candidate, Invalid, build_space
 from longboat.tune.target import plan_target
+from longboat.tune.verify import DEFAULT_TOP, NOISE_BAND, Verification, paired_ratio, verify
 
 #: measured; dropped (over the budget: never launched); not measured (below the --top, or not
 #: in the --time left); invalid (refused by the config or by a strategy at setup)
@@ -58,7 +61,7 @@ class TuneSettings:
     global_batch: int | None = None  # default: 8 per rank, as longboat bench's default
     budget: int | None = None  # bytes per rank, as the planner counts them (live tensors)
     time_s: float = 600.0
-    top: int = 3
+    top: int | None = DEFAULT_TOP  # None: every candidate that fits (``--top all``)
     seq_len: int = 128
     warmup: int = 1
     steps: int = 5
@@ -67,6 +70,8 @@ class TuneSettings:
     recompute: bool = True  # search activation checkpointing of the model's block classes
     comm_dtypes: tuple[str, ...] = ("fp32",)
     offload_dir: str | None = None  # adds ZeRO-3 with its state on disk, there
+    #: with ``top=None``: the paired-ratio margin of [Note: verifying the choice]
+    noise_band: float = NOISE_BAND
 
     @property
     def batch(self) -> int:
@@ -101,6 +106,9 @@ class TuneResult:
     launched: list[str]  # the candidates handed to the bench, in rank order
     phases_s: dict[str, float]
     bench: dict[str, Any] | None = None  # the bench's raw result (settings, rows, order)
+    #: with ``--top all``: whether the default's choice is the fastest ([Note: verifying the
+    #: choice]); None otherwise
+    verification: Verification | None = None
 
     def outcome(self, name: str) -> Outcome:
         return next(o for o in self.outcomes if o.name == name)
@@ -199,12 +207,6 @@ def _measured(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
-    """The median over rounds of ``a``'s step over ``b``'s in the same round: each round's
-    steps were moments apart, so this cancels what the machine was doing at the time."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
-
-
 def search(
     settings: TuneSettings,
     *,
@@ -282,7 +284,7 @@ def search(
     for i, o in enumerate(fitting):
         o.rank = i
         assert o.prediction is not None
-        if len(chosen) >= settings.top:
+        if settings.top is not None and len(chosen) >= settings.top:
             o.reason = f"ranked {i + 1} by the cost model; --top {settings.top}"
             continue
         cost = measuring_cost_s(o.prediction.total_s, settings.warmup, settings.steps)
@@ -334,7 +336,7 @@ def search(
             o.measured = _measured(row)
     lap("measure", t)
 
-    winner, reason = _choose(outcomes, settings.budget)
+    winner, reason, eligible = _choose(outcomes, settings.budget)
     if winner is not None:
         w = next(o for o in outcomes if o.name == winner)
         assert w.measured is not None
@@ -343,6 +345,11 @@ def search(
                 o.measured["vs_winner_paired"] = paired_ratio(
                     o.measured["step_times_s"], w.measured["step_times_s"]
                 )
+    verification = None
+    if settings.top is None and fitting:  # --top all: [Note: verifying the choice]
+        verification = verify(
+            fitting, eligible, DEFAULT_TOP, settings.noise_band, {o.name: o.reason for o in fitting}
+        )
     phases["total"] = time.perf_counter() - t0
     return TuneResult(
         settings=settings,
@@ -354,6 +361,7 @@ def search(
         launched=launched,
         phases_s=phases,
         bench=bench,
+        verification=verification,
     )
 
 
@@ -376,9 +384,10 @@ def _for_measuring(c: Candidate) -> dict[str, Any]:
     return data
 
 
-def _choose(outcomes: list[Outcome], budget: int | None) -> tuple[str | None, str]:
+def _choose(outcomes: list[Outcome], budget: int | None) -> tuple[str | None, str, set[str]]:
     """The fastest measured candidate whose measured live-tensor peak is within the budget;
-    a measured candidate over it (the plan was wrong) is marked and passed over."""
+    a measured candidate over it (the plan was wrong) is marked and passed over. Also the
+    names of the measured candidates that may be chosen."""
     eligible = []
     for o in outcomes:
         if o.measured is None:
@@ -390,11 +399,13 @@ def _choose(outcomes: list[Outcome], budget: int | None) -> tuple[str | None, st
         eligible.append(o)
     if eligible:
         best = min(eligible, key=lambda o: o.measured["step_time_median_s"])  # type: ignore[index]
-        return best.name, (
-            f"the lowest measured median step of {len(eligible)} measured candidate(s) that fit"
+        return (
+            best.name,
+            f"the lowest measured median step of {len(eligible)} measured candidate(s) that fit",
+            {o.name for o in eligible},
         )
     if any(o.prediction is not None for o in outcomes):
-        return None, "no candidate was measured in the --time given"
+        return None, "no candidate was measured in the --time given", set()
     if any(o.status == "dropped" for o in outcomes):
-        return None, "no candidate fits the --budget"
-    return None, "no valid candidate"
+        return None, "no candidate fits the --budget", set()
+    return None, "no valid candidate", set()

@@ -1,7 +1,9 @@
 """Optimizers and LR schedulers named in the config.
 
 ``torch.optim`` and ``torch.optim.lr_scheduler`` names are used as they are; DeepSpeed's
-``WarmupLR`` and ``WarmupDecayLR`` are provided too, so a DeepSpeed config keeps its schedule.
+``WarmupLR`` and ``WarmupDecayLR`` are provided too, so a DeepSpeed config keeps its schedule,
+and so are ``Lamb`` (:mod:`longboat.optim.lamb`), DeepSpeed's FusedLamb, which torch lacks,
+and ``OneBitAdam`` (:mod:`longboat.optim.onebit_adam`), 1-bit Adam's frozen-variance AdamW.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from longboat.config import ConfigError, OptimizerConfig, SchedulerConfig
+from longboat.config.sections import OWN_OPTIMIZERS
+from longboat.optim.lamb import Lamb
+from longboat.optim.onebit_adam import OneBitAdam
+
+#: The optimizers longboat provides, by their config name (``OWN_OPTIMIZERS``).
+OWN: dict[str, type[torch.optim.Optimizer]] = {"Lamb": Lamb, "OneBitAdam": OneBitAdam}
+assert set(OWN) == set(OWN_OPTIMIZERS)
 
 # Optimizers whose update of each element depends on that element's own state alone: they can be
 # applied to any slice of a parameter (ZeRO's shards) or to any subset of parameters
@@ -45,6 +54,13 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     """
     cls = type(optimizer)
     return cls in ELEMENTWISE_OPTIMIZERS or getattr(cls, ELEMENTWISE_DECLARATION, False) is True
+
+
+def why_not_elementwise(optimizer: torch.optim.Optimizer) -> str:
+    """Why ``optimizer`` is not element-wise: its class's own reason
+    (``longboat_not_elementwise``) where it gives one."""
+    reason = getattr(type(optimizer), "longboat_not_elementwise", None)
+    return reason if isinstance(reason, str) else "it may couple elements of a tensor"
 
 
 def describe_elementwise() -> str:
@@ -105,14 +121,9 @@ def check_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig
 ) -> torch.optim.Optimizer:
-    """``torch.optim.<cfg.type>(params, **cfg.params)`` (or longboat's ``OneBitAdam``) with
-    errors that name the key."""
-    if cfg.type == "OneBitAdam":
-        from longboat.onebit_adam import OneBitAdam
-
-        cls: Any = OneBitAdam
-    else:
-        cls = getattr(torch.optim, cfg.type, None)
+    """``torch.optim.<cfg.type>(params, **cfg.params)`` (or longboat's own of that name, see
+    ``OWN``) with errors that name the key."""
+    cls = OWN.get(cfg.type) or getattr(torch.optim, cfg.type, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         names = sorted(
             n
@@ -121,15 +132,16 @@ def build_optimizer(
             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
             and n != "Optimizer"
         )
+        names = sorted([*names, *OWN])
         raise ConfigError(
-            f"key 'optimizer.type' has unknown value {cfg.type!r}; choose one of "
-            f"{', '.join(names)}, or OneBitAdam"
+            f"key 'optimizer.type' has unknown value {cfg.type!r}; choose one of {', '.join(names)}"
         )
     try:
         return cls(params, **cfg.params)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
+        where = "longboat.optim" if cfg.type in OWN else "torch.optim"
         raise ConfigError(
-            f"key 'optimizer.params' = {cfg.params!r} does not fit {cls.__name__}: {exc}"
+            f"key 'optimizer.params' = {cfg.params!r} does not fit {where}.{cfg.type}: {exc}"
         ) from None
 
 

@@ -32,7 +32,7 @@ class OneBitAdam(torch.optim.Optimizer):
     shards and replicate bucket by bucket.
     """
 
-    longboat_elementwise = True  # [see longboat.optim.is_elementwise]
+    longboat_elementwise = True  # see longboat.optim.is_elementwise
 
     def __init__(
         self,
