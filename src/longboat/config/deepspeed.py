@@ -173,8 +173,9 @@ def _check_type(ds_key: str, given: str, typ: str, where: str) -> None:
     if ds_key == "optimizer":
         if typ == "OneBitAdam":  # not translated: what travels in 1 bit differs
             raise ConfigError(
-                f"DeepSpeed key 'optimizer.type' = {given!r} in {where}: DeepSpeed's 1-bit Adam "
-                "all-reduces the momentum in 1 bit, which longboat does not offer. Its nearest, "
+                f"DeepSpeed key 'optimizer.type' = {given!r} in {where} is not a torch.optim "
+                "optimizer: DeepSpeed's 1-bit Adam all-reduces the momentum in 1 bit, which "
+                "longboat does not offer. Its nearest, "
                 "[compression] method = 'onebit' with [optimizer] type = 'OneBitAdam', "
                 "compresses the gradient instead (docs/compression.md): write those in a "
                 "longboat config, or leave the 'optimizer' block out"
