@@ -19,8 +19,8 @@ Models: 1-bit runs the zoo (conditionally used, never used, frozen and tied para
 BatchNorm). PowerSGD runs TinyNet (a frozen layer, a LayerNorm): on the zoo, a routed expert used
 by one sample has a rank-1 gradient, so the second column of QR's orthonormal P is decided by
 rounding alone, and a last-bit difference between the two sides becomes a different (equally
-valid) basis; measured 1.3e-2 on that expert's weight after eight steps, with every loss but the
-last bit-equal. That is PowerSGD's nature, not a fault either side could fix.
+valid) basis; measured 1.0e-2 on that expert's weight after eight steps, the losses bit-equal
+but for the last two. That is PowerSGD's nature, not a fault either side could fix.
 """
 
 from __future__ import annotations
