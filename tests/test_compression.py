@@ -568,3 +568,12 @@ def test_one_bit_wire_format():
     want = torch.where(x >= 0, 1.0, -1.0) * scale
     assert torch.equal(approx, want)
     assert torch.equal(decompress(wire), want)
+
+
+@pytest.mark.parametrize("method", ["powersgd", "onebit"])
+def test_one_rank_has_nothing_to_compress(ranks, method):
+    """A world of one: the configured method never runs, training is the plain loop's."""
+    recipe = reference.Recipe(model="tiny", optimizer="adamw")
+    results, order = _run(ranks, 1, "replicate", method, recipe)
+    plain = reference.plain_train(recipe, harness.data_for(recipe, GLOBAL_BATCH * STEPS), order)
+    assert reference.max_rel_diff(results[0]["state"], plain.state) <= TOL
