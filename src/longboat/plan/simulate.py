@@ -161,7 +161,12 @@ class MetaCollectives:
         return self._count("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tag)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        tag: str = "",
+        scratch: bool = False,
     ) -> _Done:
         n = self.world_size
         done = self._count("reduce_scatter", (n - 1) / n * _nbytes(input), tag)
