@@ -647,9 +647,11 @@ def test_each_stage_equals_a_real_pipeline_rank(ranks, strategy, world, schedule
     """Per pipeline rank: the model state byte for byte, and the peak of live tensors through
     the schedule, to within the real run's token batch (drawn as one [B, T + 1] tensor with
     its targets, which the plan's zeros do not have) and 1 KiB of small CPU tensors. With
-    data-parallel peers, real collectives add what the plan leaves out: the desync check's
-    fingerprints (4 KiB here) and reductions that finish at other moments than the plan's
-    (which keeps each buffer until it is waited): measured 2.3% of stage 0's peak, allowed 3%."""
+    data-parallel peers, real collectives add what the plan leaves out, the desync check's
+    fingerprints (4 KiB here), and reductions finish at other moments than the plan's: the plan
+    keeps each ZeRO gradient buffer until the step waits for it, a real rank frees it as soon as
+    its reduction is over (reaped during backward), so its peak may be lower, never higher:
+    measured 8.5% under stage 0's plan at 4 ranks, allowed 3% over and 12% under."""
     pp = 2
     plan = make_plan(
         resolve("gpt", GPT_ARGS),
@@ -666,8 +668,9 @@ def test_each_stage_equals_a_real_pipeline_rank(ranks, strategy, world, schedule
     for stage, row in enumerate(rows):
         measured, peak = real[stage * (world // pp)]  # the first data-parallel rank of it
         assert row.model_state == measured, f"stage {stage}: {row.model_state} != {measured}"
-        allowed = slack + (0.03 * peak if world > pp else 0)
-        assert abs(row.peak - peak) <= allowed, f"stage {stage}: plan {row.peak}, real {peak}"
+        over = slack + (0.03 * peak if world > pp else 0)
+        under = slack + (0.12 * row.peak if world > pp else 0)
+        assert -under <= peak - row.peak <= over, f"stage {stage}: plan {row.peak}, real {peak}"
 
 
 def test_stage_activations_and_sends_follow_the_schedule():
