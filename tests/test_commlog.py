@@ -152,7 +152,7 @@ def _scratch_reduce_scatter() -> tuple[list[float], list[float], list[float], bo
             plain.tolist(),
             scratch.tolist(),
             given.tolist(),
-            True,
+            done,
             rows["reduce_scatter"]["count"],
         )
     finally:
