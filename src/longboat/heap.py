@@ -7,8 +7,8 @@ there: at the end of a ZeRO-2 step of the reference GPT at 2 ranks, ``malloc_sta
 the main arena and two arenas of 27 MB each, almost all of it free, one per gloo thread, each
 the size of a 25 MiB bucket. That memory stays resident and is of no use to the main thread.
 With one arena (``mallopt(M_ARENA_MAX, 1)``) the scratch comes from the heap the rest of the
-step uses and is reused by it: peak RSS per rank fell by 30-80 MB (about 5%), see
-``benchmarks/malloc_retention.py``.
+step uses and is reused by it: with ``MALLOC_ARENA_MAX=1`` the same runs peaked 30-80 MB lower
+per rank (``benchmarks/malloc_retention.py`` measures it beside glibc's defaults).
 
 It is set before the gloo process group (and its threads) is created, only when the data plane
 is gloo: under NCCL the collectives' buffers live on the GPU and the gloo control plane moves a
