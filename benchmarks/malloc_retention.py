@@ -150,8 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                     "rss_increase": a["rss_increase_bytes"] / b["rss_increase_bytes"],
                     "peak_rss": a["peak_rss_bytes"] / b["peak_rss_bytes"],
                     "step_time": a["step_median_s"] / b["step_median_s"],
-                    "isolated_step_time": a["isolated_step_median_s"]
-                    / b["isolated_step_median_s"],
+                    "isolated_step_time": a["isolated_step_median_s"] / b["isolated_step_median_s"],
                 }
     result = {
         "benchmark": "malloc_retention",
