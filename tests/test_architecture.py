@@ -21,6 +21,7 @@ LAYERS = [
         "longboat.world",
         "longboat.roles",
         "longboat.network",
+        "longboat.heap",
         # A launch module, but pure and importing nothing of longboat: world.py reads Slurm's
         # node list and port with the same functions `longboat run` uses.
         "longboat.launch.node_env",

@@ -4,6 +4,7 @@ nccl-tests' definitions; the DeepSpeed ``comms_logger`` key maps onto ``comm.log
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -130,3 +131,40 @@ def test_verbose_log_has_one_line_per_collective(caplog: pytest.LogCaptureFixtur
     assert (row["count"], row["bytes"]) == (2, 48)
     assert row["mean_s"] == pytest.approx(0.003)
     assert row["busbw_gbps"] == pytest.approx(48 / 0.006 / 1e9 * 0.5)
+
+
+def _scratch_reduce_scatter() -> tuple[list[float], list[float], list[float], bool, int]:
+    comm = Collectives(log=True, desync_check=True, timeout_s=30)
+    n, r = comm.world_size, comm.rank
+    try:
+        data = torch.arange(4.0 * n) * (r + 1) + 0.25 * r
+        plain, scratch = torch.empty(4), torch.empty(4)
+        comm.reduce_scatter(plain, data.clone(), async_op=True).wait()
+        given = data.clone()
+        h = comm.reduce_scatter(scratch, given, async_op=True, scratch=True)
+        deadline = time.monotonic() + 10
+        while not h.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.001)  # over without a wait: ZeRO reaps it during backward
+        done = h.is_completed()
+        h.wait()
+        rows = {row["op"]: row for row in comm.log_summary()}
+        return (
+            plain.tolist(),
+            scratch.tolist(),
+            given.tolist(),
+            done,
+            rows["reduce_scatter"]["count"],
+        )
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_scratch_reduce_scatter_gives_the_same_shard_and_leaves_the_sum_in_its_input(ranks, n):
+    """[Note: gloo reduce-scatter]: the same sums as gloo's own (which all-reduces a clone),
+    counted as a reduce-scatter, and its input left holding the whole sum."""
+    total = sum(torch.arange(4.0 * n) * (r + 1) + 0.25 * r for r in range(n))
+    for rank, (plain, scratch, given, done, count) in enumerate(ranks(n, _scratch_reduce_scatter)):
+        assert scratch == plain == total.chunk(n)[rank].tolist()
+        assert given == total.tolist()
+        assert done and count == 2

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longboat.heap import limit_arenas
+
 # Slurm's node list and port rules live with the launcher's, in a module free of torch;
 # first_host stays importable from here.
 from longboat.launch.node_env import first_host as first_host
@@ -170,6 +172,8 @@ def init_process_group(world: World, backend: str | None = None, timeout_s: floa
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(device_for(world))
+    else:  # before gloo's worker threads exist: [Note: one arena] in heap.py
+        limit_arenas()
     timeout = datetime.timedelta(seconds=timeout_s)
     # Under torchrun / longboat run the agent serves the store at MASTER_PORT
     # (TORCHELASTIC_USE_AGENT_STORE) and chose the interface: env:// joins it. Started otherwise

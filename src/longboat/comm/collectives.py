@@ -157,6 +157,57 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+# [Note: gloo reduce-scatter] gloo has no reduce-scatter of its own: torch's ProcessGroupGloo
+# clones the input, all-reduces the clone and, in ``wait``, copies this rank's chunk into the
+# output, so a full-size copy of every reduction in flight is alive until its wait. ZeRO's input
+# is a transient gradient buffer that is dropped once its shard landed; told so (``scratch``),
+# the doorway all-reduces that buffer itself, in place, and copies the chunk in ``wait``: the
+# same bytes on the wire and the same sums, without the clone.
+
+
+class _ChunkOf:
+    """The work of an in-place all-reduce whose ``wait`` then copies this rank's chunk of the
+    result into the reduce-scatter's output ([Note: gloo reduce-scatter])."""
+
+    __slots__ = ("_done", "_input", "_output", "_rank", "_size", "_work")
+
+    def __init__(
+        self, work: Any, output: torch.Tensor, input: torch.Tensor, rank: int, size: int
+    ) -> None:
+        self._work, self._output, self._input = work, output, input
+        self._rank, self._size, self._done = rank, size, False
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        out = self._work.wait(timeout) if timeout is not None else self._work.wait()
+        if not self._done:
+            self._done = True
+            self._output.copy_(self._input.chunk(self._size)[self._rank])
+        return bool(out) if out is not None else True
+
+
+def _reduce_scatter_in_place(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> Any:
+    """A reduce-scatter as gloo does it, without its copy of ``input`` ([Note: gloo
+    reduce-scatter]): ``input`` is all-reduced in place and left holding the sum."""
+    work = dist.all_reduce(input, op=op, group=group, async_op=True)
+    chunk = _ChunkOf(work, output, input, dist.get_rank(group), dist.get_world_size(group))
+    if async_op:
+        return chunk
+    chunk.wait()
+    return None
+
+
 class Collectives:
     """Collectives over one process group (the default group when ``group`` is None); implements
     :class:`~longboat.comm.protocol.Comm`.
@@ -209,6 +260,7 @@ class Collectives:
         self._global = (
             dist.get_process_group_ranks(group) if self.active and group is not None else None
         )
+        self._gloo: bool | None = None  # the group's backend is gloo: asked at first need
 
     @classmethod
     def alone(cls, global_rank: int = 0, name: str = "alone") -> Collectives:
@@ -398,20 +450,28 @@ class Collectives:
         return self._issue(dist.all_reduce, tensor, op=_OPS[op], async_op=async_op)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        tag: str = "",
+        scratch: bool = False,
     ) -> Handle:
         """Sum ``input`` across ranks; rank r keeps chunk r of the result in ``output``.
-        ``tag`` says what the tensor is, for the desync check and reports."""
+        ``tag`` says what the tensor is, for the desync check and reports. ``scratch``: the
+        caller has no further use for ``input``, which may then be overwritten (on gloo it
+        saves a copy of it: [Note: gloo reduce-scatter])."""
         if not self.active:
             output.copy_(input)
             return _Done()
         if self.rules is not None:
             self.rules.check("reduce_scatter", (output, input), self._group_name)
         self.seq += 1
+        fn = _reduce_scatter_in_place if scratch and self._gloo_cpu(input) else _reduce_scatter
         if self.observing:
             return self._observed(
                 "reduce_scatter",
-                _reduce_scatter,
+                fn,
                 output,
                 input,
                 op=dist.ReduceOp.SUM,
@@ -422,7 +482,13 @@ class Collectives:
                 tag=tag,
                 nbytes=input.numel() * input.element_size(),
             )
-        return self._issue(_reduce_scatter, output, input, op=dist.ReduceOp.SUM, async_op=async_op)
+        return self._issue(fn, output, input, op=dist.ReduceOp.SUM, async_op=async_op)
+
+    def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
+        """Whether this doorway's group is gloo's and ``tensor`` on the CPU (asked once)."""
+        if self._gloo is None:
+            self._gloo = dist.get_backend(self.group) == "gloo"
+        return self._gloo and tensor.device.type == "cpu"
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""

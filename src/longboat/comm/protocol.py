@@ -50,9 +50,15 @@ class Comm(Protocol):
         ...
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        tag: str = "",
+        scratch: bool = False,
     ) -> Handle:
-        """Sum ``input`` across the group; rank r keeps chunk r of the result in ``output``."""
+        """Sum ``input`` across the group; rank r keeps chunk r of the result in ``output``.
+        ``scratch``: ``input`` is of no further use to the caller and may be overwritten."""
         ...
 
     def all_gather(

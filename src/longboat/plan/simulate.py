@@ -24,8 +24,11 @@ an all-reduce of a copy of the whole input, then copies this rank's chunk into t
 copy (the input's size, not the output's) is allocated on the calling thread when the operation
 is issued and freed when its work object goes, after the wait: measured on this torch, three
 asynchronous reduce-scatters of 40 MB each raise a rank's RSS by 115 MB before the peer has
-issued any. ZeRO (every stage) keeps each unit's reduction in flight from its launch in the
-backward to its landing, so each in-flight unit holds a second full-size gradient buffer. The
+issued any. ZeRO keeps each unit's reduction in flight from its launch in the backward to its
+landing; at stage 1, whose full-size gradient buffer lives on, each in-flight unit holds a second
+one. Stages 2-3 (and a gradient cast for the wire) hand the doorway a buffer they drop after the
+landing, which the doorway then all-reduces in place with no copy ([Note: gloo reduce-scatter] in
+``comm/collectives.py``). The
 meta doorway makes the same copy (fake, so nothing is allocated) and hands it to the operation's
 handle, for the backends that stage this way (:data:`STAGING_BACKENDS`); NCCL reduce-scatters in
 place. A real run's live-tensor count sees the copy only from the wait (torch splits it into
@@ -161,11 +164,17 @@ class MetaCollectives:
         return self._count("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tag)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        tag: str = "",
+        scratch: bool = False,
     ) -> _Done:
         n = self.world_size
         done = self._count("reduce_scatter", (n - 1) / n * _nbytes(input), tag)
-        if n > 1 and self.backend in STAGING_BACKENDS:  # [Note: gloo staging]
+        # [Note: gloo staging]; a scratch input is reduced in place, with no copy
+        if n > 1 and self.backend in STAGING_BACKENDS and not scratch:
             done.staging = torch.empty_like(input)  # fake or meta like the input: no memory
         return done
 

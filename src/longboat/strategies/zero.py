@@ -480,7 +480,12 @@ class Zero:
         u.shard_empty = False
         if self._gathering is not None:
             self._schedule.append(("reduce", index))  # [Note: stage-3 shadow]
-        u.reduce_handle = self.comm.reduce_scatter(u.reduced, send, async_op=True, tag=u.tag)
+        # Stages 2-3 drop the full-size buffer once the shard landed, and a cast copy is
+        # nobody's: the doorway may reduce in it ([Note: gloo reduce-scatter]).
+        scratch = self.policy.shard_grads or send is not u.flat_grad
+        u.reduce_handle = self.comm.reduce_scatter(
+            u.reduced, send, async_op=True, tag=u.tag, scratch=scratch
+        )
         if self._shards is not None:
             # [Note: parameter offload]: memory is what offload is for, so at most
             # buffer_count reductions (each a full-size gradient buffer and a shard) are in
