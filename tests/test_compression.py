@@ -462,6 +462,11 @@ def test_powersgd_sends_ten_times_fewer_bytes_for_the_reference_gpt():
             "communication_data_type",
         ),
         ({"compression": {"method": "onebit"}, "mesh": {"tp": 2}}, "mesh.tp = 2"),
+        ({"compression": {"method": "powersgd"}, "comm": {"groups": 2}}, "comm.groups = 2"),
+        (
+            {"compression": {"method": "onebit"}, "comm": {"hierarchical": True}},
+            "comm.hierarchical = true",
+        ),
     ],
 )
 def test_bad_compression_config_names_the_key(cfg, named):

@@ -654,7 +654,13 @@ def _join(
     mesh = resolve_mesh(cfg, world.world_size - cfg.service_ranks())
     c = cfg.comm
     options = DoorwayOptions(
-        desync_check=c.desync_check, log=c.log, log_verbose=c.log_verbose, timeout_s=c.timeout_s
+        desync_check=c.desync_check,
+        log=c.log,
+        log_verbose=c.log_verbose,
+        timeout_s=c.timeout_s,
+        groups=c.groups,
+        hierarchical=c.hierarchical,
+        ranks_per_node=c.ranks_per_node or world.local_world_size,
     )
     return cfg, world, owns, service, mesh, options
 

@@ -16,6 +16,16 @@ the fixed order of :data:`~longboat.mesh.GROUP_AXES` and, within an axis, of the
 ranks; a set of ranks that two axes share (``dp`` and ``world`` in plain data parallelism) gets
 one group and one doorway. A group of the whole world uses the default group for its data plane.
 Axes of size 1 get a doorway of one rank, whose operations are the identity.
+
+[Note: spread reductions] With ``comm.groups = G`` (> 1), the data-parallel axes (``dp`` and
+``dp_shard``) get G - 1 more copies of each of their groups, and strategies ask
+:meth:`Topology.reducer` for the doorway of bucket (or unit) ``k``: copy ``k mod G``. Each copy
+is a process group of its own (its own NCCL communicator, its own gloo pair of sockets), so the
+reductions of consecutive buckets can be on the wire at once instead of queued behind each
+other on one communicator (Paddle's ``nccl_comm_num``). With ``comm.hierarchical``, each copy's
+sums go in two levels ([Note: hierarchical all-reduce] in ``comm/hierarchical.py``) over groups
+within and across nodes, node ``i`` being global ranks ``i * ranks_per_node ..``. These groups are
+created after the mesh's, every rank creating all of them, in the order of ``_spread_plan``.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from longboat.comm.collectives import NCCL_RULES_VAR, Collectives, Rules
+from longboat.comm.hierarchical import Hierarchical, node_layout
 from longboat.comm.protocol import Comm
 from longboat.mesh import GROUP_AXES, Axis, Mesh
 
@@ -42,6 +53,21 @@ class DoorwayOptions:
     log: bool = False
     log_verbose: bool = False
     timeout_s: float = 1800.0
+    #: copies of each data-parallel group that reductions spread over ([Note: spread
+    #: reductions])
+    groups: int = 1
+    #: data-parallel sums in two levels, within and across nodes
+    hierarchical: bool = False
+    #: consecutive global ranks per node (the world's local world size, or comm.ranks_per_node)
+    ranks_per_node: int = 1
+
+    @property
+    def spreads(self) -> bool:
+        return self.groups > 1 or self.hierarchical
+
+
+#: The axes whose reductions spread over copies of their groups ([Note: spread reductions]).
+SPREAD_AXES: tuple[Axis, ...] = ("dp", "dp_shard")
 
 
 class Topology:
@@ -61,7 +87,9 @@ class Topology:
         self._data = data
         self._control = control
         self._owned = owned or []
-        self._extra: list[Comm] = []  # doorways subgroup() made
+        self._extra: list[Comm] = []  # doorways subgroup() and the spread copies made
+        # Per spread axis, the doorway of each copy ([Note: spread reductions])
+        self._spread: dict[str, list[Comm]] = {}
         self._closed = False
         # What build() made its doorways with, for subgroup() (None: no process group)
         self._options: DoorwayOptions | None = None
@@ -122,13 +150,57 @@ class Topology:
         topo = cls(mesh, rank, data, control, owned)
         if active:
             topo._options, topo._rules = options, (rules, device)
+            if options.spreads:
+                topo._build_spread(device if rules else None)
         return topo
+
+    def _build_spread(self, rules_device: torch.device | None) -> None:
+        """The copies of the data-parallel groups and their node levels ([Note: spread
+        reductions]); collective over the whole world, like :meth:`build`."""
+        assert self._options is not None
+        options = self._options
+        made: dict[tuple[int, ...], Comm] = {}  # one doorway per set of ranks and copy
+
+        def doorway(ranks: tuple[int, ...], copy: int, what: str) -> Comm:
+            key = (*ranks, -1 - copy)
+            if key not in made:
+                g_data, g_ctrl = created[key]
+                made[key] = _data_doorway(
+                    g_data, g_ctrl, options, f"{what} {list(ranks)} copy {copy}", rules_device
+                )
+                self._extra.append(made[key])
+            return made[key]
+
+        created = _create_spread(self.mesh, options, self._owned)
+        for axis in SPREAD_AXES:
+            mine = self.mesh.group_of(axis, self.rank)
+            if len(mine) == 1:
+                continue
+            copies: list[Comm] = []
+            for copy in range(options.groups):
+                flat = self._data[axis] if copy == 0 else doorway(mine, copy, axis)
+                if options.hierarchical:
+                    intra, inter = node_layout(mine, options.ranks_per_node)
+                    here = next(tuple(g) for g in intra if self.rank in g)
+                    across = next(tuple(g) for g in inter if self.rank in g)
+                    flat = Hierarchical(
+                        flat,
+                        doorway(here, copy, "within node") if len(here) > 1 else _one(self.rank),
+                        doorway(across, copy, "across nodes")
+                        if len(across) > 1
+                        else _one(self.rank),
+                    )
+                copies.append(flat)
+            self._spread[axis] = copies
 
     @staticmethod
     def stand_aside(mesh: Mesh, options: DoorwayOptions, outside: int) -> None:
         """What a rank outside the mesh (one of the last ``outside`` of the world) does while
         the mesh's ranks call :meth:`build`: take part in making their groups."""
+        owned: list[Any] = []
         _create_groups(mesh, options, dist.get_world_size(), outside)
+        if options.spreads:  # their groups are collective over the whole world too
+            _create_spread(mesh, options, owned)
 
     def subgroup(self, axis: Axis, positions: Sequence[int], name: str) -> Comm:
         """A data-plane doorway over the members at group ranks ``positions`` of this rank's
@@ -178,6 +250,13 @@ class Topology:
     def data(self, axis: Axis) -> Comm:
         """The data-plane doorway of this rank's group along ``axis``."""
         return self._data[axis]
+
+    def reducer(self, axis: Axis, k: int) -> Comm:
+        """The data-plane doorway along ``axis`` that reduction number ``k`` (a bucket, a
+        unit) goes through: copy ``k mod comm.groups`` of the axis's group, hierarchical with
+        ``comm.hierarchical`` ([Note: spread reductions]); the axis's own doorway otherwise."""
+        copies = self._spread.get(axis)
+        return copies[k % len(copies)] if copies else self._data[axis]
 
     def control(self, axis: Axis = "world") -> Comm:
         """The control-plane (gloo, small CPU tensors) doorway along ``axis``."""
@@ -237,6 +316,52 @@ def _create_groups(
             g_ctrl = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
             created[ranks] = (g_data, g_ctrl)
     return created
+
+
+def _spread_plan(mesh: Mesh, options: DoorwayOptions) -> list[tuple[int, ...]]:
+    """The groups (keyed ``(*ranks, -1 - copy)``) that [Note: spread reductions] needs, in the
+    order every rank creates them: per spread axis and group of it, per copy, the copy itself
+    (not for copy 0, the mesh's own group), then with ``hierarchical`` its intra-node groups and
+    its inter-node groups (those of more than one rank). A set of ranks two axes share, or two
+    levels share, is one group."""
+    keys: list[tuple[int, ...]] = []
+    for axis in SPREAD_AXES:
+        if mesh.size(axis) == 1:
+            continue
+        for ranks in mesh.groups(axis):
+            for copy in range(options.groups):
+                sets = [ranks] if copy else []
+                if options.hierarchical:
+                    intra, inter = node_layout(ranks, options.ranks_per_node)
+                    sets += [tuple(g) for g in (*intra, *inter) if len(g) > 1]
+                for s in sets:
+                    key = (*s, -1 - copy)
+                    if key not in keys:
+                        keys.append(key)
+    return keys
+
+
+def _create_spread(
+    mesh: Mesh, options: DoorwayOptions, owned: list[Any]
+) -> dict[tuple[int, ...], tuple[Any, Any]]:
+    """Create the groups of :func:`_spread_plan` (data and gloo control), appending them to
+    ``owned``; collective over the whole world."""
+    if options.groups < 1:
+        raise ValueError(f"comm.groups = {options.groups}: use 1 or more")
+    timeout = datetime.timedelta(seconds=options.timeout_s)
+    created: dict[tuple[int, ...], tuple[Any, Any]] = {}
+    for key in _spread_plan(mesh, options):
+        members = list(key[:-1])
+        g_data = dist.new_group(members, timeout=timeout)
+        g_ctrl = dist.new_group(members, backend="gloo", timeout=timeout)
+        owned += [g_data, g_ctrl]
+        created[key] = (g_data, g_ctrl)
+    return created
+
+
+def _one(rank: int) -> Comm:
+    """A level of one rank (a node with one rank of the group, or one node)."""
+    return Collectives.alone(rank, name="one rank")
 
 
 def _data_doorway(

@@ -335,6 +335,25 @@ class CommConfig(_Section):
     )
     log: bool = Field(False, description="count bytes and time per operation; a table at close")
     log_verbose: bool = Field(False, description="with log: also one line per collective")
+    groups: int = Field(
+        1,
+        ge=1,
+        description="process groups per data-parallel axis that gradient buckets (ZeRO "
+        "units) spread over round-robin, so their reductions overlap; see "
+        "docs/communicators.md",
+    )
+    hierarchical: bool = Field(
+        False,
+        description="data-parallel all-reduces in two levels: reduce-scatter within each "
+        "node, all-reduce across nodes, all-gather within (strategy replicate)",
+    )
+    ranks_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="consecutive ranks that count as one node for comm.hierarchical "
+        "(default: the launcher's local world size); set it to pretend several nodes on "
+        "one machine, for tests and experiments",
+    )
 
 
 class CompressionConfig(_Section):
@@ -557,6 +576,12 @@ class Config(_Section):
             why = (
                 f"mesh.pp = {self.mesh.pp}, mesh.tp = {self.mesh.tp}: compression is built and "
                 "tested on plain data parallelism only so far; use mesh.pp = mesh.tp = 1"
+            )
+        elif self.comm.groups > 1 or self.comm.hierarchical:
+            why = (
+                f"comm.groups = {self.comm.groups}, comm.hierarchical = "
+                f"{str(self.comm.hierarchical).lower()}: compressed reductions travel on the "
+                "data-parallel group itself; use comm.groups = 1 and comm.hierarchical = false"
             )
         if why is None:
             return self

@@ -167,7 +167,9 @@ class Replicate:
             c.all_reduce(f"bucket {index}", b.buffer, spans, self.comm)
             b.handle = compression.Done()
             return
-        b.handle = self.comm.all_reduce(b.buffer, op="avg", async_op=True)
+        # [Note: spread reductions] in topology.py: bucket k's doorway.
+        reducer = self.ctx.topology.reducer("dp", index)
+        b.handle = reducer.all_reduce(b.buffer, op="avg", async_op=True)
 
     def after_backward(self) -> None:
         if self._sync:  # buckets this backward did not complete go now, before anything else

@@ -483,7 +483,7 @@ class Zero:
         # Stages 2-3 drop the full-size buffer once the shard landed, and a cast copy is
         # nobody's: the doorway may reduce in it ([Note: gloo reduce-scatter]).
         scratch = self.policy.shard_grads or send is not u.flat_grad
-        u.reduce_handle = self.comm.reduce_scatter(
+        u.reduce_handle = self.ctx.topology.reducer("dp_shard", index).reduce_scatter(
             u.reduced, send, async_op=True, tag=u.tag, scratch=scratch
         )
         if self._shards is not None:

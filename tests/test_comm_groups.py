@@ -1,0 +1,182 @@
+"""Reductions spread over several process groups (``comm.groups``) and the hierarchical
+all-reduce (``comm.hierarchical``, [Note: hierarchical all-reduce] in
+longboat/comm/hierarchical.py): each trains what the plain PyTorch loop of ``reference.py``
+trains (every micro-batch's loss, then parameters, buffers, optimizer state), on the model with
+conditionally used, never-used, frozen and tied parameters, at 2 and 4 ranks; the comm logs of
+the copies and of the node levels show where the bytes went."""
+
+from __future__ import annotations
+
+import harness
+import pytest
+import reference
+import torch
+
+import longboat
+from longboat.comm.hierarchical import node_layout
+from longboat.config import ConfigError, load_config
+from longboat.mesh import Mesh
+from longboat.testing import RankFailure
+from longboat.topology import DoorwayOptions, _spread_plan
+
+STEPS = 4
+GLOBAL_BATCH = 16
+TOL = 1e-5  # fp32, relative, as the equivalence tests
+RECIPE = reference.Recipe(model="zoo", optimizer="adamw", clip=1.0, scheduler=True)
+ZOO = harness.ZOO_STRATEGIES
+
+CASES = [
+    # (strategy, world, comm)
+    ("replicate", 2, {"groups": 2}),
+    ("replicate", 2, {"groups": 3}),
+    ("replicate", 4, {"groups": 2}),
+    ("replicate", 4, {"groups": 3}),
+    ("zero1", 4, {"groups": 2}),
+    ("zero2", 2, {"groups": 3}),
+    ("zero3", 4, {"groups": 2}),
+    ("replicate", 4, {"hierarchical": True, "ranks_per_node": 2}),  # 2 nodes x 2
+    ("replicate", 4, {"hierarchical": True, "ranks_per_node": 1}),  # 4 nodes x 1
+    ("replicate", 4, {"hierarchical": True, "ranks_per_node": 4}),  # 1 node x 4
+    ("replicate", 4, {"hierarchical": True, "ranks_per_node": 2, "groups": 2}),
+    ("replicate", 2, {"hierarchical": True, "ranks_per_node": 1}),
+]
+
+
+@pytest.mark.parametrize(("strategy", "world", "comm"), CASES, ids=str)
+def test_equals_plain_pytorch(ranks, strategy, world, comm):
+    results, _ = harness.run_and_compare(
+        ranks,
+        world,
+        ZOO[strategy],
+        RECIPE,
+        STEPS,
+        accum=2,
+        global_batch=GLOBAL_BATCH,
+        tol=TOL,
+        comm=comm,
+    )
+    for r, res in enumerate(results):  # the replicas stay bit-identical
+        for k, v in res["state"].items():
+            assert torch.equal(v, results[0]["state"][k]), f"rank {r} differs at {k}"
+
+
+# -- where the bytes went ---------------------------------------------------------------------
+
+
+def _traffic(cfg: dict) -> dict:
+    """Train two steps with the comm log on; every doorway's log rows by its name, and the
+    bucket buffers' sizes in bytes."""
+    model, opt, sched = RECIPE.build()
+    engine = longboat.initialize(model, opt, cfg, scheduler=sched)
+    data = harness.data_for(RECIPE, engine.batch.train_batch_size * 2)
+    for _, *rest in engine.loader(data):
+        engine.backward(reference.forward_loss(engine, rest))
+        if engine.step() and engine.global_step == 2:
+            break
+    logs = {
+        d._group_name: {row["op"]: row for row in d.log_summary()}  # type: ignore[attr-defined]
+        for d in engine.topology.doorways()
+        if d.log
+    }
+    buckets = [b.buffer.numel() * b.buffer.element_size() for b in engine.strategy.plan.buckets]
+    engine.close()
+    return {"logs": logs, "buckets": buckets, "steps": engine.global_step}
+
+
+def _logged(world: int, comm: dict) -> dict:
+    return harness.config(
+        ZOO["replicate"],
+        RECIPE,
+        GLOBAL_BATCH,
+        GLOBAL_BATCH // (2 * world),
+        comm={"log": True, **comm},
+    )
+
+
+def _op(logs: dict, name: str, op: str) -> tuple[int, int]:
+    row = logs.get(name, {}).get(op)
+    return (row["count"], row["bytes"]) if row else (0, 0)
+
+
+def test_buckets_spread_round_robin_over_the_copies(ranks):
+    groups = 3
+    for rank, res in enumerate(ranks(2, _traffic, _logged(2, {"groups": groups}))):
+        logs, sizes, steps = res["logs"], res["buckets"], res["steps"]
+        assert len(sizes) > groups, "enough buckets to reach every copy"
+        for copy in range(1, groups):
+            mine = sizes[copy::groups]  # bucket k goes through copy k mod groups
+            got = _op(logs, f"dp [0, 1] copy {copy}", "all_reduce")
+            assert got == (steps * len(mine), steps * sum(mine)), f"rank {rank}, copy {copy}"
+        # Copy 0 is the mesh's own group: its buckets, and whatever else sums over dp.
+        count, nbytes = _op(logs, "world", "all_reduce")
+        assert count >= steps * len(sizes[::groups])
+        assert nbytes >= steps * sum(sizes[::groups])
+
+
+def test_hierarchical_sends_a_node_share_across_nodes(ranks):
+    res = ranks(4, _traffic, _logged(4, {"hierarchical": True, "ranks_per_node": 2}))
+    for rank, r in enumerate(res):
+        logs, sizes, steps = r["logs"], r["buckets"], r["steps"]
+        node, position = divmod(rank, 2)
+        within = f"within node {[2 * node, 2 * node + 1]} copy 0"
+        across = f"across nodes {[position, position + 2]} copy 0"
+        padded = [2 * -(-s // 8) * 4 for s in sizes]  # fp32 buffers padded to 2 chunks
+        rs_count, rs_bytes = _op(logs, within, "reduce_scatter")
+        ag_count, ag_bytes = _op(logs, within, "all_gather")
+        ar_count, ar_bytes = _op(logs, across, "all_reduce")
+        assert rs_count == ag_count == ar_count == steps * len(sizes), f"rank {rank}"
+        # Within the node the whole bucket; across nodes only this rank's half of it.
+        assert rs_bytes == ag_bytes == steps * sum(padded), f"rank {rank}"
+        assert ar_bytes == steps * sum(p // 2 for p in padded), f"rank {rank}"
+        # No bucket went through the flat group of all four.
+        assert _op(logs, "world", "all_reduce")[1] < min(sizes), f"rank {rank}"
+
+
+# -- layouts and refusals ----------------------------------------------------------------------
+
+
+def test_node_layout():
+    assert node_layout([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert node_layout([0, 1, 2, 3], 1) == ([[0], [1], [2], [3]], [[0, 1, 2, 3]])
+    assert node_layout([0, 1, 2, 3], 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    assert node_layout([1, 3, 5, 7], 4) == ([[1, 3], [5, 7]], [[1, 5], [3, 7]])  # a tp stride
+    with pytest.raises(ConfigError, match=r"node 0 holds 3, node 1 holds 1"):
+        node_layout([0, 1, 2, 3], 3)
+
+
+def test_spread_plan_is_the_same_list_of_groups_on_every_rank():
+    plan = _spread_plan(
+        Mesh(dp_shard=4), DoorwayOptions(groups=2, hierarchical=True, ranks_per_node=2)
+    )
+    # dp and dp_shard are the same ranks: one set of groups; copy 1 adds the flat copy.
+    assert plan == [
+        (0, 1, -1),
+        (2, 3, -1),
+        (0, 2, -1),
+        (1, 3, -1),
+        (0, 1, 2, 3, -2),
+        (0, 1, -2),
+        (2, 3, -2),
+        (0, 2, -2),
+        (1, 3, -2),
+    ]
+    assert _spread_plan(Mesh(dp_shard=4), DoorwayOptions()) == []
+
+
+def test_config_names_the_key():
+    with pytest.raises(ConfigError, match=r"comm\.groups"):
+        load_config({"comm": {"groups": 0}})
+    with pytest.raises(ConfigError, match=r"comm\.ranks_per_node"):
+        load_config({"comm": {"ranks_per_node": 0}})
+
+
+def _zero_hierarchical() -> None:
+    cfg = harness.config(
+        ZOO["zero2"], RECIPE, GLOBAL_BATCH, 4, comm={"hierarchical": True, "ranks_per_node": 1}
+    )
+    harness.train(RECIPE, cfg, 1)
+
+
+def test_zero_refuses_hierarchical_by_name(ranks):
+    with pytest.raises(RankFailure, match=r"comm\.hierarchical = true"):
+        ranks(2, _zero_hierarchical)
