@@ -78,14 +78,19 @@ def _traffic(cfg: dict) -> dict:
         for d in engine.topology.doorways()
         if d.log
     }
-    buckets = [b.buffer.numel() * b.buffer.element_size() for b in engine.strategy.plan.buckets]
+    plan = getattr(engine.strategy, "plan", None)  # replicate's buckets, or ZeRO's units
+    buckets = (
+        [b.buffer.numel() * b.buffer.element_size() for b in plan.buckets]
+        if plan is not None
+        else [u.padded * torch.finfo(u.dtype).bits // 8 for u in engine.strategy.units]
+    )
     engine.close()
     return {"logs": logs, "buckets": buckets, "steps": engine.global_step}
 
 
-def _logged(world: int, comm: dict) -> dict:
+def _logged(world: int, comm: dict, strategy: str = "replicate") -> dict:
     return harness.config(
-        ZOO["replicate"],
+        ZOO[strategy],
         RECIPE,
         GLOBAL_BATCH,
         GLOBAL_BATCH // (2 * world),
@@ -111,6 +116,18 @@ def test_buckets_spread_round_robin_over_the_copies(ranks):
         count, nbytes = _op(logs, "world", "all_reduce")
         assert count >= steps * len(sizes[::groups])
         assert nbytes >= steps * sum(sizes[::groups])
+
+
+def test_zero_units_spread_round_robin_over_the_copies(ranks):
+    for rank, res in enumerate(ranks(2, _traffic, _logged(2, {"groups": 2}, "zero2"))):
+        logs, units = res["logs"], res["buckets"]
+        assert len(units) > 2, "enough units to reach both copies"
+        mine = _op(logs, "dp [0, 1] copy 1", "reduce_scatter")
+        own = _op(logs, "world", "reduce_scatter")
+        times = (mine[0] + own[0]) // len(units)  # reductions of each unit in the run
+        assert times > 0 and mine[0] + own[0] == times * len(units), f"rank {rank}"
+        assert mine == (times * len(units[1::2]), times * sum(units[1::2])), f"rank {rank}"
+        assert own == (times * len(units[::2]), times * sum(units[::2])), f"rank {rank}"
 
 
 def test_hierarchical_sends_a_node_share_across_nodes(ranks):
