@@ -13,7 +13,7 @@ import reference
 import torch
 
 import longboat
-from longboat.comm.hierarchical import node_layout
+from longboat.comm.hierarchical import Hierarchical, node_layout
 from longboat.config import ConfigError, load_config
 from longboat.mesh import Mesh
 from longboat.testing import RankFailure
@@ -159,6 +159,65 @@ def test_node_layout():
     assert node_layout([1, 3, 5, 7], 4) == ([[1, 3], [5, 7]], [[1, 5], [3, 7]])  # a tp stride
     with pytest.raises(ConfigError, match=r"node 0 holds 3, node 1 holds 1"):
         node_layout([0, 1, 2, 3], 3)
+
+
+class _Recorder:
+    """A doorway that only records the order of what it is asked (and moves chunks as rank 0
+    of ``world_size`` would, every other rank sending zeros)."""
+
+    def __init__(self, name: str, world_size: int, calls: list[str]) -> None:
+        self.name, self.world_size, self.calls = name, world_size, calls
+        self.rank, self.active, self.timeout_s = 0, True, 1.0
+        self.desync_check = self.log = False
+
+    def _done(self, op: str) -> _Recorded:
+        self.calls.append(f"{self.name} {op}")
+        return _Recorded(self.calls, f"{self.name} {op}")
+
+    def reduce_scatter(self, output, input, async_op=False, tag="", scratch=False):
+        output.copy_(input.view(self.world_size, -1)[0])
+        return self._done("reduce_scatter")
+
+    def all_reduce(self, tensor, op="sum", async_op=False, tag=""):
+        return self._done("all_reduce")
+
+    def all_gather(self, output, input, async_op=False, tag=""):
+        output.view(self.world_size, -1).copy_(input)
+        return self._done("all_gather")
+
+
+class _Recorded:
+    def __init__(self, calls: list[str], what: str) -> None:
+        self.calls, self.what = calls, what
+
+    def wait(self) -> bool:
+        self.calls.append(f"wait {self.what}")
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def test_hierarchical_launches_the_step_across_nodes_with_the_next_bucket():
+    calls: list[str] = []
+    intra, inter = _Recorder("intra", 2, calls), _Recorder("inter", 2, calls)
+    levels = Hierarchical(_Recorder("flat", 4, calls), intra, inter)
+    first = levels.all_reduce(torch.ones(5), op="avg", async_op=True)
+    assert calls == ["intra reduce_scatter"]
+    second = levels.all_reduce(torch.ones(6), op="avg", async_op=True)
+    # The second bucket's launch waits for the first's node sum and sends it across nodes.
+    assert calls[1:] == ["intra reduce_scatter", "wait intra reduce_scatter", "inter all_reduce"]
+    del calls[:]
+    first.wait()
+    assert calls == ["wait inter all_reduce", "intra all_gather"]
+    del calls[:]
+    second.wait()
+    assert calls == [
+        "wait intra reduce_scatter",
+        "inter all_reduce",
+        "wait inter all_reduce",
+        "intra all_gather",
+    ]
 
 
 def test_spread_plan_is_the_same_list_of_groups_on_every_rank():

@@ -18,10 +18,14 @@ flat ring's bytes, and every rank of a node uses its own link (NIC) at once. It 
 bandwidth-optimal form of "reduce within the node, all-reduce across nodes, broadcast within"
 (a reduce to one local root would leave the other ranks' links idle).
 
-Step 1 is launched when the all-reduce is; steps 2 and 3 run in the handle's ``wait``. Waits
-come in program order, the same on every rank, so every level's doorway sees its collectives in
-the same order everywhere ([Note: launch order] in ``comm/order.py``); launching step 2 when
-step 1 happens to finish would depend on timing and could pair different buckets across ranks.
+Step 1 is launched when the all-reduce is. Step 2 is launched when the next all-reduce through
+the same doorway is (after waiting for this one's step 1, which the node's group finishes before
+the next one's anyway), so the inter-node step of bucket ``k`` overlaps the backward that
+produces bucket ``k + 1``; at the latest it is launched in the handle's ``wait``, which then runs
+step 3. Launches and waits come in program order, the same on every rank, so every level's
+doorway sees its collectives in the same order everywhere ([Note: launch order] in
+``comm/order.py``); advancing a step when the previous one happens to finish would depend on
+timing and could pair different buckets across ranks.
 
 Only sums (and averages) are split: ``max``/``min`` all-reduces and every other operation go
 through the flat doorway of the whole group. A reduce-scatter is refused: its chunks belong to
@@ -79,7 +83,7 @@ class _Done:
 class _Levels:
     """One hierarchical all-reduce in flight: step 1 launched, steps 2 and 3 in ``wait``."""
 
-    __slots__ = ("_buf", "_first", "_owner", "_part", "_tag", "_tensor")
+    __slots__ = ("_buf", "_first", "_owner", "_part", "_second", "_tag", "_tensor")
 
     def __init__(self, owner: Hierarchical, tensor: torch.Tensor, tag: str) -> None:
         self._owner, self._tensor, self._tag = owner, tensor, tag
@@ -92,21 +96,31 @@ class _Levels:
             self._buf = torch.zeros(chunk * size, dtype=tensor.dtype, device=tensor.device)
             self._buf[: flat.numel()].copy_(flat)
         self._part = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
+        self._second: Handle | None = None
         self._first: Handle | None = owner.intra.reduce_scatter(
             self._part, self._buf, async_op=True, tag=f"{tag} (within the node)", scratch=True
         )
 
     def is_completed(self) -> bool:
-        return self._first is None
+        return self._first is None and self._second is None
 
-    def wait(self) -> bool:
+    def across(self) -> None:
+        """Step 2: once step 1 is over, launch the all-reduce across nodes (once)."""
         if self._first is None:
-            return True
+            return
         first, self._first = self._first, None
         first.wait()
-        o = self._owner
-        o.inter.all_reduce(self._part, tag=f"{self._tag} (across nodes)")
-        o.intra.all_gather(self._buf, self._part, tag=f"{self._tag} (within the node)")
+        self._second = self._owner.inter.all_reduce(
+            self._part, async_op=True, tag=f"{self._tag} (across nodes)"
+        )
+
+    def wait(self) -> bool:
+        self.across()
+        if self._second is None:
+            return True
+        second, self._second = self._second, None
+        second.wait()
+        self._owner.intra.all_gather(self._buf, self._part, tag=f"{self._tag} (within the node)")
         flat = self._tensor.view(-1)
         if self._buf.data_ptr() != flat.data_ptr():
             flat.copy_(self._buf[: flat.numel()])
@@ -135,6 +149,7 @@ class Hierarchical:
         self.timeout_s = flat.timeout_s
         self.desync_check = flat.desync_check
         self.log = flat.log
+        self._last: _Levels | None = None  # the last all-reduce launched
 
     def global_rank(self, group_rank: int) -> int:
         return self.flat.global_rank(group_rank)
@@ -156,6 +171,9 @@ class Hierarchical:
             tensor.div_(self.world_size)  # as the flat doorway: divide first, then sum
         self.seq += 1
         levels = _Levels(self, tensor, tag)
+        if self._last is not None:  # its step 2 ([Note: hierarchical all-reduce])
+            self._last.across()
+        self._last = levels
         if async_op:
             return levels
         levels.wait()
