@@ -28,6 +28,8 @@ EXPECTED = {
     "TensorFlow `ParameterServerStrategy`": ("parameter_server", None, 1, "async"),
     "Paddle Fleet collective mode": ("replicate", None, 1, None),
     "Paddle Fleet collective with `sharding` (stage 1, 2, 3)": ("zero", 2, 1, None),
+    "Paddle Fleet `nccl_comm_num = 2`": ("replicate", None, 1, None),
+    "Paddle Fleet `use_hierarchical_allreduce = True`": ("replicate", None, 1, None),
     "Paddle Fleet parameter-server mode, `a_sync = False`": ("parameter_server", None, 1, "sync"),
     "Paddle Fleet parameter-server mode, `a_sync = True`": ("parameter_server", None, 1, "async"),
     "MXNet KVStore `local` / `device`": ("replicate", None, 1, None),
@@ -53,6 +55,8 @@ EXPECTED = {
 # row -> further keys the row's config must resolve to
 FIELDS = {
     "Horovod `hvd.join()`": {"data.remainder": "join"},
+    "Paddle Fleet `nccl_comm_num = 2`": {"comm.groups": 2},
+    "Paddle Fleet `use_hierarchical_allreduce = True`": {"comm.hierarchical": True},
     'DeepSpeed `"optimizer": {"type": "Lamb"}`': {"optimizer.type": "Lamb"},
     "DeepSpeed `activation_checkpointing.cpu_checkpointing`": {
         "activation_checkpointing.cpu_checkpointing": True
