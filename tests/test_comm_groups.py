@@ -23,7 +23,9 @@ STEPS = 4
 GLOBAL_BATCH = 16
 TOL = 1e-5  # fp32, relative, as the equivalence tests
 RECIPE = reference.Recipe(model="zoo", optimizer="adamw", clip=1.0, scheduler=True)
-ZOO = harness.ZOO_STRATEGIES
+ZOO = {**harness.ZOO_STRATEGIES}
+# ZeRO-2 within pairs of ranks, replicated across the pairs ([Note: hybrid sharding]).
+ZOO["zero2-hybrid"] = {**ZOO["zero2"], "mesh": {"dp_replicate": 2}}
 
 CASES = [
     # (strategy, world, comm)
@@ -34,6 +36,7 @@ CASES = [
     ("zero1", 4, {"groups": 2}),
     ("zero2", 2, {"groups": 3}),
     ("zero3", 4, {"groups": 2}),
+    ("zero2-hybrid", 4, {"groups": 2}),  # copies of the dp_shard pairs, apart from dp's
     ("replicate", 4, {"hierarchical": True, "ranks_per_node": 2}),  # 2 nodes x 2
     ("replicate", 4, {"hierarchical": True, "ranks_per_node": 1}),  # 4 nodes x 1
     ("replicate", 4, {"hierarchical": True, "ranks_per_node": 4}),  # 1 node x 4
@@ -256,3 +259,15 @@ def _zero_hierarchical() -> None:
 def test_zero_refuses_hierarchical_by_name(ranks):
     with pytest.raises(RankFailure, match=r"comm\.hierarchical = true"):
         ranks(2, _zero_hierarchical)
+
+
+def _uneven_nodes() -> None:
+    cfg = harness.config(
+        ZOO["replicate"], RECIPE, GLOBAL_BATCH, 4, comm={"hierarchical": True, "ranks_per_node": 3}
+    )
+    harness.train(RECIPE, cfg, 1)
+
+
+def test_uneven_nodes_are_refused_naming_the_sizes(ranks):
+    with pytest.raises(RankFailure, match=r"node 0 holds 3, node 1 holds 1"):
+        ranks(4, _uneven_nodes)
