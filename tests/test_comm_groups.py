@@ -245,6 +245,8 @@ def test_spread_plan_is_the_same_list_of_groups_on_every_rank():
 def test_config_names_the_key():
     with pytest.raises(ConfigError, match=r"comm\.groups"):
         load_config({"comm": {"groups": 0}})
+    with pytest.raises(ConfigError, match=r"comm\.hierarchical = true with strategy 'zero'"):
+        load_config({"strategy": "zero", "comm": {"hierarchical": True}})
     with pytest.raises(ConfigError, match=r"comm\.ranks_per_node"):
         load_config({"comm": {"ranks_per_node": 0}})
 

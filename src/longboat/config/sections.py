@@ -547,6 +547,17 @@ class Config(_Section):
         )
 
     @model_validator(mode="after")
+    def _hierarchical_where_it_is_built(self) -> Config:
+        """The hierarchical sum is an all-reduce's; ZeRO reduces by reduce-scatter."""
+        if self.comm.hierarchical and self.strategy == "zero":
+            raise ValueError(
+                "comm.hierarchical = true with strategy 'zero': ZeRO reduces gradients by "
+                "reduce-scatter, which has no hierarchical form here; set comm.hierarchical = "
+                "false (comm.groups still spreads its reductions), or use strategy 'replicate'"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _compression_where_it_is_built(self) -> Config:
         """Gradient compression replaces the data-parallel reduction of ``replicate`` and
         ``zero``; what it cannot be combined with (yet) is refused with the reason."""
