@@ -186,8 +186,16 @@ def test_deepspeed_dialect_translates():
         ),
         ({"train_batch_size": 8, "optimizer": {"params": {}}}, ["optimizer", "type"]),
         (
-            {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {}}},
-            ["'optimizer.type' = 'OneBitAdam'", "torch.optim"],
+            {"train_batch_size": 8, "optimizer": {"type": "OneBitLamb", "params": {}}},
+            ["'optimizer.type' = 'OneBitLamb'", "torch.optim"],
+        ),
+        (
+            {
+                "train_batch_size": 8,
+                "optimizer": {"type": "OneBitAdam", "params": {}},
+                "zero_optimization": {"stage": 2},
+            },
+            ["optimizer.type = 'OneBitAdam'", "strategy = 'zero'"],
         ),
         (
             {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {}}},

@@ -24,8 +24,6 @@ SOURCES: dict[str, dict[str, str]] = json.loads((CORPUS / "SOURCES.json").read_t
 
 # file -> why longboat refuses a config DeepSpeed accepts (a feature it does not have, asked for)
 DIFFERENT: dict[str, str] = {
-    "dse_bing_bert_onebitadam_nccl.json": "optimizer OneBitAdam: DeepSpeed's 1-bit Adam",
-    "dse_bing_bert_onebit_micro_only.json": "optimizer OneBitAdam: DeepSpeed's 1-bit Adam",
     "ds_docs_onebit_lamb.json": "optimizer OneBitLamb: DeepSpeed's 1-bit LAMB",
 }
 # A refusal may name a key the file lacks: the batch size DeepSpeed requires.

@@ -38,6 +38,7 @@ from longboat.observe.memory import (
 )
 from longboat.observe.monitor import Monitor
 from longboat.optim import build_optimizer, build_scheduler, check_parameters
+from longboat.optim.self_reducing import check_bound
 from longboat.pipeline import build_schedule
 from longboat.precision import Precision, SkippedStep
 from longboat.recompute import apply_activation_checkpointing
@@ -119,6 +120,7 @@ class Engine:
                 "strategy 'zero' with zero.stage = 3 (it makes them unit by unit)"
             )
         self.module = self.strategy.setup(model, optimizer)
+        check_bound(optimizer, self.strategy.name, config)
         self.precision = Precision(config.precision, device_for(world))
         # Gradients a strategy keeps out of memory ([Note: parameter offload]).
         self._held = getattr(self.strategy, "held_gradients", lambda: None)()

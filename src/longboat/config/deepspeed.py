@@ -69,6 +69,8 @@ _OPTIMIZERS = {
     "sgd": "SGD",
     "adagrad": "Adagrad",
     "lamb": "Lamb",
+    # DeepSpeed's 1-bit Adam, with its parameter names (longboat.optim.onebit_adam)
+    "onebitadam": "OneBitAdam",
 }
 
 
@@ -171,21 +173,12 @@ def _check_type(ds_key: str, given: str, typ: str, where: str) -> None:
     import torch
 
     if ds_key == "optimizer":
-        if typ == "OneBitAdam":  # not translated: what travels in 1 bit differs
-            raise ConfigError(
-                f"DeepSpeed key 'optimizer.type' = {given!r} in {where} is not a torch.optim "
-                "optimizer: DeepSpeed's 1-bit Adam all-reduces the momentum in 1 bit, which "
-                "longboat does not offer. Its nearest, "
-                "[compression] method = 'onebit' with [optimizer] type = 'OneBitAdam', "
-                "compresses the gradient instead (docs/compression.md): write those in a "
-                "longboat config, or leave the 'optimizer' block out"
-            )
         cls = getattr(torch.optim, typ, None)
         if typ in OWN_OPTIMIZERS or (
             isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
         ):
             return
-        what = "a torch.optim optimizer or Lamb (DeepSpeed's 1-bit optimizers are not offered)"
+        what = "a torch.optim optimizer, Lamb or OneBitAdam (1-bit LAMB is not offered)"
     else:
         cls = getattr(torch.optim.lr_scheduler, typ, None)
         if typ in ("WarmupLR", "WarmupDecayLR") or isinstance(cls, type):

@@ -558,6 +558,27 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _onebit_adam_where_it_is_built(self) -> Config:
+        """1-bit Adam all-reduces its own momentum after its warm-up ([Note: self-reducing
+        optimizer] in ``optim/self_reducing.py``): only ``replicate`` (or one process) lets it,
+        and compressing the gradient as well would compress twice."""
+        if self.optimizer is None or self.optimizer.type != "OneBitAdam":
+            return self
+        if self.strategy in ("zero", "parameter_server"):
+            raise ValueError(
+                f"optimizer.type = 'OneBitAdam' with strategy = {self.strategy!r}: 1-bit Adam "
+                "all-reduces each rank's whole momentum itself (DeepSpeed refuses it with ZeRO "
+                "too); use strategy = 'replicate', or another optimizer"
+            )
+        if self.compression.method != "none":
+            raise ValueError(
+                f"optimizer.type = 'OneBitAdam' with compression.method = "
+                f"{self.compression.method!r}: 1-bit Adam compresses the momentum itself, the "
+                "gradient would be compressed twice; remove the [compression] section"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _compression_where_it_is_built(self) -> Config:
         """Gradient compression replaces the data-parallel reduction of ``replicate`` and
         ``zero``; what it cannot be combined with (yet) is refused with the reason."""

@@ -33,6 +33,11 @@ With ``compression.method`` set, once its warm-up is over each bucket is reduced
 compressor instead of one all-reduce ([Note: compressed reduction] in
 ``comm/compression/protocol.py``): synchronously, when the bucket is launched, its usage flags
 exact.
+
+An optimizer that reduces itself ([Note: self-reducing optimizer] in ``optim/self_reducing.py``,
+1-bit Adam after its warm-up) is handed the data-parallel doorway at setup; for each step it
+asks for local gradients, no bucket is filled or launched: ``p.grad`` stays this rank's own
+(None where this rank did not use the parameter) and the optimizer steps once.
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from longboat.comm import compression
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
 from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
+from longboat.config import ConfigError
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim import has_step_hooks, is_elementwise
+from longboat.optim.self_reducing import ReducesItself
 from longboat.strategies.base import StrategyContext, full_gradient
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.pieces import PieceSource, RankState, members
@@ -81,6 +88,9 @@ class Replicate:
         self._used: list[list[bool]] = []
         self.overlapped_steps = 0  # steps taken bucket by bucket ([Note: optimizer overlap])
         self.compressor = compression.build(ctx.compression)
+        # An optimizer that reduces itself, and whether it does in this step.
+        self._reducer: ReducesItself | None = None
+        self._local = False
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -93,6 +103,15 @@ class Replicate:
             for t in [*all_params, *model.buffers()]:
                 self.comm.broadcast(t.data, src=0)
         self._buffers = BufferSync(model, self.comm)
+        if isinstance(optimizer, ReducesItself):
+            if self.compressor is not None:
+                raise ConfigError(
+                    f"compression.method = {self.ctx.compression.method!r} with optimizer "
+                    f"{type(optimizer).__name__}, which compresses its own momentum: the "
+                    "gradient would be compressed twice; remove the [compression] section"
+                )
+            optimizer.longboat_bind(self.comm)
+            self._reducer = optimizer
         self.plan = plan_buckets(
             all_params, int(cfg.bucket_mb * _MIB), int(cfg.first_bucket_mb * _MIB)
         )
@@ -118,6 +137,8 @@ class Replicate:
 
     def before_backward(self, sync: bool) -> None:
         self._sync = sync
+        # Decided once per step, alike on every rank (the optimizer's step count).
+        self._local = self._reducer is not None and self._reducer.longboat_reduces_gradients()
         if sync:
             self._order.reset()
             for s in self._arrived:
@@ -131,7 +152,7 @@ class Replicate:
         return self.plan.buckets
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._sync or p.grad is None:
+        if not self._sync or self._local or p.grad is None:
             return  # between boundaries gradients accumulate in p.grad, as in plain PyTorch
         bucket, i = self.plan.locate(p)  # type: ignore[union-attr]
         bucket.view_of(i).copy_(p.grad)
@@ -139,6 +160,8 @@ class Replicate:
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
+        if self._local:
+            return  # the optimizer reduces ([Note: self-reducing optimizer])
         self._order.advance(lambda i: len(self._arrived[i]) == len(self._buckets[i].params), force)
 
     def _launch(self, index: int) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from longboat.comm.protocol import Comm
 from longboat.observe.memory import optimizer_state_tensors
+from longboat.optim.self_reducing import ReducesItself
 from longboat.strategies.base import StrategyContext, full_gradient
 from longboat.strategies.pieces import PieceSource, RankState
 from longboat.strategies.whole_state import load_whole_state, whole_state
@@ -27,6 +28,8 @@ class Single:
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if isinstance(optimizer, ReducesItself):  # a world of one: its averages are identities
+            optimizer.longboat_bind(self.ctx.topology.data("dp"))
         return model
 
     def before_forward(self) -> None:

@@ -1,0 +1,303 @@
+"""1-bit Adam (``OneBitAdam``) under replicate at 1, 2 and 4 ranks, against a plain PyTorch
+simulation of N ranks; its warm-up against plain Adam with DeepSpeed's rule; refusals; the
+digits example converging with it.
+
+The simulation imports nothing from longboat. Each rank's forward and backward run on that
+rank's samples, each rank's gradient kept apart; then, as docs/compression.md states the
+algorithm (DeepSpeed's ``OnebitAdam``), per parameter in the optimizer's order:
+
+- warm-up (the first ``freeze_step`` steps): ``g`` = the exact average of the ranks' gradients
+  (a parameter no rank used is skipped), ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``;
+- after it, for a parameter some rank used: each rank's ``m_r = b1 m + (1-b1) g_r`` (``g_r``
+  zero where rank r did not use it); ``m`` = the 1-bit average of the ``m_r / n``: each rank adds
+  its worker residual to its padded ``m_r / n`` (n chunks of c elements, c a multiple of 8),
+  sends each chunk's signs (+1 for >= 0) times ``||chunk|| / sqrt(c)`` and keeps the rest as
+  its residual; server j sums the chunks j, adds its residual, sends the same compression of it
+  and keeps the rest; ``v`` unchanged. With one rank the average is ``m`` itself;
+- both: ``p -= lr (m / (sqrt(v) + eps) + wd p)`` (no bias correction, as DeepSpeed).
+
+Model: the zoo (conditionally used experts, a never-used and a frozen parameter, tied weights,
+an LSTM, BatchNorm). Tolerance fp32 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import harness
+import pytest
+import reference
+import torch
+
+import longboat
+from longboat.config import ConfigError, load_config
+from longboat.optim.onebit_adam import OneBitAdam
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 7
+FREEZE = 3
+GLOBAL_BATCH = 16
+TOL = 1e-5
+LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.999), 1e-8
+RECIPE = reference.Recipe(model="zoo")
+REPLICATE = {"strategy": "replicate", "replicate": {"bucket_mb": 0.001}}
+
+
+# -- the plain simulation of N ranks -----------------------------------------------------------
+
+
+def _one_bit(x: torch.Tensor) -> torch.Tensor:
+    scale = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
+    return torch.where(x >= 0, 1.0, -1.0) * scale
+
+
+class SimAverage:
+    """The 1-bit average of every rank's tensor, residuals per (key, rank)."""
+
+    def __init__(self) -> None:
+        self.worker: dict[tuple[str, int], torch.Tensor] = {}
+        self.server: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __call__(self, key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        n = len(parts)
+        numel = parts[0].numel()
+        c = math.ceil(numel / (8 * n)) * 8
+        sent = []
+        for r, t in enumerate(parts):
+            x = torch.zeros(n * c)
+            x[:numel] = t.flatten() / n
+            x += self.worker.get((key, r), torch.zeros(n * c))
+            d = _one_bit(x.view(n, c))
+            err = x - d.flatten()
+            err[numel:] = 0
+            self.worker[(key, r)] = err
+            sent.append(d)
+        out = []
+        for j in range(n):
+            y = torch.stack([d[j] for d in sent]).sum(0)
+            y += self.server.get((key, j), torch.zeros(c))
+            d = _one_bit(y)
+            self.server[(key, j)] = y - d
+            out.append(d)
+        return torch.cat(out)[:numel].view_as(parts[0])
+
+
+def simulate(order: list[list[int]], freeze: int) -> tuple[list[list[float]], Any, Any]:
+    """Losses [step][rank], the state_dict and the optimizer state by parameter name."""
+    model, _, _ = RECIPE.build()
+    data = harness.data_for(RECIPE, GLOBAL_BATCH * len(order))
+    named = list(model.named_parameters())
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    average = SimAverage()
+    b1, b2 = BETAS
+    losses = []
+    for step, micro in enumerate(order):
+        n = len(micro)
+        before = {k: b.clone() for k, b in model.named_buffers()}
+        first: dict[str, torch.Tensor] = {}
+        grads: list[dict[str, torch.Tensor | None]] = []
+        step_losses = []
+        for r, ids in enumerate(micro):
+            with torch.no_grad():
+                for k, b in model.named_buffers():
+                    b.copy_(before[k])
+            model.zero_grad(set_to_none=True)
+            _, *batch = data[list(ids)]
+            loss = reference.forward_loss(model, batch)
+            loss.backward()
+            step_losses.append(float(loss.detach()))
+            grads.append({k: None if p.grad is None else p.grad.clone() for k, p in named})
+            if r == 0:
+                first = {k: b.clone() for k, b in model.named_buffers()}
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(first[k])
+        losses.append(step_losses)
+        with torch.no_grad():
+            for k, p in named:
+                mine = [g[k] if g[k] is not None else torch.zeros_like(p) for g in grads]
+                if all(g[k] is None for g in grads):
+                    continue  # no rank used it: no update, no state
+                zeros = torch.zeros_like(p)
+                st = state.setdefault(
+                    k, {"step": 0, "exp_avg": zeros.clone(), "exp_avg_sq": zeros.clone()}
+                )
+                st["step"] += 1
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                if step < freeze:
+                    g = torch.stack([t / n for t in mine]).sum(0)
+                    m.mul_(b1).add_(g, alpha=1 - b1)
+                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                else:
+                    per_rank = [m * b1 + (1 - b1) * t for t in mine]
+                    m.copy_(per_rank[0] if n == 1 else average(k, per_rank))
+                update = m / (v.sqrt() + EPS)
+                update.add_(p, alpha=WD)
+                p.add_(update, alpha=-LR)
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, state
+
+
+# -- the longboat side -------------------------------------------------------------------------
+
+
+def _train(cfg: dict[str, Any], steps: int, freeze: int) -> dict[str, Any]:
+    model, _, _ = RECIPE.build()
+    opt = OneBitAdam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                     freeze_step=freeze)  # fmt: skip
+    engine = longboat.initialize(model, opt, cfg)
+    ids, losses = [], []
+    for sample_ids, *batch in engine.loader(harness.data_for(RECIPE, GLOBAL_BATCH * steps)):
+        loss = reference.forward_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        ids.append(sample_ids.tolist())
+        losses.append(float(loss.detach()))
+        if engine.global_step == steps:
+            break
+    out = {
+        "ids": ids,
+        "losses": losses,
+        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
+        "optim": harness.optimizer_pieces(engine),
+        "local": engine.strategy.name == "replicate" and engine.strategy._local,
+    }
+    engine.close()
+    return out
+
+
+def _check(results: list[dict[str, Any]], freeze: int) -> None:
+    order = [[res["ids"][s] for res in results] for s in range(STEPS)]
+    losses, state, optim = simulate(order, freeze)
+    for r, res in enumerate(results):
+        for s, loss in enumerate(res["losses"]):
+            want = losses[s][r]
+            assert abs(loss - want) <= TOL * max(abs(want), 1.0), (
+                f"rank {r}, step {s + 1}: loss {loss!r} vs simulated {want!r}"
+            )
+        diff = reference.max_rel_diff(res["state"], state)
+        assert diff <= TOL, f"rank {r}: parameters/buffers differ by {diff:.3g} (rel)"
+    got = harness.assemble(results)
+    assert got.keys() == optim.keys()
+    assert "never" not in got and "frozen.weight" not in got
+    for name, want in optim.items():
+        assert int(got[name]["step"]) == want["step"], name
+        for k in ("exp_avg", "exp_avg_sq"):
+            d = reference.max_rel_diff({k: got[name][k]}, {k: want[k]})
+            assert d <= TOL, f"optimizer state {name}.{k} differs by {d:.3g}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_onebit_adam_equals_the_plain_simulation(ranks, world):
+    """Across the freeze: losses at every step, then parameters, buffers and optimizer state;
+    and the run must end far from exact Adam (the compression shows)."""
+    cfg = harness.config(REPLICATE, RECIPE, GLOBAL_BATCH, GLOBAL_BATCH // world)
+    results = ranks(world, _train, cfg, STEPS, FREEZE)
+    assert all(res["local"] for res in results), "gradients stay local after the freeze"
+    _check(results, FREEZE)
+    if world > 1:
+        order = [[res["ids"][s] for res in results] for s in range(STEPS)]
+        _, exact, _ = simulate(order, STEPS)  # never frozen: Adam all along
+        assert reference.max_rel_diff(results[0]["state"], exact) > 100 * TOL
+
+
+def test_warm_up_is_plain_adam_with_deepspeeds_rule(ranks):
+    """Before the freeze, against a plain loop written here: torch.optim.Adam-free, no bias
+    correction, weight decay added to the update, on exactly averaged gradients."""
+    cfg = harness.config(REPLICATE, RECIPE, GLOBAL_BATCH, GLOBAL_BATCH // 2)
+    results = ranks(2, _train, cfg, STEPS, STEPS + 1)
+    assert not any(res["local"] for res in results)
+    _check(results, STEPS + 1)
+    # and DeepSpeed's rule is not torch's AdamW: the first step alone tells them apart
+    model, _, _ = RECIPE.build()
+    a = OneBitAdam(model.parameters(), lr=LR, weight_decay=WD, freeze_step=10)
+    w = model.head.weight
+    before = w.detach().clone()
+    w.grad = torch.full_like(w, 0.5)
+    a.step()
+    # m = 0.05, v = 0.00025: m / sqrt(v) = 3.1623 (Adam with bias correction would give 1)
+    want = before - LR * (0.05 / (0.00025**0.5 + EPS) + WD * before)
+    assert torch.allclose(w.detach(), want, rtol=1e-6, atol=1e-7)
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"strategy": "zero", "zero": {"stage": 1}}, ["strategy = 'zero'", "DeepSpeed"]),
+        ({"strategy": "zero", "zero": {"stage": 3}}, ["strategy = 'zero'"]),
+        ({"compression": {"method": "onebit"}}, ["compression.method = 'onebit'", "twice"]),
+    ],
+)
+def test_config_refuses_onebit_adam_where_it_is_not_built(extra, named):
+    cfg = {"batch": {"train_batch_size": 8}, "optimizer": {"type": "OneBitAdam"}, **extra}
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    for n in named:
+        assert n in str(e.value), str(e.value)
+
+
+def _zero_with_object(_: int) -> str:
+    model, _, _ = RECIPE.build()
+    opt = OneBitAdam(model.parameters(), freeze_step=2)
+    cfg = harness.config({"strategy": "zero", "zero": {"stage": 2}}, RECIPE, 8, 4)
+    try:
+        longboat.initialize(model, opt, cfg)
+    except ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_engine_refuses_a_onebit_adam_object_under_zero(ranks):
+    for msg in ranks(2, _zero_with_object, 0):
+        assert "OneBitAdam" in msg and "'zero'" in msg, msg
+
+
+def test_deepspeed_onebit_adam_translates():
+    cfg = load_config(
+        {
+            "train_batch_size": 8,
+            "optimizer": {
+                "type": "OneBitAdam",
+                "params": {"lr": 4e-4, "freeze_step": 23000, "cuda_aware": False,
+                           "comm_backend_name": "nccl", "bias_correction": False},
+            },
+        }
+    )  # fmt: skip
+    assert cfg.optimizer is not None and cfg.optimizer.type == "OneBitAdam"
+    model, _, _ = RECIPE.build()
+    opt = longboat.optim.build_optimizer(model.parameters(), cfg.optimizer)
+    assert isinstance(opt, OneBitAdam) and opt.freeze_step == 23000
+    with pytest.raises(ValueError, match="amsgrad"):
+        OneBitAdam(model.parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match="freeze_step 0"):
+        OneBitAdam(model.parameters(), freeze_step=0)
+
+
+# -- the digits example converges ------------------------------------------------------------
+
+
+def test_digits_converges_with_onebit_adam(tmp_path):
+    """OneBitAdam freezing after 66 of the 330 steps (20 %), 2 ranks."""
+    toml = (ROOT / "examples" / "digits.toml").read_text()
+    toml = toml.replace(
+        'type = "AdamW"\nparams = { lr = 3e-3, weight_decay = 1e-4 }',
+        'type = "OneBitAdam"\nparams = { lr = 3e-3, weight_decay = 1e-4, freeze_step = 66 }',
+    )
+    assert "OneBitAdam" in toml
+    cfg = tmp_path / "digits_onebit_adam.toml"
+    cfg.write_text(toml)
+    cmd = [sys.executable, "-m", "longboat.cli", "run", "-n", "2",
+           str(ROOT / "examples" / "digits.py"), "--config", str(cfg)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    m = re.search(r"accuracy=([0-9.]+)", out)
+    assert m, out[-3000:]
+    assert float(m.group(1)) >= 0.95, out[-2000:]
