@@ -3,7 +3,7 @@
 ``torch.optim`` and ``torch.optim.lr_scheduler`` names are used as they are; DeepSpeed's
 ``WarmupLR`` and ``WarmupDecayLR`` are provided too, so a DeepSpeed config keeps its schedule,
 and so are ``Lamb`` (:mod:`longboat.optim.lamb`), DeepSpeed's FusedLamb, which torch lacks,
-and ``OneBitAdam`` (:mod:`longboat.optim.onebit_adam`), 1-bit Adam's frozen-variance AdamW.
+and ``OneBitAdam`` (:mod:`longboat.optim.onebit_adam`), DeepSpeed's 1-bit Adam.
 """
 
 from __future__ import annotations
