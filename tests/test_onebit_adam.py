@@ -224,6 +224,58 @@ def test_warm_up_is_plain_adam_with_deepspeeds_rule(ranks):
     assert torch.allclose(w.detach(), want, rtol=1e-6, atol=1e-7)
 
 
+def _resume(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Train 5 steps (freeze at 3), save; a fresh engine loads it and takes one more step."""
+    first = _train_and_save(cfg, directory)
+    model, _, _ = RECIPE.build()
+    opt = OneBitAdam(model.parameters(), lr=LR, weight_decay=WD, freeze_step=FREEZE)
+    engine = longboat.initialize(model, opt, cfg)
+    engine.load_checkpoint(directory)
+    loaded = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    v_loaded = {id(p): s["exp_avg_sq"].clone() for p, s in opt.state.items()}
+    compressed_next = opt.longboat_reduces_gradients()
+    for _, *batch in engine.loader(harness.data_for(RECIPE, GLOBAL_BATCH * 8)):
+        engine.backward(reference.forward_loss(engine, batch))
+        engine.step()
+        break
+    frozen = all(torch.equal(s["exp_avg_sq"], v_loaded[id(p)]) for p, s in opt.state.items())
+    out = {
+        "saved": first,
+        "loaded": loaded,
+        "compressed_next": compressed_next,
+        "frozen": frozen,
+        "local": engine.strategy._local,
+        "steps": opt.steps_taken(),
+    }
+    engine.close()
+    return out
+
+
+def _train_and_save(cfg: dict[str, Any], directory: str) -> dict[str, torch.Tensor]:
+    model, _, _ = RECIPE.build()
+    opt = OneBitAdam(model.parameters(), lr=LR, weight_decay=WD, freeze_step=FREEZE)
+    engine = longboat.initialize(model, opt, cfg)
+    for _, *batch in engine.loader(harness.data_for(RECIPE, GLOBAL_BATCH * 5)):
+        engine.backward(reference.forward_loss(engine, batch))
+        engine.step()
+        if engine.global_step == 5:
+            break
+    engine.save_checkpoint(directory, tag="five")
+    state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    return state
+
+
+def test_a_resumed_run_continues_compressed_with_the_frozen_variance(ranks, tmp_path):
+    """The step count, momentum and frozen variance are optimizer state: a run resumed after
+    the freeze goes on compressing (its residuals restart from zero, as in DeepSpeed)."""
+    cfg = harness.config(REPLICATE, RECIPE, GLOBAL_BATCH, GLOBAL_BATCH // 2)
+    for res in ranks(2, _resume, cfg, str(tmp_path)):
+        assert reference.max_rel_diff(res["loaded"], res["saved"]) == 0
+        assert res["compressed_next"] and res["local"] and res["frozen"]
+        assert res["steps"] == 6
+
+
 # -- refusals ----------------------------------------------------------------------------------
 
 

@@ -14,6 +14,10 @@ of 8). Each rank:
 Each rank moves ``(n-1)/n (c n/8 + 4n)`` bytes twice, against ``2(n-1)/n 4 c n`` for an exact
 fp32 all-reduce: about 32x fewer. Elements no parameter covers (replicate's usage flags, ZeRO's
 padding) are reduced exactly.
+
+The same :class:`OneBit` serves 1-bit Adam (``longboat.optim.onebit_adam``), which calls
+:meth:`OneBit.all_reduce` on each parameter's divided momentum over the data-parallel doorway,
+one span covering the whole flat tensor.
 """
 
 from __future__ import annotations
