@@ -1,6 +1,7 @@
 """Gradient compression on the reference GPT: loss after a fixed number of steps and bytes on the
-wire per step, for exact fp32 all-reduce, bf16 communication, PowerSGD rank 4 and 1-bit (with
-AdamW, and with ``OneBitAdam``), all under ``replicate`` on the same ranks, seed and batches.
+wire per step, for exact fp32 all-reduce, bf16 communication, PowerSGD rank 4, 1-bit gradients
+(with AdamW) and 1-bit Adam (``OneBitAdam``, which compresses its momentum), all under
+``replicate`` on the same ranks, seed and batches.
 
 Each method trains a fresh reference GPT (:func:`longboat.models.reference_gpt`, AdamW or
 OneBitAdam at lr 3e-4, synthetic next-token data) for ``--steps`` steps. Recorded per method:
@@ -51,8 +52,10 @@ def methods(warmup: int) -> dict[str, dict[str, Any]]:
             "compression": {"method": "powersgd", "rank": 4, "warmup_steps": warmup}
         },
         "onebit": {"compression": {"method": "onebit", "warmup_steps": warmup}},
-        "onebit_onebitadam": {
-            "compression": {"method": "onebit", "warmup_steps": warmup},
+        # 1-bit Adam: exact Adam for freeze_step steps, then each rank's momentum in 1 bit
+        # (docs/compression.md); no [compression] section, which it refuses. DeepSpeed's
+        # defaults otherwise (eps 1e-8).
+        "onebitadam": {
             "optimizer_type": "OneBitAdam",
             "optimizer_extra": {"freeze_step": warmup},
         },
