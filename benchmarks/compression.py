@@ -4,9 +4,10 @@ wire per step, for exact fp32 all-reduce, bf16 communication, PowerSGD rank 4, 1
 ``replicate`` on the same ranks, seed and batches.
 
 Each method trains a fresh reference GPT (:func:`longboat.models.reference_gpt`, AdamW or
-OneBitAdam at lr 3e-4, synthetic next-token data) for ``--steps`` steps. Recorded per method:
-the mean loss over the last ``--tail`` steps (over every rank), its gap to the exact run's, and
-from the comm log of the data-parallel doorway the wire bytes per step of the gradient
+OneBitAdam at lr 3e-4, next-token data that can be learned: sequences following one fixed
+random permutation of the vocabulary, :func:`chain_tokens`) for ``--steps`` steps. Recorded
+per method: the mean loss over the last ``--tail`` steps (over every rank), its gap to the
+exact run's, and from the comm log of the data-parallel doorway the wire bytes per step of the gradient
 collectives, after the warm-up (``--warmup`` exact steps, which every compressed method takes
 first), with the exact all-reduce bytes the compressed ones replaced ([Note: bytes saved] in
 ``longboat/comm/commlog.py``). Not a timing benchmark: the step times are recorded but this
@@ -14,7 +15,7 @@ machine's noise is larger than what compression changes on loopback.
 
 Usage::
 
-    python benchmarks/compression.py               # 200 steps, writes results JSON
+    python benchmarks/compression.py               # 100 steps, writes results JSON
     python benchmarks/compression.py --steps 2     # smoke run (warm-up 1)
 
 Writes ``benchmarks/results/compression.json`` (``--out`` to change).
@@ -37,7 +38,7 @@ from common import free_port, join_loopback, machine, versions
 from torch.utils.data import TensorDataset
 
 import longboat
-from longboat.models import gpt_loss, reference_gpt, synthetic_tokens
+from longboat.models import gpt_loss, reference_gpt
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compression.json"
 GRADIENT_OPS = ("all_reduce", "all_to_all", "all_gather")
@@ -65,7 +66,7 @@ def methods(warmup: int) -> dict[str, dict[str, Any]]:
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per method")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps per method")
     p.add_argument("--warmup", type=int, default=None, help="exact steps first (default steps/10)")
     p.add_argument("--tail", type=int, default=None, help="steps averaged for the final loss")
     p.add_argument("--micro-batch", type=int, default=4)
@@ -81,6 +82,21 @@ def _gradient_wire(log: Any) -> tuple[int, int]:
         r["wire_bytes"] for r in log.summary() if not r["replaced"] and r["op"] in GRADIENT_OPS
     )
     return sent, log.saved()["exact_wire_bytes"]
+
+
+def chain_tokens(
+    n: int, seq_len: int, vocab: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` next-token sequences that can be learned: each starts at a random token and follows
+    one fixed random permutation of the vocabulary (token t is followed by ``perm[t]``). Random
+    tokens (``synthetic_tokens``) teach nothing: every method's loss stays at ln(vocab), so a
+    loss gap between methods would say nothing about compression."""
+    perm = torch.randperm(vocab, generator=generator)
+    seq = torch.empty(n, seq_len + 1, dtype=torch.int64)
+    seq[:, 0] = torch.randint(0, vocab, (n,), generator=generator)
+    for t in range(seq_len):
+        seq[:, t + 1] = perm[seq[:, t]]
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
 def _train(args: argparse.Namespace, name: str, extra: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +118,7 @@ def _train(args: argparse.Namespace, name: str, extra: dict[str, Any]) -> dict[s
     model = reference_gpt()
     engine = longboat.initialize(model, config=cfg)
     n = engine.batch.train_batch_size * args.steps
-    x, y = synthetic_tokens(n, model.seq_len, model.vocab_size, torch.Generator().manual_seed(0))
+    x, y = chain_tokens(n, model.seq_len, model.vocab_size, torch.Generator().manual_seed(0))
     log = engine.strategy.comm.commlog
     losses, times = [], []
     start = (0, 0)
