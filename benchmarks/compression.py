@@ -7,11 +7,11 @@ Each method trains a fresh reference GPT (:func:`longboat.models.reference_gpt`,
 OneBitAdam at lr 3e-4, next-token data that can be learned: sequences following one fixed
 random permutation of the vocabulary, :func:`chain_tokens`) for ``--steps`` steps. Recorded
 per method: the mean loss over the last ``--tail`` steps (over every rank), its gap to the
-exact run's, and from the comm log of the data-parallel doorway the wire bytes per step of the gradient
-collectives, after the warm-up (``--warmup`` exact steps, which every compressed method takes
-first), with the exact all-reduce bytes the compressed ones replaced ([Note: bytes saved] in
-``longboat/comm/commlog.py``). Not a timing benchmark: the step times are recorded but this
-machine's noise is larger than what compression changes on loopback.
+exact run's, and from the comm log of the data-parallel doorway the wire bytes per step of
+the gradient collectives, after the warm-up (``--warmup`` exact steps, which every compressed
+method takes first), with the exact all-reduce bytes the compressed ones replaced ([Note: bytes
+saved] in ``longboat/comm/commlog.py``). Not a timing benchmark: the step times are recorded
+but this machine's noise is larger than what compression changes on loopback.
 
 Usage::
 
