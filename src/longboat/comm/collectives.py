@@ -54,6 +54,7 @@ from longboat.comm.hang import (
     raise_report,
 )
 from longboat.comm.protocol import Comm, Handle
+from longboat.comm.protocol import Done as _Done
 from longboat.comm.trace import CallRecord, dtype_name, where_called
 
 __all__ = ["CollectiveTimeout", "Collectives", "Comm", "DesyncError", "Handle", "PeerLost", "Rules"]
@@ -91,16 +92,6 @@ class Rules:
                     f"CPU tensors (at most {self.max_bytes:,} bytes); tensors of the model "
                     "belong on the data plane"
                 )
-
-
-class _Done:
-    """The handle of an operation that needed no communication."""
-
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class _Timed:

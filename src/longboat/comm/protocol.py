@@ -24,6 +24,17 @@ class Handle(Protocol):
     def is_completed(self) -> bool: ...
 
 
+class Done:
+    """The handle of an operation that is already over: no communication was needed, or it
+    blocked until done."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 @runtime_checkable
 class Comm(Protocol):
     """Collectives and point-to-point operations over one group of ranks."""

@@ -8,7 +8,8 @@ from typing import Any
 
 from longboat.comm.compression.onebit import OneBit
 from longboat.comm.compression.powersgd import PowerSGD
-from longboat.comm.compression.protocol import Compressor, Done, Span
+from longboat.comm.compression.protocol import Compressor, Span
+from longboat.comm.protocol import Done
 
 __all__ = ["Compressor", "Done", "OneBit", "PowerSGD", "Span", "build"]
 

@@ -63,16 +63,6 @@ class Warmup:
         self.steps += 1
 
 
-class Done:
-    """The handle of a compressed reduction: it blocked until done."""
-
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
 def covered(spans: Sequence[Span]) -> int:
     """Where the parameters' elements end in the flat buffer (they start at 0, end to end)."""
     end = 0
