@@ -117,3 +117,23 @@ def test_ranks_started_without_a_launcher_listen_only_on_the_master_address():
     assert f"127.0.0.1:{port}" in listening, listening
     wild = [a for a in listening if a.startswith(("0.0.0.0:", ":::", "::"))]
     assert not wild, listening
+
+
+def test_leaving_the_group_ends_its_threads_after_an_optimizer_was_built():
+    """A gloo group joined by longboat and left with ``destroy_process_group`` takes its worker
+    threads with it, even after the script built an optimizer (which imports torch's compiler):
+    threads left running into interpreter shutdown abort a finished rank now and then ([Note:
+    dynamo before the group] in world.py)."""
+    import re
+    from pathlib import Path
+
+    import harness
+
+    script = Path(__file__).parent / "launch_scripts" / "teardown_threads.py"
+    res = harness.longboat_run("-n", "2", str(script))
+    assert res.returncode == 0, res.stdout
+    found = re.findall(r"SUM (\S+) RUNNING (\d+) GLOO_THREADS (\d+)", res.stdout)
+    assert len(found) == 2, res.stdout
+    for total, running, left in found:
+        assert total == "2" and int(running) > 0  # the count sees gloo's threads while they run
+        assert left == "0", res.stdout
