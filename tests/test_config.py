@@ -186,8 +186,8 @@ def test_deepspeed_dialect_translates():
         ),
         ({"train_batch_size": 8, "optimizer": {"params": {}}}, ["optimizer", "type"]),
         (
-            {"train_batch_size": 8, "optimizer": {"type": "OneBitLamb", "params": {}}},
-            ["'optimizer.type' = 'OneBitLamb'", "torch.optim"],
+            {"train_batch_size": 8, "optimizer": {"type": "ZeroOneAdam", "params": {}}},
+            ["'optimizer.type' = 'ZeroOneAdam'", "torch.optim"],
         ),
         (
             {

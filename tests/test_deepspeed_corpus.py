@@ -23,9 +23,7 @@ VERDICTS: dict[str, dict[str, Any]] = RECORD["verdicts"]
 SOURCES: dict[str, dict[str, str]] = json.loads((CORPUS / "SOURCES.json").read_text())
 
 # file -> why longboat refuses a config DeepSpeed accepts (a feature it does not have, asked for)
-DIFFERENT: dict[str, str] = {
-    "ds_docs_onebit_lamb.json": "optimizer OneBitLamb: DeepSpeed's 1-bit LAMB",
-}
+DIFFERENT: dict[str, str] = {}
 # A refusal may name a key the file lacks: the batch size DeepSpeed requires.
 REQUIRED = {"train_batch_size", "train_micro_batch_size_per_gpu"}
 

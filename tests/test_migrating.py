@@ -50,6 +50,8 @@ EXPECTED = {
     'Lightning Fabric `strategy="single_device"`': ("single", None, 1, None),
     "Horovod `hvd.join()`": ("replicate", None, 1, None),
     'DeepSpeed `"optimizer": {"type": "Lamb"}`': ("replicate", None, 1, None),
+    'DeepSpeed `"optimizer": {"type": "OneBitAdam"}`': ("replicate", None, 1, None),
+    'DeepSpeed `"optimizer": {"type": "OneBitLamb"}`': ("replicate", None, 1, None),
     "DeepSpeed `activation_checkpointing.cpu_checkpointing`": ("replicate", None, 1, None),
 }
 # row -> further keys the row's config must resolve to
@@ -58,6 +60,8 @@ FIELDS = {
     "Paddle Fleet `nccl_comm_num = 2`": {"comm.groups": 2},
     "Paddle Fleet `use_hierarchical_allreduce = True`": {"comm.hierarchical": True},
     'DeepSpeed `"optimizer": {"type": "Lamb"}`': {"optimizer.type": "Lamb"},
+    'DeepSpeed `"optimizer": {"type": "OneBitAdam"}`': {"optimizer.type": "OneBitAdam"},
+    'DeepSpeed `"optimizer": {"type": "OneBitLamb"}`': {"optimizer.type": "OneBitLamb"},
     "DeepSpeed `activation_checkpointing.cpu_checkpointing`": {
         "activation_checkpointing.cpu_checkpointing": True
     },

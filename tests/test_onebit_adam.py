@@ -2,9 +2,10 @@
 simulation of N ranks; its warm-up against plain Adam with DeepSpeed's rule; refusals; the
 digits example converging with it.
 
-The simulation imports nothing from longboat. Each rank's forward and backward run on that
-rank's samples, each rank's gradient kept apart; then, as docs/compression.md states the
-algorithm (DeepSpeed's ``OnebitAdam``), per parameter in the optimizer's order:
+The simulation (tests/onebit_sim.py) imports nothing from longboat. Each rank's forward and
+backward run on that rank's samples, each rank's gradient kept apart; then, as
+docs/compression.md states the algorithm (DeepSpeed's ``OnebitAdam``), per parameter in the
+optimizer's order:
 
 - warm-up (the first ``freeze_step`` steps): ``g`` = the exact average of the ranks' gradients
   (a parameter no rank used is skipped), ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``;
@@ -22,7 +23,6 @@ an LSTM, BatchNorm). Tolerance fp32 1e-5 relative.
 
 from __future__ import annotations
 
-import math
 import re
 import subprocess
 import sys
@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import onebit_sim
 import pytest
 import reference
 import torch
+from onebit_sim import SimAverage
 
 import longboat
 from longboat.config import ConfigError, load_config
@@ -51,95 +53,29 @@ REPLICATE = {"strategy": "replicate", "replicate": {"bucket_mb": 0.001}}
 # -- the plain simulation of N ranks -----------------------------------------------------------
 
 
-def _one_bit(x: torch.Tensor) -> torch.Tensor:
-    scale = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
-    return torch.where(x >= 0, 1.0, -1.0) * scale
-
-
-class SimAverage:
-    """The 1-bit average of every rank's tensor, residuals per (key, rank)."""
-
-    def __init__(self) -> None:
-        self.worker: dict[tuple[str, int], torch.Tensor] = {}
-        self.server: dict[tuple[str, int], torch.Tensor] = {}
-
-    def __call__(self, key: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        n = len(parts)
-        numel = parts[0].numel()
-        c = math.ceil(numel / (8 * n)) * 8
-        sent = []
-        for r, t in enumerate(parts):
-            x = torch.zeros(n * c)
-            x[:numel] = t.flatten() / n
-            x += self.worker.get((key, r), torch.zeros(n * c))
-            d = _one_bit(x.view(n, c))
-            err = x - d.flatten()
-            err[numel:] = 0
-            self.worker[(key, r)] = err
-            sent.append(d)
-        out = []
-        for j in range(n):
-            y = torch.stack([d[j] for d in sent]).sum(0)
-            y += self.server.get((key, j), torch.zeros(c))
-            d = _one_bit(y)
-            self.server[(key, j)] = y - d
-            out.append(d)
-        return torch.cat(out)[:numel].view_as(parts[0])
-
-
 def simulate(order: list[list[int]], freeze: int) -> tuple[list[list[float]], Any, Any]:
     """Losses [step][rank], the state_dict and the optimizer state by parameter name."""
-    model, _, _ = RECIPE.build()
-    data = harness.data_for(RECIPE, GLOBAL_BATCH * len(order))
-    named = list(model.named_parameters())
-    state: dict[str, dict[str, torch.Tensor]] = {}
     average = SimAverage()
     b1, b2 = BETAS
-    losses = []
-    for step, micro in enumerate(order):
-        n = len(micro)
-        before = {k: b.clone() for k, b in model.named_buffers()}
-        first: dict[str, torch.Tensor] = {}
-        grads: list[dict[str, torch.Tensor | None]] = []
-        step_losses = []
-        for r, ids in enumerate(micro):
-            with torch.no_grad():
-                for k, b in model.named_buffers():
-                    b.copy_(before[k])
-            model.zero_grad(set_to_none=True)
-            _, *batch = data[list(ids)]
-            loss = reference.forward_loss(model, batch)
-            loss.backward()
-            step_losses.append(float(loss.detach()))
-            grads.append({k: None if p.grad is None else p.grad.clone() for k, p in named})
-            if r == 0:
-                first = {k: b.clone() for k, b in model.named_buffers()}
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                b.copy_(first[k])
-        losses.append(step_losses)
-        with torch.no_grad():
-            for k, p in named:
-                mine = [g[k] if g[k] is not None else torch.zeros_like(p) for g in grads]
-                if all(g[k] is None for g in grads):
-                    continue  # no rank used it: no update, no state
-                zeros = torch.zeros_like(p)
-                st = state.setdefault(
-                    k, {"step": 0, "exp_avg": zeros.clone(), "exp_avg_sq": zeros.clone()}
-                )
-                st["step"] += 1
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                if step < freeze:
-                    g = torch.stack([t / n for t in mine]).sum(0)
-                    m.mul_(b1).add_(g, alpha=1 - b1)
-                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                else:
-                    per_rank = [m * b1 + (1 - b1) * t for t in mine]
-                    m.copy_(per_rank[0] if n == 1 else average(k, per_rank))
-                update = m / (v.sqrt() + EPS)
-                update.add_(p, alpha=WD)
-                p.add_(update, alpha=-LR)
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}, state
+
+    def adam(k: str, p: torch.Tensor, mine: list[torch.Tensor], st: dict, step: int) -> None:
+        n = len(mine)
+        if not st:
+            st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        st["step"] += 1
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        if step < freeze:
+            g = torch.stack([t / n for t in mine]).sum(0)
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        else:
+            m.copy_(average(k, [m * b1 + (1 - b1) * t for t in mine]))
+        update = m / (v.sqrt() + EPS)
+        update.add_(p, alpha=WD)
+        p.add_(update, alpha=-LR)
+
+    data = harness.data_for(RECIPE, GLOBAL_BATCH * len(order))
+    return onebit_sim.simulate(RECIPE, data, order, adam)
 
 
 # -- the longboat side -------------------------------------------------------------------------

@@ -69,8 +69,9 @@ _OPTIMIZERS = {
     "sgd": "SGD",
     "adagrad": "Adagrad",
     "lamb": "Lamb",
-    # DeepSpeed's 1-bit Adam, with its parameter names (longboat.optim.onebit_adam)
+    # DeepSpeed's 1-bit Adam and 1-bit LAMB, with their parameter names (longboat.optim)
     "onebitadam": "OneBitAdam",
+    "onebitlamb": "OneBitLamb",
 }
 
 
@@ -178,7 +179,7 @@ def _check_type(ds_key: str, given: str, typ: str, where: str) -> None:
             isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
         ):
             return
-        what = "a torch.optim optimizer, Lamb or OneBitAdam (1-bit LAMB is not offered)"
+        what = "a torch.optim optimizer, Lamb, OneBitAdam or OneBitLamb"
     else:
         cls = getattr(torch.optim.lr_scheduler, typ, None)
         if typ in ("WarmupLR", "WarmupDecayLR") or isinstance(cls, type):

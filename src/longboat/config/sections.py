@@ -23,7 +23,9 @@ class BatchConfig(_Section):
 
 
 #: Optimizers longboat provides itself (``longboat.optim``), by the name a config gives them.
-OWN_OPTIMIZERS = ("Lamb", "OneBitAdam")
+OWN_OPTIMIZERS = ("Lamb", "OneBitAdam", "OneBitLamb")
+# Those that all-reduce their own momentum after a warm-up ([Note: self-reducing optimizer]).
+SELF_REDUCING_OPTIMIZERS = ("OneBitAdam", "OneBitLamb")
 
 
 class OptimizerConfig(_Section):
@@ -558,22 +560,23 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _onebit_adam_where_it_is_built(self) -> Config:
-        """1-bit Adam all-reduces its own momentum after its warm-up ([Note: self-reducing
-        optimizer] in ``optim/self_reducing.py``): only ``replicate`` (or one process) lets it,
-        and compressing the gradient as well would compress twice."""
-        if self.optimizer is None or self.optimizer.type != "OneBitAdam":
+    def _onebit_where_it_is_built(self) -> Config:
+        """1-bit Adam and 1-bit LAMB all-reduce their own momentum after their warm-up ([Note:
+        self-reducing optimizer] in ``optim/self_reducing.py``): only ``replicate`` (or one
+        process) lets them, and compressing the gradient as well would compress twice."""
+        if self.optimizer is None or self.optimizer.type not in SELF_REDUCING_OPTIMIZERS:
             return self
+        name = self.optimizer.type
         if self.strategy in ("zero", "parameter_server"):
             raise ValueError(
-                f"optimizer.type = 'OneBitAdam' with strategy = {self.strategy!r}: 1-bit Adam "
+                f"optimizer.type = {name!r} with strategy = {self.strategy!r}: {name} "
                 "all-reduces each rank's whole momentum itself (DeepSpeed refuses it with ZeRO "
                 "too); use strategy = 'replicate', or another optimizer"
             )
         if self.compression.method != "none":
             raise ValueError(
-                f"optimizer.type = 'OneBitAdam' with compression.method = "
-                f"{self.compression.method!r}: 1-bit Adam compresses the momentum itself, the "
+                f"optimizer.type = {name!r} with compression.method = "
+                f"{self.compression.method!r}: {name} compresses the momentum itself, the "
                 "gradient would be compressed twice; remove the [compression] section"
             )
         return self

@@ -3,7 +3,8 @@
 ``torch.optim`` and ``torch.optim.lr_scheduler`` names are used as they are; DeepSpeed's
 ``WarmupLR`` and ``WarmupDecayLR`` are provided too, so a DeepSpeed config keeps its schedule,
 and so are ``Lamb`` (:mod:`longboat.optim.lamb`), DeepSpeed's FusedLamb, which torch lacks,
-and ``OneBitAdam`` (:mod:`longboat.optim.onebit_adam`), DeepSpeed's 1-bit Adam.
+``OneBitAdam`` (:mod:`longboat.optim.onebit_adam`), DeepSpeed's 1-bit Adam, and ``OneBitLamb``
+(:mod:`longboat.optim.onebit_lamb`), its 1-bit LAMB.
 """
 
 from __future__ import annotations
@@ -19,9 +20,14 @@ from longboat.config import ConfigError, OptimizerConfig, SchedulerConfig
 from longboat.config.sections import OWN_OPTIMIZERS
 from longboat.optim.lamb import Lamb
 from longboat.optim.onebit_adam import OneBitAdam
+from longboat.optim.onebit_lamb import OneBitLamb
 
 #: The optimizers longboat provides, by their config name (``OWN_OPTIMIZERS``).
-OWN: dict[str, type[torch.optim.Optimizer]] = {"Lamb": Lamb, "OneBitAdam": OneBitAdam}
+OWN: dict[str, type[torch.optim.Optimizer]] = {
+    "Lamb": Lamb,
+    "OneBitAdam": OneBitAdam,
+    "OneBitLamb": OneBitLamb,
+}
 assert set(OWN) == set(OWN_OPTIMIZERS)
 
 # Optimizers whose update of each element depends on that element's own state alone: they can be

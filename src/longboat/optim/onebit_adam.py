@@ -29,30 +29,21 @@ residuals restart from zero, as in DeepSpeed (they differ by rank and world size
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from longboat.comm.compression.onebit import OneBit
-from longboat.comm.protocol import Comm
-
-log = logging.getLogger(__name__)
+from longboat.optim.onebit_momentum import OneBitMomentum
 
 
-class OneBitAdam(torch.optim.Optimizer):
+class OneBitAdam(OneBitMomentum):
     """DeepSpeed's 1-bit Adam (see the module's docstring); DeepSpeed's parameter names.
 
     ``bias_correction``, ``eps_inside_sqrt`` and ``max_grad_norm`` are accepted and, as in
     DeepSpeed, do not change the update; ``cuda_aware`` and ``comm_backend_name`` choose
     DeepSpeed's transport and are ignored (the data-parallel doorway carries the momentum).
     """
-
-    longboat_elementwise = False
-    longboat_not_elementwise = (
-        "after its freeze_step it all-reduces every parameter's momentum in one step"
-    )
 
     def __init__(
         self,
@@ -69,24 +60,6 @@ class OneBitAdam(torch.optim.Optimizer):
         cuda_aware: bool | None = None,
         comm_backend_name: str | None = None,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"OneBitAdam: lr={lr}, eps={eps}, weight_decay={weight_decay}")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"OneBitAdam: betas {betas} must lie in [0, 1)")
-        if amsgrad:
-            raise ValueError("OneBitAdam: amsgrad=True is not supported by 1-bit Adam")
-        if freeze_step < 1:
-            raise ValueError(
-                f"OneBitAdam: freeze_step {freeze_step} must be 1 or more (the variance needs "
-                "at least one gradient)"
-            )
-        if cuda_aware is not None or comm_backend_name is not None:
-            log.info(
-                "OneBitAdam: cuda_aware=%s, comm_backend_name=%s are DeepSpeed's transport "
-                "choices and are ignored: the data-parallel doorway carries the momentum",
-                cuda_aware,
-                comm_backend_name,
-            )
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -96,31 +69,7 @@ class OneBitAdam(torch.optim.Optimizer):
             "eps_inside_sqrt": eps_inside_sqrt,
             "max_grad_norm": max_grad_norm,
         }
-        super().__init__(params, defaults)
-        self.freeze_step = freeze_step
-        self._comm: Comm | None = None
-        self._onebit = OneBit(0)  # residuals per parameter: "param <i>"
-
-    # -- [Note: self-reducing optimizer] -------------------------------------------------------
-
-    def longboat_bind(self, comm: Comm) -> None:
-        self._comm = comm
-
-    def longboat_bound(self) -> bool:
-        return self._comm is not None
-
-    def longboat_reduces_gradients(self) -> bool:
-        return self.steps_taken() >= self.freeze_step
-
-    def steps_taken(self) -> int:
-        """Optimizer steps taken so far (the most any parameter took: checkpoints keep it)."""
-        return max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._onebit = OneBit(0)  # residuals restart from zero (see the module's docstring)
-
-    # -- the step ------------------------------------------------------------------------------
+        super().__init__(params, defaults, freeze_step, amsgrad, cuda_aware, comm_backend_name)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -129,8 +78,7 @@ class OneBitAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         compressed = self.longboat_reduces_gradients()
-        params = [p for g in self.param_groups for p in g["params"]]
-        used = self._used_anywhere(params) if compressed else [p.grad is not None for p in params]
+        used = self._used(compressed)
         i = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -159,23 +107,3 @@ class OneBitAdam(torch.optim.Optimizer):
                     update.add_(p, alpha=wd)
                 p.add_(update, alpha=-lr)
         return loss
-
-    def _used_anywhere(self, params: list[torch.Tensor]) -> list[bool]:
-        """Which parameters some data-parallel rank has a gradient for (one exact all-reduce
-        of flags: it decides which momenta travel, so every rank must agree)."""
-        flags = [p.grad is not None for p in params]
-        comm = self._comm
-        if comm is None or comm.world_size == 1 or not params:
-            return flags
-        t = torch.tensor(flags, dtype=torch.float32, device=params[0].device)
-        comm.all_reduce(t, op="sum", tag="1-bit Adam: usage flags")
-        return [f > 0 for f in t.tolist()]
-
-    def _average(self, key: str, exp_avg: torch.Tensor) -> None:
-        """``exp_avg`` becomes the 1-bit compressed average of every rank's."""
-        comm = self._comm
-        if comm is None or comm.world_size == 1:
-            return
-        flat = exp_avg.flatten().float() / comm.world_size
-        self._onebit.all_reduce(key, flat, [(0, flat.shape)], comm)
-        exp_avg.copy_(flat.view_as(exp_avg))
