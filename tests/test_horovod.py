@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,16 @@ def test_a_horovod_style_script_with_join_under_longboat_run():
     lines = [ln.split("]: ", 1)[-1] for ln in res.stdout.splitlines() if '"losses"' in ln]
     got = sorted((json.loads(ln) for ln in lines), key=lambda out: out["rank"])
     _check_join(got, 2, 0, 1)
+
+
+def test_a_script_without_shutdown_leaves_the_group_before_the_interpreter_ends():
+    """``hvd.init`` registers leaving for the exit, as Horovod does: gloo's threads are gone
+    when the interpreter shuts down (left running, they can abort a finished rank)."""
+    res = harness.longboat_run("-n", "2", str(SCRIPTS / "horovod_no_shutdown.py"))
+    assert res.returncode == 0, res.stdout
+    assert res.stdout.count("STEPPED") == 2, res.stdout
+    left = re.findall(r"GLOO_THREADS_AT_EXIT (\d+)", res.stdout)
+    assert left == ["0", "0"], res.stdout
 
 
 def _allgather_while_joined() -> str:

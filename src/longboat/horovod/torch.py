@@ -19,6 +19,7 @@ sets, the C++ timeline.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -63,8 +64,13 @@ class Compression:
 
 
 def init(*_: Any, **__: Any) -> None:
-    """Join the job (a world of one without a launcher)."""
-    init_process_group(World.from_env())
+    """Join the job (a world of one without a launcher). As Horovod does, leaving is registered
+    for the interpreter's exit, so a script that never calls :func:`shutdown` still frees the
+    group, and ends gloo's threads, before the interpreter shuts down ([Note: dynamo before the
+    group] in world.py says why that matters). The exit leaves without :func:`shutdown`'s
+    barrier: a rank that exits on an error must not wait there for ranks still training."""
+    if init_process_group(World.from_env()):
+        atexit.register(destroy_process_group)
 
 
 def shutdown() -> None:
