@@ -1,10 +1,12 @@
 """Gradient compression on the reference GPT: loss after a fixed number of steps and bytes on the
 wire per step, for exact fp32 all-reduce, bf16 communication, PowerSGD rank 4, 1-bit gradients
-(with AdamW) and 1-bit Adam (``OneBitAdam``, which compresses its momentum), all under
-``replicate`` on the same ranks, seed and batches.
+(with AdamW), 1-bit Adam (``OneBitAdam``, which compresses its momentum) and 1-bit LAMB
+(``OneBitLamb``, against LAMB with DeepSpeed's rule never frozen), all under ``replicate`` on the
+same ranks, seed and batches.
 
 Each method trains a fresh reference GPT (:func:`longboat.models.reference_gpt`, AdamW or
-OneBitAdam at lr 3e-4, next-token data that can be learned: sequences following one fixed
+OneBitAdam at lr 3e-4; the two LAMB runs at lr 1e-2, since LAMB's step is ``lr`` times the
+weight's norm, not per element; next-token data that can be learned: sequences following one fixed
 random permutation of the vocabulary, :func:`chain_tokens`) for ``--steps`` steps. Recorded
 per method: the mean loss over the last ``--tail`` steps (over every rank), its gap to the
 exact run's, and from the comm log of the data-parallel doorway the wire bytes per step of
@@ -44,8 +46,9 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compression.json"
 GRADIENT_OPS = ("all_reduce", "all_to_all", "all_gather")
 
 
-def methods(warmup: int) -> dict[str, dict[str, Any]]:
-    """Each side's config additions (the optimizer's type under ``optimizer``)."""
+def methods(warmup: int, steps: int) -> dict[str, dict[str, Any]]:
+    """Each side's config additions (the optimizer's type under ``optimizer``; ``baseline``:
+    the method a gap is also measured against)."""
     return {
         "exact": {},
         "bf16": {"precision": {"communication_data_type": "bf16"}},
@@ -59,6 +62,17 @@ def methods(warmup: int) -> dict[str, dict[str, Any]]:
         "onebitadam": {
             "optimizer_type": "OneBitAdam",
             "optimizer_extra": {"freeze_step": warmup},
+        },
+        # LAMB with DeepSpeed's 1-bit LAMB rule, never frozen: the exact run 1-bit LAMB is
+        # compared with (LAMB learns at its own rate: AdamW's exact run is no baseline for it)
+        "lamb": {
+            "optimizer_type": "OneBitLamb",
+            "optimizer_extra": {"freeze_step": steps + 1, "lr": 1e-2},
+        },
+        "onebitlamb": {
+            "optimizer_type": "OneBitLamb",
+            "optimizer_extra": {"freeze_step": warmup, "lr": 1e-2},
+            "baseline": "lamb",
         },
     }
 
@@ -103,6 +117,7 @@ def _train(args: argparse.Namespace, name: str, extra: dict[str, Any]) -> dict[s
     extra = dict(extra)
     opt_type = extra.pop("optimizer_type", "AdamW")
     opt_params = {"lr": 3e-4, "weight_decay": 0.1, **extra.pop("optimizer_extra", {})}
+    extra.pop("baseline", None)
     world = dist.get_world_size()
     cfg = {
         "strategy": "replicate",
@@ -153,11 +168,15 @@ def _train(args: argparse.Namespace, name: str, extra: dict[str, Any]) -> dict[s
 
 def _worker(rank: int, args: argparse.Namespace, port: int, chosen: list[str]) -> None:
     join_loopback(rank, args.world_size, port, args.threads)
-    sides = methods(args.warmup)
+    sides = methods(args.warmup, args.steps)
     results = {name: _train(args, name, sides[name]) for name in chosen}
     if rank == 0:
         exact = results.get("exact")
-        for res in results.values():
+        for name, res in results.items():
+            baseline = results.get(sides[name].get("baseline", ""))
+            if baseline is not None:
+                res["baseline"] = sides[name]["baseline"]
+                res["loss_gap_to_baseline"] = res["final_loss"] - baseline["final_loss"]
             if exact is not None:
                 res["loss_gap_to_exact"] = res["final_loss"] - exact["final_loss"]
                 if res["wire_bytes_per_step_after_warmup"]:
@@ -187,6 +206,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, chosen: list[str]) -
                 f"gap={res.get('loss_gap_to_exact', 0.0):+.4f} "
                 f"wire/step={res['wire_bytes_per_step_after_warmup']:,.0f} "
                 f"ratio={res.get('bytes_ratio_to_exact', float('nan')):.1f}"
+                f" vs_baseline={res.get('loss_gap_to_baseline', float('nan')):+.4f}"
             )
     dist.destroy_process_group()
 
@@ -199,10 +219,11 @@ def main(argv: list[str] | None = None) -> None:
         args.tail = max(min(20, args.steps - args.warmup), 1)
     if not 0 < args.warmup < args.steps:
         sys.exit(f"--warmup {args.warmup} must lie between 0 and --steps {args.steps}")
-    chosen = args.only.split(",") if args.only else list(methods(args.warmup))
-    unknown = set(chosen) - set(methods(args.warmup))
+    known = methods(args.warmup, args.steps)
+    chosen = args.only.split(",") if args.only else list(known)
+    unknown = set(chosen) - set(known)
     if unknown:
-        sys.exit(f"--only: unknown methods {sorted(unknown)}; choose from {list(methods(1))}")
+        sys.exit(f"--only: unknown methods {sorted(unknown)}; choose from {list(known)}")
     mp.spawn(_worker, args=(args, free_port(), chosen), nprocs=args.world_size, join=True)
 
 
