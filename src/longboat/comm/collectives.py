@@ -452,28 +452,12 @@ class Collectives:
         ``tag`` says what the tensor is, for the desync check and reports. ``scratch``: the
         caller has no further use for ``input``, which may then be overwritten (on gloo it
         saves a copy of it: [Note: gloo reduce-scatter])."""
-        if not self.active:
-            output.copy_(input)
-            return _Done()
-        if self.rules is not None:
-            self.rules.check("reduce_scatter", (output, input), self._group_name)
-        self.seq += 1
-        fn = _reduce_scatter_in_place if scratch and self._gloo_cpu(input) else _reduce_scatter
-        if self.observing:
-            return self._observed(
-                "reduce_scatter",
-                fn,
-                output,
-                input,
-                op=dist.ReduceOp.SUM,
-                tensor=input,
-                out=output,
-                reduce_op="sum",
-                async_op=async_op,
-                tag=tag,
-                nbytes=input.numel() * input.element_size(),
-            )
-        return self._issue(fn, output, input, op=dist.ReduceOp.SUM, async_op=async_op)
+        in_place = scratch and self.active and self._gloo_cpu(input)
+        fn = _reduce_scatter_in_place if in_place else _reduce_scatter
+        nbytes = input.numel() * input.element_size()
+        return self._into(
+            "reduce_scatter", fn, output, input, nbytes, async_op, tag, "sum", op=dist.ReduceOp.SUM
+        )
 
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         """Whether this doorway's group is gloo's and ``tensor`` on the CPU (asked once)."""
@@ -486,50 +470,54 @@ class Collectives:
     ) -> Handle:
         """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``.
         ``tag`` says what the tensor is, for the desync check and reports."""
-        if not self.active:
-            output.copy_(input)
-            return _Done()
-        if self.rules is not None:
-            self.rules.check("all_gather", (output, input), self._group_name)
-        self.seq += 1
-        if self.observing:
-            return self._observed(
-                "all_gather",
-                _all_gather,
-                output,
-                input,
-                tensor=input,
-                out=output,
-                async_op=async_op,
-                tag=tag,
-                nbytes=output.numel() * output.element_size(),
-            )
-        return self._issue(_all_gather, output, input, async_op=async_op)
+        nbytes = output.numel() * output.element_size()
+        return self._into("all_gather", _all_gather, output, input, nbytes, async_op, tag)
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
     ) -> Handle:
         """Chunk j of ``input`` goes to rank j; ``output`` holds every rank's chunk for this
         rank, in rank order (equal splits). ``tag`` says what the tensor is."""
+        nbytes = input.numel() * input.element_size()
+        fn = dist.all_to_all_single
+        return self._into("all_to_all", fn, output, input, nbytes, async_op, tag)
+
+    def _into(
+        self,
+        name: str,
+        fn: Any,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        nbytes: int,
+        async_op: bool,
+        tag: str,
+        reduce_op: str = "",
+        **kwargs: Any,
+    ) -> Handle:
+        """What every collective from ``input`` into ``output`` does around ``fn``: in a group
+        of one, ``output`` is ``input``; else the rules' check, the count, and the call,
+        observed (desync check, record, comm log of ``nbytes``) or not."""
         if not self.active:
             output.copy_(input)
             return _Done()
         if self.rules is not None:
-            self.rules.check("all_to_all", (output, input), self._group_name)
+            self.rules.check(name, (output, input), self._group_name)
         self.seq += 1
         if self.observing:
             return self._observed(
-                "all_to_all",
-                dist.all_to_all_single,
+                name,
+                fn,
                 output,
                 input,
                 tensor=input,
                 out=output,
+                reduce_op=reduce_op,
                 async_op=async_op,
                 tag=tag,
-                nbytes=input.numel() * input.element_size(),
+                nbytes=nbytes,
+                **kwargs,
             )
-        return self._issue(dist.all_to_all_single, output, input, async_op=async_op)
+        return self._issue(fn, output, input, async_op=async_op, **kwargs)
 
     def count_replaced(self, op: str, nbytes: int) -> None:
         """The comm log's "would have sent" count ([Note: bytes saved] in ``commlog.py``)."""
