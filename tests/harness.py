@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -346,3 +347,66 @@ ZOO_STRATEGIES: dict[str, dict] = {
         "zero": {"stage": 3, "unit_classes": ["Experts", "LSTM", "BatchNorm1d"]},
     },
 }
+
+
+def train_self_reducing(
+    cfg: dict[str, Any],
+    recipe: reference.Recipe,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    global_batch: int,
+    steps: int,
+) -> dict[str, Any]:
+    """``steps`` steps of an optimizer that reduces itself (1-bit Adam, 1-bit LAMB) under
+    ``cfg``: the sample ids and loss of every step, what the optimizer's ``get_lamb_coeffs``
+    said after it (where it has one), the final state and optimizer pieces, and whether the
+    strategy left the last step's gradients local."""
+    model, _, _ = recipe.build()
+    opt = make_optimizer(model.parameters())
+    engine = longboat.initialize(model, opt, cfg)
+    ids, losses, coeffs = [], [], []
+    for sample_ids, *batch in engine.loader(data_for(recipe, global_batch * steps)):
+        loss = reference.forward_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        ids.append(sample_ids.tolist())
+        losses.append(float(loss.detach()))
+        coeffs.append(opt.get_lamb_coeffs() if hasattr(opt, "get_lamb_coeffs") else None)
+        if engine.global_step == steps:
+            break
+    out = {
+        "ids": ids,
+        "losses": losses,
+        "coeffs": coeffs,
+        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
+        "optim": optimizer_pieces(engine),
+        "local": engine.strategy.name == "replicate" and engine.strategy._local,
+    }
+    engine.close()
+    return out
+
+
+def check_simulated(
+    results: list[dict[str, Any]],
+    simulated: tuple[list[list[float]], dict[str, torch.Tensor], dict[str, dict[str, Any]]],
+    keys: tuple[str, ...],
+    tol: float,
+) -> None:
+    """Every rank's loss at every step, then its parameters and buffers, then the optimizer
+    state assembled from every rank (``step`` and ``keys``), against a simulation's (losses
+    [step][rank], state_dict, optimizer state by parameter name); relative tolerance ``tol``."""
+    losses, state, optim = simulated
+    for r, res in enumerate(results):
+        for s, loss in enumerate(res["losses"]):
+            want = losses[s][r]
+            assert abs(loss - want) <= tol * max(abs(want), 1.0), (
+                f"rank {r}, step {s + 1}: loss {loss!r} vs simulated {want!r}"
+            )
+        diff = reference.max_rel_diff(res["state"], state)
+        assert diff <= tol, f"rank {r}: parameters/buffers differ by {diff:.3g} (rel)"
+    got = assemble(results)
+    assert got.keys() == optim.keys()
+    for name, want in optim.items():
+        assert int(got[name]["step"]) == want["step"], name
+        for k in keys:
+            d = reference.max_rel_diff({k: torch.as_tensor(got[name][k])}, {k: want[k]})
+            assert d <= tol, f"optimizer state {name}.{k} differs by {d:.3g}"

@@ -82,49 +82,18 @@ def simulate(order: list[list[int]], freeze: int) -> tuple[list[list[float]], An
 
 
 def _train(cfg: dict[str, Any], steps: int, freeze: int) -> dict[str, Any]:
-    model, _, _ = RECIPE.build()
-    opt = OneBitAdam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                     freeze_step=freeze)  # fmt: skip
-    engine = longboat.initialize(model, opt, cfg)
-    ids, losses = [], []
-    for sample_ids, *batch in engine.loader(harness.data_for(RECIPE, GLOBAL_BATCH * steps)):
-        loss = reference.forward_loss(engine, batch)
-        engine.backward(loss)
-        engine.step()
-        ids.append(sample_ids.tolist())
-        losses.append(float(loss.detach()))
-        if engine.global_step == steps:
-            break
-    out = {
-        "ids": ids,
-        "losses": losses,
-        "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
-        "optim": harness.optimizer_pieces(engine),
-        "local": engine.strategy.name == "replicate" and engine.strategy._local,
-    }
-    engine.close()
-    return out
+    def make(params: Any) -> OneBitAdam:
+        return OneBitAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                          freeze_step=freeze)  # fmt: skip
+
+    return harness.train_self_reducing(cfg, RECIPE, make, GLOBAL_BATCH, steps)
 
 
 def _check(results: list[dict[str, Any]], freeze: int) -> None:
     order = [[res["ids"][s] for res in results] for s in range(STEPS)]
-    losses, state, optim = simulate(order, freeze)
-    for r, res in enumerate(results):
-        for s, loss in enumerate(res["losses"]):
-            want = losses[s][r]
-            assert abs(loss - want) <= TOL * max(abs(want), 1.0), (
-                f"rank {r}, step {s + 1}: loss {loss!r} vs simulated {want!r}"
-            )
-        diff = reference.max_rel_diff(res["state"], state)
-        assert diff <= TOL, f"rank {r}: parameters/buffers differ by {diff:.3g} (rel)"
-    got = harness.assemble(results)
-    assert got.keys() == optim.keys()
-    assert "never" not in got and "frozen.weight" not in got
-    for name, want in optim.items():
-        assert int(got[name]["step"]) == want["step"], name
-        for k in ("exp_avg", "exp_avg_sq"):
-            d = reference.max_rel_diff({k: got[name][k]}, {k: want[k]})
-            assert d <= TOL, f"optimizer state {name}.{k} differs by {d:.3g}"
+    harness.check_simulated(results, simulate(order, freeze), ("exp_avg", "exp_avg_sq"), TOL)
+    # the never-used and the frozen parameter have no optimizer state (nor in the simulation)
+    assert not {"never", "frozen.weight"} & harness.assemble(results).keys()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
