@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from longboat.world import before_group
+
 
 def free_port() -> int:
     """A port on 127.0.0.1 that was free a moment ago (for the ranks' rendezvous)."""
@@ -44,6 +46,7 @@ def join_loopback(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    before_group()  # so that leaving the group ends gloo's threads before the exit
     dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
 
 

@@ -170,9 +170,7 @@ def init_process_group(world: World, backend: str | None = None, timeout_s: floa
     if not world.distributed or dist.is_initialized():
         return False
     backend = backend or default_backend()
-    # Before the group exists: [Note: dynamo before the group].
-    import torch._dynamo
-
+    before_group()
     if backend == "nccl":
         torch.cuda.set_device(device_for(world))
     else:  # before gloo's worker threads exist: [Note: one arena] in heap.py
@@ -235,6 +233,16 @@ def _own_store(world: World, timeout: datetime.timedelta) -> dist.TCPStore:
 # killed by SIGABRT after a finished run; seen in about 1 of 20 Horovod-style runs). Imported
 # before the group is created, dynamo holds nothing of it and ``destroy_process_group`` ends its
 # threads (test_world.py::test_leaving_the_group_ends_its_threads_after_an_optimizer_was_built).
+# A group a script creates itself (``dist.init_process_group``, then its first optimizer) is
+# kept the same way, whoever destroys it; :func:`before_group` before creating it avoids that,
+# and the benchmarks and ``longboat bench``'s ranks call it.
+
+
+def before_group() -> None:
+    """Call before creating a process group with ``torch.distributed`` directly, so that
+    destroying it later ends its threads ([Note: dynamo before the group]);
+    :func:`init_process_group` calls it itself."""
+    import torch._dynamo  # noqa: F401 (imported for its side effect, before the group)
 
 
 def destroy_process_group() -> None:

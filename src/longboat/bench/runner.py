@@ -57,6 +57,7 @@ from longboat.bench.sides import (
     library,
     micro_batch_of,
 )
+from longboat.world import before_group
 
 MEMORY_STEPS = 2
 # What every rank imports anyway (torch.optim's first use imports torch._dynamo: ~1.5 s).
@@ -290,6 +291,7 @@ def _worker(
         "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
     )
     torch.set_num_threads(s.threads)
+    before_group()
     dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=s.timeout_s))
     result: dict[str, Any] = {"rank": rank}
 
