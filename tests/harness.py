@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -410,3 +412,33 @@ def check_simulated(
         for k in keys:
             d = reference.max_rel_diff({k: torch.as_tensor(got[name][k])}, {k: want[k]})
             assert d <= tol, f"optimizer state {name}.{k} differs by {d:.3g}"
+
+
+DIGITS = Path(__file__).resolve().parents[1] / "examples"
+DIGITS_OPTIMIZER = 'type = "AdamW"\nparams = { lr = 3e-3, weight_decay = 1e-4 }'
+
+
+def digits_accuracy(directory: Path, name: str, config: str) -> tuple[float, str]:
+    """The digits example trained under ``longboat run -n 2`` with ``config`` (a variant of
+    ``examples/digits.toml``, written to ``directory/name.toml``): its final accuracy and its
+    output. Fails the test, with the output's end, where the run fails or prints no accuracy."""
+    path = directory / f"{name}.toml"
+    path.write_text(config)
+    cmd = [sys.executable, "-m", "longboat.cli", "run", "-n", "2", str(DIGITS / "digits.py"),
+           "--config", str(path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=DIGITS.parent)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    m = re.search(r"accuracy=([0-9.]+)", out)
+    assert m, out[-3000:]
+    return float(m.group(1)), out
+
+
+def digits_config(optimizer: str | None = None, extra: str = "") -> str:
+    """``examples/digits.toml`` with its optimizer lines replaced by ``optimizer`` (when given)
+    and ``extra`` appended."""
+    toml = (DIGITS / "digits.toml").read_text()
+    assert DIGITS_OPTIMIZER in toml
+    if optimizer is not None:
+        toml = toml.replace(DIGITS_OPTIMIZER, optimizer)
+    return toml + extra

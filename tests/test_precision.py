@@ -16,9 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import harness
@@ -366,30 +363,8 @@ def test_gradients_travel_in_the_communication_dtype(ranks, wire):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_digits_converges_in_low_precision(tmp_path, dtype):
-    toml = (ROOT / "examples" / "digits.toml").read_text()
-    assert "[precision]" not in toml
-    cfg = tmp_path / f"digits_{dtype}.toml"
-    cfg.write_text(toml + f'\n[precision]\ndtype = "{dtype}"\n')
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "longboat.cli",
-            "run",
-            "-n",
-            "2",
-            str(ROOT / "examples" / "digits.py"),
-            "--config",
-            str(cfg),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    config = harness.digits_config(extra=f'\n[precision]\ndtype = "{dtype}"\n')
+    assert config.count("[precision]") == 1
+    accuracy, out = harness.digits_accuracy(tmp_path, f"digits_{dtype}", config)
     assert f"precision {dtype}: forward under torch.autocast" in out
-    m = re.search(r"accuracy=([0-9.]+)", out)
-    assert m, out[-3000:]
-    assert float(m.group(1)) >= 0.95
+    assert accuracy >= 0.95, out[-2000:]
