@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -346,7 +347,14 @@ def test_wandb_offline_run_holds_the_events(tmp_path: Path) -> None:
             losses.append(engine.last_loss)
     engine.close()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    # W&B's service process writes the file: run.finish() can return before its buffered
+    # records reach it (seen once in a full suite: the header alone), so wait for them, bounded.
+    wanted = [b"train/loss", b"throughput/samples_per_s", repr(losses[3]).encode()]
+    deadline = time.monotonic() + 30
     data = run_file.read_bytes()
+    while not all(w in data for w in wanted) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        data = run_file.read_bytes()
     assert b"train/loss" in data and b"throughput/samples_per_s" in data
     for logged in (losses[1], losses[3]):  # every 2 steps
         assert repr(logged).encode() in data, logged
