@@ -27,7 +27,8 @@ import torch
 Rule = Callable[[str, torch.Tensor, list[torch.Tensor], dict[str, Any], int], None]
 
 
-def _one_bit(x: torch.Tensor) -> torch.Tensor:
+def one_bit(x: torch.Tensor) -> torch.Tensor:
+    """Each row of x as its signs (+1 for >= 0) times ||row|| / sqrt(len(row))."""
     scale = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
     return torch.where(x >= 0, 1.0, -1.0) * scale
 
@@ -50,7 +51,7 @@ class SimAverage:
             x = torch.zeros(n * c)
             x[:numel] = t.flatten() / n
             x += self.worker.get((key, r), torch.zeros(n * c))
-            d = _one_bit(x.view(n, c))
+            d = one_bit(x.view(n, c))
             err = x - d.flatten()
             err[numel:] = 0
             self.worker[(key, r)] = err
@@ -59,7 +60,7 @@ class SimAverage:
         for j in range(n):
             y = torch.stack([d[j] for d in sent]).sum(0)
             y += self.server.get((key, j), torch.zeros(c))
-            d = _one_bit(y)
+            d = one_bit(y)
             self.server[(key, j)] = y - d
             out.append(d)
         return torch.cat(out)[:numel].view_as(parts[0])

@@ -36,6 +36,7 @@ import harness
 import pytest
 import reference
 import torch
+from onebit_sim import one_bit
 from torch import nn
 
 import longboat
@@ -124,12 +125,6 @@ class SimPowerSGD:
         return out
 
 
-def _one_bit(x: torch.Tensor) -> torch.Tensor:
-    """Each row of x as its signs (+1 for >= 0) times ||row|| / sqrt(len(row))."""
-    scale = x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1])
-    return torch.where(x >= 0, 1.0, -1.0) * scale
-
-
 class SimOneBit:
     def __init__(self) -> None:
         self.worker: dict[tuple[str, int], torch.Tensor] = {}
@@ -145,7 +140,7 @@ class SimOneBit:
             x = torch.zeros(n_ranks * c)
             x[:n] = f
             x += self.worker.get((key, r), torch.zeros(n_ranks * c))
-            d = _one_bit(x.view(n_ranks, c))
+            d = one_bit(x.view(n_ranks, c))
             err = x - d.flatten()
             err[n:] = 0
             self.worker[(key, r)] = err
@@ -154,7 +149,7 @@ class SimOneBit:
         for j in range(n_ranks):  # rank j serves chunk j
             y = torch.stack([d[j] for d in sent]).sum(0)
             y += self.server.get((key, j), torch.zeros(c))
-            d = _one_bit(y)
+            d = one_bit(y)
             self.server[(key, j)] = y - d
             result.append(d)
         whole = torch.cat(result)[:n]

@@ -78,32 +78,26 @@ class OneBitAdam(OneBitMomentum):
             with torch.enable_grad():
                 loss = closure()
         compressed = self.longboat_reduces_gradients()
-        used = self._used(compressed)
-        i = 0
-        for group in self.param_groups:
+        for key, group, p in self._to_step(compressed):
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                index, i = i, i + 1
-                if not used[index]:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                if p.grad is not None:
-                    exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                else:  # used by another rank only: this rank's gradient is zero
-                    exp_avg.mul_(beta1)
-                if compressed:
-                    self._average(f"param {index}", exp_avg)
-                else:
-                    exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                update = exp_avg / (exp_avg_sq.sqrt() + eps)
-                if wd > 0:
-                    update.add_(p, alpha=wd)
-                p.add_(update, alpha=-lr)
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            if p.grad is not None:
+                exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            else:  # used by another rank only: this rank's gradient is zero
+                exp_avg.mul_(beta1)
+            if compressed:
+                self._average(key, exp_avg)
+            else:
+                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            update = exp_avg / (exp_avg_sq.sqrt() + eps)
+            if wd > 0:
+                update.add_(p, alpha=wd)
+            p.add_(update, alpha=-lr)
         return loss

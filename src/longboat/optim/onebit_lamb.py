@@ -119,27 +119,21 @@ class OneBitLamb(OneBitMomentum):
             with torch.enable_grad():
                 loss = closure()
         compressed = self.longboat_reduces_gradients()
-        used = self._used(compressed)
         self.lamb_coeffs = []
-        i = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                index, i = i, i + 1
-                if not used[index]:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    for k in ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"):
-                        state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["lamb_coeff_freeze"] = torch.tensor(0.0)
-                    state["last_factor"] = torch.tensor(1.0)
-                state["step"] += 1
-                if compressed:
-                    coeff = self._compressed(p, group, state, f"param {index}")
-                else:
-                    coeff = self._warm_up(p, group, state)
-                self.lamb_coeffs.append(coeff)
+        for key, group, p in self._to_step(compressed):
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                for k in ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"):
+                    state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["lamb_coeff_freeze"] = torch.tensor(0.0)
+                state["last_factor"] = torch.tensor(1.0)
+            state["step"] += 1
+            if compressed:
+                coeff = self._compressed(p, group, state, key)
+            else:
+                coeff = self._warm_up(p, group, state)
+            self.lamb_coeffs.append(coeff)
         return loss
 
     def _warm_up(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> float:

@@ -109,6 +109,13 @@ class OneBitMomentum(torch.optim.Optimizer):
         comm.all_reduce(t, op="sum", tag=f"{type(self).__name__}: usage flags")
         return [f > 0 for f in t.tolist()]
 
+    def _to_step(self, compressed: bool) -> list[tuple[str, dict[str, Any], torch.Tensor]]:
+        """(residual key, param group, parameter) of every parameter this step updates, in the
+        optimizer's order (:meth:`_used` decides which; the key is its place in that order)."""
+        used = self._used(compressed)
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        return [(f"param {i}", g, p) for i, (g, p) in enumerate(params) if used[i]]
+
     def _average(self, key: str, exp_avg: torch.Tensor) -> None:
         """``exp_avg`` becomes the 1-bit compressed average of every rank's."""
         comm = self._comm
