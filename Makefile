@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench-replicate clean-venv
+.PHONY: demo test lint bench-replicate gpu-check clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ lint: $(VENV)/.installed
 
 bench-replicate: $(VENV)/.installed
 	$(BIN)/python benchmarks/replicate_vs_ddp.py
+
+# longboat on a GPU (docs/gpu.md): equivalence, memory and step time in a few minutes, results in
+# benchmarks/results/gpu/. GPU_CHECK_DRY=1: the same code on the CPU, tiny sizes, into a temporary
+# folder. GPU_PYTHON=python3: that interpreter as it is, no .venv (a machine whose torch came with
+# it, where building .venv would download torch); benchmarks/gpu_check.sh does that without make.
+GPU_PYTHON ?=
+gpu-check: $(if $(GPU_PYTHON),,$(VENV)/.installed)
+	$(or $(GPU_PYTHON),$(BIN)/python) benchmarks/gpu_check.py $(if $(filter 1,$(GPU_CHECK_DRY)),--dry)
 
 clean-venv:
 	rm -rf $(VENV)

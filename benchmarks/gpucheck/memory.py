@@ -1,0 +1,136 @@
+"""Peak accelerator memory per strategy at a world of one against ``longboat plan``'s prediction,
+and ZeRO's optimizer offload to CPU memory beside an accelerator.
+
+Memory: the reference GPT (:func:`longboat.models.reference_gpt`, 21,064,704 parameters) trains
+with AdamW in fp32 at micro-batch 8 x 128 tokens, as ``benchmarks/plan_vs_rss.py`` measures it
+on the CPU, so the two reports can be read side by side. Per strategy, in one process (the
+figures are the allocator's, which frees exactly, unlike a resident set): the peak counter is
+reset, the model is built (on the CPU; longboat moves it), trained for a few steps, and the
+peak of ``torch.cuda.max_memory_allocated`` above what was allocated before is compared with
+the planner's peak for the same model, batch, optimizer and config (planned on fake tensors in
+the same process, before). ``engine.memory_report()``'s model state is recorded beside the
+planner's.
+
+Offload: ``zero.offload_optimizer.device = 'cpu'`` with the parameters on a GPU is refused by
+longboat today ("not implemented yet"); the check records what happens, nothing more.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from gpucheck.launch import RankContext, Task
+
+STRATEGIES = ("single", "replicate", "zero-1", "zero-2", "zero-3")
+GPU_TARGET = {"target": "reference-gpt", "model_args": None, "seq_len": 128, "micro_batch": 8}
+DRY_TARGET = {
+    "target": "gpt",
+    "model_args": {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16},
+    "seq_len": 16,
+    "micro_batch": 2,
+}
+
+
+def tasks(dry: bool) -> list[Task]:
+    base = dict(DRY_TARGET if dry else GPU_TARGET, warmup=2, steps=2)
+    out = [Task(s, "gpucheck.memory:measure", dict(base, strategy=s), 120.0) for s in STRATEGIES]
+    out.append(Task("offload-optimizer-cpu", "gpucheck.memory:offload_cpu", dict(base), 60.0))
+    return out
+
+
+def _config(strategy: str, micro_batch: int) -> dict[str, Any]:
+    name, _, stage = strategy.partition("-")
+    return {
+        "strategy": name,
+        "zero": {"stage": int(stage or 1), "unit_classes": ["_Block"]},
+        "batch": {"micro_batch_size": micro_batch},
+        "log": {"progress": False, "level": "WARNING"},
+    }
+
+
+def _target(args: dict[str, Any]) -> Any:
+    from longboat.plan import resolve
+
+    return resolve(args["target"], args["model_args"], seq_len=args["seq_len"])
+
+
+def _train(engine: Any, vocab: int, args: dict[str, Any], steps: int) -> None:
+    from longboat.models import gpt_loss, synthetic_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x, y = synthetic_tokens(args["micro_batch"], args["seq_len"], vocab, gen)
+        engine.backward(gpt_loss(engine(x.to(engine.device)), y.to(engine.device)))
+        engine.step()
+
+
+def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
+    """The planner's peak, then the measured one, for ``args['strategy']``."""
+    import longboat
+    from longboat.config import load_config
+    from longboat.plan import make_plan
+
+    strategy, micro = args["strategy"], args["micro_batch"]
+    cfg = _config(strategy, micro)
+    target = _target(args)
+    planned = make_plan(target, load_config(cfg), 1, micro, "adamw", [strategy]).strategies[0]
+    device = torch.device(ctx.device)
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(0)
+    model = target.build()
+    engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg)
+    _train(engine, model.vocab_size, args, args["warmup"] + args["steps"])
+    measured = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        measured = torch.cuda.max_memory_allocated(device) - before
+    report = engine.memory_report()
+    engine.close()
+    del engine, model
+    gc.collect()
+    return {
+        "strategy": strategy,
+        "predicted_peak_bytes": planned.peak,
+        "predicted": {
+            "model_state": planned.model_state,
+            "activations": planned.activations,
+            "transient": planned.transient,
+        },
+        "measured_peak_bytes": measured,
+        "ratio_predicted_over_measured": planned.peak / measured if measured else None,
+        "measured_model_state": report.measured,
+        "model_state_equal": report.measured == planned.model_state,
+        "note": None if cuda else "no CUDA device: the peak is not measured",
+    }
+
+
+def offload_cpu(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
+    """What ``zero.offload_optimizer.device = 'cpu'`` does with the model on this device."""
+    import longboat
+    from longboat.config import ConfigError
+
+    cfg = _config("zero-2", args["micro_batch"])
+    cfg["zero"]["offload_optimizer"] = {"device": "cpu"}
+    torch.manual_seed(0)
+    model = _target(args).build()
+    try:
+        engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg)
+    except ConfigError as e:
+        return {
+            "outcome": "refused",
+            "not_implemented": "not implemented" in str(e),
+            "message": str(e),
+            "device": ctx.device,
+        }
+    _train(engine, model.vocab_size, args, 1)
+    engine.close()
+    return {"outcome": "ran one step", "not_implemented": False, "device": ctx.device}
