@@ -121,10 +121,20 @@ class Check:
     def world_of_one(self, name: str) -> WorldSpec:
         return WorldSpec(name, 1, "none", "cpu" if self.dry else "cuda", self.threads(1))
 
+    def write_file(self, name: str, doc: dict[str, Any]) -> Path:
+        """``doc`` as ``NAME.json`` in the results folder, and beside it in
+        ``GPU_CHECK_COPY_TO`` when that names a folder (one that a caller collects, so that a
+        run cut short still leaves the parts it finished)."""
+        path = self.out / f"{name}.json"
+        write_json(path, doc)
+        copy_to = os.environ.get("GPU_CHECK_COPY_TO")
+        if copy_to and Path(copy_to).is_dir() and Path(copy_to).resolve() != self.out.resolve():
+            shutil.copy(path, Path(copy_to) / path.name)
+        return path
+
     def write(self, part: str, config: dict[str, Any], results: Any, summary: Any) -> Path:
-        path = self.out / f"{part}.json"
-        write_json(
-            path,
+        return self.write_file(
+            part,
             {
                 "check": "gpu_check",
                 "part": part,
@@ -136,7 +146,6 @@ class Check:
                 "deadline_s": self.args.deadline_s,
             },
         )
-        return path
 
 
 def cause(error: str | None) -> str:
@@ -324,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         check.say(f"{part} ...")
         done[part] = RUNNERS[part](check)
     lines = summary_lines(check, done)
-    write_json(
-        check.out / "summary.json",
+    check.write_file(
+        "summary",
         {
             "check": "gpu_check",
             "environment": check.env,

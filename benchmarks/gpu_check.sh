@@ -14,7 +14,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${GPU_PYTHON:-python3}"
-LOG="${GPU_CHECK_LOG:-/tmp/gpu_check.log}"
+# With $OUT (a folder the caller collects), the log and each part's results go there as they are
+# written, so that a run cut short still leaves what it had.
+if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then
+    LOG="${GPU_CHECK_LOG:-$OUT/gpu_check.log}"
+    export GPU_CHECK_COPY_TO="$OUT"
+else
+    LOG="${GPU_CHECK_LOG:-/tmp/gpu_check.log}"
+fi
 RESULTS=benchmarks/results/gpu
 case " $* " in *" --dry "*) GPU_CHECK_DRY=1 ;; esac
 if [ "${GPU_CHECK_DRY:-}" = 1 ]; then  # a dry run never writes over the real results
@@ -45,10 +52,9 @@ STAMP="$(mktemp /tmp/gpu-check-start.XXXXXX)"  # what this run writes is newer
 rc=${PIPESTATUS[0]}
 
 if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then
-    # What this run wrote, even after a failure (each part writes its file when it ends), and
-    # nothing an earlier run left.
+    # Again at the end, whatever the check did: what this run wrote, nothing an earlier run left.
     find "$RESULTS" -maxdepth 1 -name '*.json' -newer "$STAMP" -exec cp -f {} "$OUT"/ \;
-    cp -f "$LOG" "$OUT"/gpu_check.log
-    echo "copied to \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+    [ "$LOG" -ef "$OUT/gpu_check.log" ] || cp -f "$LOG" "$OUT"/gpu_check.log
+    echo "in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
 fi
 exit "$rc"
