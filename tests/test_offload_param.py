@@ -206,8 +206,9 @@ def test_a_model_built_on_meta_is_made_unit_by_unit_and_trains_as_plain_pytorch(
     cfg = {**harness.QUIET, **zero, "batch": {"train_batch_size": 8}, "gradient_clipping": 1.0}
     got = ranks(2, _deferred, cfg, 4, 4, device)
     start = got[0]["start"]
-    # made by each module's reset_parameters() (LayerNorm: ones and zeros; Linear: uniform) or
-    # the constructor, rank 0's values on every rank, the tied head still the embedding
+    # made by each module's reset_parameters() and then GPT's own _init_weights (LayerNorm: ones
+    # and zeros; Linear, Embedding: N(0, 0.02)), rank 0's values on every rank, the tied head
+    # still the embedding
     assert reference.max_rel_diff(got[1]["start"], start) == 0.0
     assert torch.equal(start["ln_f.weight"], torch.ones(GPT_ARGS["d_model"]))
     assert all(v.abs().sum() > 0 for k, v in start.items() if k.endswith("weight"))

@@ -67,6 +67,7 @@ class Engine:
         schedule: Schedule | None = None,
         tensor: TensorParallel | None = None,
         service: Any = None,
+        param_init_fn: Callable[[nn.Module], object] | None = None,
     ) -> None:
         self.config = config
         self.world = world
@@ -107,6 +108,7 @@ class Engine:
                 config,
                 isolated=frozenset(id(p) for p in self.schedule.ties.parameters()),
                 service=service,
+                param_init_fn=param_init_fn,
             ),
             self.tensor,
             topology.rank,
@@ -620,6 +622,7 @@ def initialize(
     *,
     scheduler: LRScheduler | None = None,
     world: World | None = None,
+    param_init_fn: Callable[[nn.Module], object] | None = None,
 ) -> Engine:
     """Make ``model`` train under the strategy the config asks for.
 
@@ -627,6 +630,12 @@ def initialize(
     Slurm, Open MPI) and none exists yet; plain ``python script.py`` is a world of one.
     ``optimizer`` and ``scheduler`` may come from the config's ``optimizer``/``scheduler``
     sections instead.
+
+    ``param_init_fn(module)`` (FSDP's name) initialises, in place, the parameters and buffers
+    of each module of a model built on the meta device, as ZeRO-3 makes them real; without it
+    the model's own initialiser does (``zero.init_method``, found by itself for transformers
+    models and :class:`longboat.models.GPT`), else each module's ``reset_parameters()``
+    ([Note: deferred init] in ``longboat/strategies/zero_init.py``).
     """
     cfg, world, owns, service, mesh, options = _join(config, world)
     if service is None:
@@ -637,7 +646,15 @@ def initialize(
             service.serve(_optimizer_of(model, optimizer, cfg), mesh, options)
         topology = service.topology(mesh, options, device_for(world))
     return assemble(
-        model, optimizer, cfg, world, topology, scheduler, owns_group=owns, service=service
+        model,
+        optimizer,
+        cfg,
+        world,
+        topology,
+        scheduler,
+        owns_group=owns,
+        service=service,
+        param_init_fn=param_init_fn,
     )
 
 
@@ -711,6 +728,7 @@ def assemble(
     owns_group: bool = False,
     device: torch.device | None = None,
     service: Any = None,
+    param_init_fn: Callable[[nn.Module], object] | None = None,
 ) -> Engine:
     """The engine of ``model`` on ``topology``: this rank's pipeline stages, activation
     checkpointing, the optimizer (the user's restricted to the stages held, or the config's)
@@ -754,6 +772,7 @@ def assemble(
         schedule=schedule,
         tensor=tensor,
         service=service,
+        param_init_fn=param_init_fn,
     )
 
 

@@ -131,19 +131,29 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_weights:
             self.lm_head.weight = self.tok_emb.weight
-        self._init_weights()
+        # Every layer, then the residual projections again: children before the modules that
+        # rescale them, as ``apply`` goes, in the order that has always drawn these values.
+        modules = list(self.modules())
+        for module in modules:
+            if not isinstance(module, (_CausalSelfAttention, _MLP)):
+                self._init_weights(module)
+        for module in modules:
+            if isinstance(module, (_CausalSelfAttention, _MLP)):
+                self._init_weights(module)
 
-    def _init_weights(self) -> None:
-        # GPT-2 initialisation: N(0, 0.02) everywhere, and the projections that write into the
-        # residual stream scaled by 1/sqrt(2 * n_layers) so its variance does not grow with depth.
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-        for block in self.blocks:
-            for proj in (block.attn.proj, block.mlp.proj):
-                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layers))
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialisation of one of this model's modules, after its children (the
+        ``apply``-style hook of transformers' ``_init_weights``, which ZeRO-3 calls on a model
+        built on the meta device): N(0, 0.02) everywhere, and the projections that write into
+        the residual stream scaled by 1/sqrt(2 * n_layers) so its variance does not grow with
+        depth."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, (_CausalSelfAttention, _MLP)):
+            std = 0.02 / math.sqrt(2 * self.n_layers)
+            nn.init.normal_(module.proj.weight, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Map token ids ``[B, T]`` (``T <= seq_len``) to logits ``[B, T, vocab_size]``."""

@@ -122,6 +122,13 @@ class ZeroConfig(_Section):
         description="stage 3 with no unit_classes: smallest module (in parameters) made a unit",
     )
     prefetch: bool = Field(True, description="stage 3: gather the next unit while this one runs")
+    init_method: str | None = Field(
+        None,
+        description="stage 3, a model built on the meta device: the model's method that "
+        "initialises one module, called as model.<name>(module) on each module made (e.g. "
+        "'_init_weights'); default: found for transformers models and longboat's GPT, else "
+        "each module's reset_parameters()",
+    )
     offload_optimizer: OffloadConfig = Field(
         default_factory=OffloadConfig,
         description="where the optimizer state lives between steps (DeepSpeed's offload_optimizer)",

@@ -31,6 +31,7 @@ def build_strategy(
     config: Config,
     isolated: frozenset[int] = frozenset(),
     service: Any = None,
+    param_init_fn: Callable[[Any], object] | None = None,
 ) -> Strategy:
     """Instantiate the strategy called ``name`` with its own config section (the section of
     the config named like the strategy, if there is one)."""
@@ -39,7 +40,9 @@ def build_strategy(
             f"key 'strategy' has unknown value {name!r}; choose one of {sorted(REGISTRY)}"
         )
     section = name if name in type(config).model_fields else None
-    return REGISTRY[name](StrategyContext.of(world, topology, config, section, isolated, service))
+    return REGISTRY[name](
+        StrategyContext.of(world, topology, config, section, isolated, service, param_init_fn)
+    )
 
 
 def build_service(config: Config, world_size: int) -> Any:

@@ -6,6 +6,7 @@ live and when they move. Nothing in the engine branches on a strategy's name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +39,9 @@ class StrategyContext:
     #: the ``compression`` section: how the data-parallel reduction is compressed
     #: (``longboat.comm.compression``), or None
     compression: Any = None
+    #: ``param_init_fn(module)`` given to ``longboat.initialize``: what initialises a module
+    #: made from the meta device ([Note: deferred init] in ``zero_init.py``), or None
+    param_init_fn: Callable[[nn.Module], object] | None = None
 
     @classmethod
     def of(
@@ -48,6 +52,7 @@ class StrategyContext:
         section: str | None = None,
         isolated: frozenset[int] = frozenset(),
         service: Any = None,
+        param_init_fn: Callable[[nn.Module], object] | None = None,
     ) -> StrategyContext:
         wire = config.precision.communication_data_type
         return cls(
@@ -58,6 +63,7 @@ class StrategyContext:
             isolated,
             service,
             config.compression,
+            param_init_fn,
         )
 
 

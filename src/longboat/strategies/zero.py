@@ -108,7 +108,7 @@ from longboat.strategies.flat import FlatUnit, UnitState
 from longboat.strategies.pieces import PieceSource, RankState
 from longboat.strategies.storage import free_storage
 from longboat.strategies.zero_gather import Gathering
-from longboat.strategies.zero_init import left_on_meta, materialize
+from longboat.strategies.zero_init import DeferredInit
 from longboat.strategies.zero_offload import StateSwap, UnitStream, check_room
 from longboat.strategies.zero_policy import ZeroPolicy
 from longboat.strategies.zero_shard_swap import ShardSwap
@@ -175,7 +175,9 @@ class Zero:
                 "optimizer at flat shards); build it before stepping it"
             )
         # [Note: deferred init]: the engine let only stage 3 have parameters on the meta device
-        deferred = any(p.is_meta for p in model.parameters())
+        made = DeferredInit(
+            model, self.dp, self.control, self.ctx.param_init_fn, self.cfg.init_method
+        )
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 if not t.is_meta:  # [Note: deferred init]: made and broadcast unit by unit
@@ -208,9 +210,11 @@ class Zero:
             self._shards = ShardSwap(self.cfg.offload_param, self.ctx.world.rank, dry)
         module_names = {id(m): n or "root" for n, m in model.named_modules()}
         param_names = {id(p): n for n, p in model.named_parameters()}
+        whole: dict[int, list[nn.Parameter]] = {}  # a unit's pieces are made at its first
         for module, ps in pieces:
-            if deferred:
-                materialize(ps, model, self.dp)
+            whole.setdefault(id(module), []).extend(ps)
+        for module, ps in pieces:
+            made.unit(whole[id(module)])
             u = FlatUnit(
                 len(self.units),
                 ps,
@@ -233,8 +237,7 @@ class Zero:
             grp["params"] = [pc for u in self.units if u.group == g for *_, pc in u.pieces]
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        if deferred:
-            left_on_meta(model)
+        made.finish()
         self._offload(optimizer)
         if self.policy.shard_params:
             self._gathering = Gathering(
