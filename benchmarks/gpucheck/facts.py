@@ -26,11 +26,15 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def commit() -> str | None:
-    """The checkout's commit, ``+dirty`` when tracked files changed; where the work tree was
-    copied without its ``.git`` (a lent machine), what ``GPU_CHECK_COMMIT`` says."""
+    """What ``GPU_CHECK_COMMIT`` says, when set: a lent machine may be handed a snapshot of one
+    commit inside another checkout, whose ``.git`` would name the wrong one. Else the checkout's
+    commit, ``+dirty`` when tracked files changed."""
+    given = os.environ.get("GPU_CHECK_COMMIT")
+    if given:
+        return given
     head = _run(["git", "rev-parse", "HEAD"])
     if head is None:
-        return os.environ.get("GPU_CHECK_COMMIT") or None
+        return None
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     return head + ("+dirty" if dirty else "")
 
