@@ -18,13 +18,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from longboat import checkpoint, sync_batchnorm
+from longboat.checkpoint.exchange import gather_json
 from longboat.checkpoint.layout import default_tag
 from longboat.comm.hang import CollectiveTimeout, PeerLost
 from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
-from longboat.data import ShardedLoader, make_loader
+from longboat.data import Loader, build_loader
 from longboat.evaluation import EvalLoader, reduce_metrics
 from longboat.grads import clip_by_global_norm_
 from longboat.join import UNEVEN_HINT, JoinVote, Turn
@@ -348,19 +349,27 @@ class Engine:
 
     def loader(
         self,
-        dataset: Dataset,
+        dataset: Dataset | DataLoader,
         *,
         shuffle: bool | None = None,
         collate_fn: Callable[..., Any] | None = None,
         per_step: bool = False,
-    ) -> ShardedLoader:
+    ) -> Loader:
         """This rank's shard of ``dataset`` in micro-batches (``per_step``: in batches of a
         whole optimizer step, for :meth:`train_step`); see :mod:`longboat.data`.
+
+        ``dataset`` may be a map-style data set (permuted by seed and epoch, [Note: shards]), a
+        stream, a ``torch.utils.data.IterableDataset`` (sample ``i`` to data-parallel rank
+        ``i % n`` in the stream's own order, ``set_epoch`` called each epoch, no ``len()``;
+        ``shuffle=True`` refused; [Note: streams]), or a ``DataLoader`` built with a
+        ``DistributedSampler`` whose ``num_replicas`` and ``rank`` are the data-parallel
+        mesh's, used as it is ([Note: your DataLoader]; one without is refused). Resuming a
+        checkpoint continues the epoch where it stood (a stream reads the epoch's consumed
+        samples again and skips them).
 
         Under ``data.remainder = 'join'`` each iteration runs through :meth:`join`: ranks
         keep the samples of the epoch's last step that fall to them, and the loop ends on every
         rank together."""
-        d = self.config.data
         if per_step and self._join is not None:
             raise ConfigError(
                 "engine.loader(per_step=True) with data.remainder = 'join': join shadows the "
@@ -370,21 +379,23 @@ class Engine:
         per_batch = self.batch.micro_batch_size * (self.accumulation_steps if per_step else 1)
         # Tracked: checkpoints record its position, and a loaded one resumes it.
         loader = self.checkpointing.track(
-            make_loader(
+            build_loader(
                 dataset,
                 rank=self.topology.coords["dp"],
                 world_size=self.topology.mesh.dp,
-                micro_batch_size=per_batch,
+                batch_size=per_batch,
+                per_step=per_step,
                 train_batch_size=self.batch.train_batch_size,
-                shuffle=d.shuffle if shuffle is None else shuffle,
+                data=self.config.data,
+                shuffle=shuffle,
                 seed=self.config.seed,
-                remainder=d.remainder,
-                num_workers=d.num_workers,
-                prefetch_factor=d.prefetch_factor,
-                persistent_workers=d.persistent_workers,
                 collate_fn=collate_fn,
                 announce=self.world.is_main,
                 device=self.device,
+                # A DataLoader's sampler may disagree with the mesh on some ranks only (built
+                # with the global rank under tp or pp): every rank hears every rank's verdict,
+                # so all refuse together rather than leave the others waiting.
+                agree=lambda problem: gather_json(self.control, problem),
             )
         )
         if self.monitor.breakdown is not None:
