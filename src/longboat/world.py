@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longboat.config import ConfigError
 from longboat.heap import limit_arenas
 
 # Slurm's node list and port rules live with the launcher's, in a module free of torch;
@@ -169,11 +170,22 @@ def init_process_group(world: World, backend: str | None = None, timeout_s: floa
     """
     if not world.distributed or dist.is_initialized():
         return False
-    backend = backend or default_backend()
+    backend = backend if backend not in (None, "auto") else default_backend()
     before_group()
-    if backend == "nccl":
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if backend == "nccl" and world.local_world_size > gpus:
+            # NCCL refuses two ranks on one GPU only at the first collective, as "invalid
+            # usage" (seen on a lent one-GPU machine); say so before, on every rank.
+            raise ConfigError(
+                f"{world.local_world_size} ranks on this node and {gpus} GPU(s): NCCL needs a "
+                f"GPU of its own for each rank. Start at most {gpus} rank(s) per node, or set "
+                "comm.backend = 'gloo' to let ranks share a GPU (slower)"
+            )
+        # Every rank's current device is its own, for gloo too: CUDA tensors it allocates
+        # without naming a device, and the caching allocator's streams, are then this rank's.
         torch.cuda.set_device(device_for(world))
-    else:  # before gloo's worker threads exist: [Note: one arena] in heap.py
+    if backend != "nccl":  # before gloo's worker threads exist: [Note: one arena] in heap.py
         limit_arenas()
     timeout = datetime.timedelta(seconds=timeout_s)
     # Under torchrun / longboat run the agent serves the store at MASTER_PORT

@@ -182,6 +182,35 @@ class _ChunkOf:
         return bool(out) if out is not None else True
 
 
+# [Note: gloo point-to-point on accelerators] gloo's collectives take CUDA tensors (they copy
+# through host memory themselves), but its send and recv do not: given a CUDA tensor they hand
+# its device pointer to the socket, and the process aborts ("writev ... Bad address", seen on a
+# lent H100 with two pipeline stages on one GPU). So a point-to-point message over gloo goes
+# through a host copy: a send sends a CPU copy, a recv receives into one and copies it to the
+# device in ``wait``.
+
+
+class _Staged:
+    """A gloo send or recv through a host copy ([Note: gloo point-to-point on accelerators]):
+    ``wait`` keeps the copy alive until the work is over, and lands a recv on the device."""
+
+    __slots__ = ("_done", "_host", "_target", "_work")
+
+    def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor | None) -> None:
+        self._work, self._host, self._target, self._done = work, host, target, False
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        out = self._work.wait(timeout) if timeout is not None else self._work.wait()
+        if not self._done:
+            self._done = True
+            if self._target is not None:
+                self._target.copy_(self._host)
+        return bool(out) if out is not None else True
+
+
 def _reduce_scatter_in_place(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -459,6 +488,12 @@ class Collectives:
             "reduce_scatter", fn, output, input, nbytes, async_op, tag, "sum", op=dist.ReduceOp.SUM
         )
 
+    def _gloo_device(self, tensor: torch.Tensor) -> bool:
+        """Whether this doorway's group is gloo's and ``tensor`` on an accelerator."""
+        if self._gloo is None:
+            self._gloo = dist.get_backend(self.group) == "gloo"
+        return self._gloo and tensor.device.type != "cpu"
+
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         """Whether this doorway's group is gloo's and ``tensor`` on the CPU (asked once)."""
         if self._gloo is None:
@@ -586,12 +621,17 @@ class Collectives:
         where = f"{'to' if name == 'send' else 'from'} rank {self.global_rank(peer)}"
         rec = self._record(name, tensor, None, "", f"{tag}, {where}" if tag else where)
         t0 = time.perf_counter()
+        # [Note: gloo point-to-point on accelerators]
+        staged = self._gloo_device(tensor)
+        wire = tensor.cpu() if staged else tensor  # a recv's value is not read: copied back
         try:
-            work = fn(tensor, self.global_rank(peer), group=self._live())
+            work = fn(wire, self.global_rank(peer), group=self._live())
         except RuntimeError as e:
             self._failed(e, rec)
             raise
         self.blocked_seconds += time.perf_counter() - t0
+        if staged:
+            work = _Staged(work, wire, tensor if name == "recv" else None)
         handle = _Timed(self, work, rec)
         if not async_op:
             handle.wait()
