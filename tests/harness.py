@@ -29,7 +29,16 @@ DATASETS = {
     "tiny": reference.dataset,
     "tied": reference.dataset,
     "chain": reference.dataset,
+    "reused": reference.dataset,
     "zoo": reference.zoo_dataset,
+    "gpt2": reference.token_dataset,
+    "llama": reference.token_dataset,
+    "mixtral": reference.token_dataset,
+    "lstm": reference.token_dataset,
+    "bert": reference.masked_dataset,
+    "albert": reference.masked_dataset,
+    "t5": reference.seq2seq_dataset,
+    "resnet": reference.image_dataset,
 }
 
 
@@ -136,6 +145,8 @@ def train(
         "state": {k: v.detach().clone() for k, v in engine.state_dict().items()},
         "optim": optimizer_pieces(engine),
         "overlapped": getattr(engine.strategy, "overlapped_steps", None),
+        # ZeRO: what each unit (stage 3: module) or bucket is, to check which a case made
+        "units": [u.tag for u in getattr(engine.strategy, "units", ())],
     }
     engine.close()
     return out

@@ -145,11 +145,188 @@ def chain_net() -> nn.Sequential:
     )
 
 
+class ReusedNet(nn.Module):
+    """One layer applied three times in a forward (weights shared across depth, as ALBERT's
+    layers are), the first time to the data itself, whose input needs no gradient; beside it a
+    layer used once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(12, 12)
+        self.mid = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(x))
+        h = torch.tanh(self.mid(h))
+        h = torch.tanh(self.shared(h))
+        return self.head(torch.tanh(self.shared(h)))
+
+
+# -- real models -------------------------------------------------------------------------------
+# Small configurations of models people train: dropout off (a forward is then a function of the
+# weights and the inputs alone), special token ids inside the small vocabulary (transformers
+# warns about ids outside it). transformers is imported where a model is built, so that tests
+# that do not build one do not pay for the import.
+
+VOCAB = 128
+SEQ = 8
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with BatchNorm, and a projected shortcut where
+    the shape changes. The convolutions have no bias: BatchNorm right after them would cancel it
+    (and its gradient, zero in exact arithmetic, would be rounding noise)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A small ResNet (BatchNorm's running statistics are buffers) for [B, 3, 8, 8] images and
+    10 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()
+        )
+        self.layers = nn.Sequential(BasicBlock(16, 16), BasicBlock(16, 32, stride=2))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.stem(x)).mean(dim=(2, 3)))
+
+
+class LSTMLM(nn.Module):
+    """A language model: embedding, a two-layer LSTM, a head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.rnn = nn.LSTM(64, 64, num_layers=2, batch_first=True)
+        self.head = nn.Linear(64, VOCAB)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.embed(tokens))
+        return self.head(h)
+
+
+def gpt2() -> nn.Module:
+    import transformers as tf
+
+    cfg = tf.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def llama() -> nn.Module:
+    """Grouped-query attention: 4 query heads share 2 key/value heads."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None,
+    )  # fmt: skip
+    return tf.LlamaForCausalLM(cfg)
+
+
+def bert() -> nn.Module:
+    """Masked LM; the decoder's weight is tied to the word embeddings."""
+    import transformers as tf
+
+    cfg = tf.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    return _key_bias_drawn(tf.BertForMaskedLM(cfg))
+
+
+def t5() -> nn.Module:
+    """Encoder-decoder; one embedding shared by the encoder, the decoder and the head."""
+    import transformers as tf
+
+    cfg = tf.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )  # fmt: skip
+    return tf.T5ForConditionalGeneration(cfg)
+
+
+def mixtral() -> nn.Module:
+    """Routed experts, 2 of 8 per token: with 8-16 tokens in a micro-batch some experts get
+    none, so their rows of the fused expert weights get no gradient there."""
+    import transformers as tf
+
+    cfg = tf.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=SEQ, attention_dropout=0.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None,
+    )  # fmt: skip
+    return tf.MixtralForCausalLM(cfg)
+
+
+def albert() -> nn.Module:
+    """One AlbertLayer applied at each of 3 depths (weights shared across depth). Its width
+    (hidden 256, intermediate 2048: about 1.3M parameters) makes it a module of at least a
+    million parameters, a unit of ZeRO-3's default size policy, run three times per forward."""
+    import transformers as tf
+
+    cfg = tf.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=64, hidden_size=256, intermediate_size=2048,
+        num_hidden_layers=3, num_hidden_groups=1, inner_group_num=1, num_attention_heads=4,
+        max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+    )  # fmt: skip
+    return _key_bias_drawn(tf.AlbertForMaskedLM(cfg))
+
+
+def _key_bias_drawn(model: nn.Module) -> nn.Module:
+    """``model`` with its attention key biases drawn at random instead of zero. Softmax ignores
+    a key bias (it adds the same to every score of a query), so its gradient is zero in exact
+    arithmetic and the bias holds only rounding noise (1e-13), which no relative tolerance can
+    compare; from a drawn start the comparison says that it stayed there on both sides."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("key.bias"):
+                p.normal_(std=0.02)
+    return model
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "tiny": TinyNet,
     "tied": TiedNet,
     "zoo": ZooNet,
     "chain": chain_net,
+    "reused": ReusedNet,
+    "gpt2": gpt2,
+    "llama": llama,
+    "bert": bert,
+    "t5": t5,
+    "mixtral": mixtral,
+    "albert": albert,
+    "resnet": ResNet,
+    "lstm": LSTMLM,
 }
 
 
@@ -157,7 +334,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 
 
 def dataset(n: int, seed: int = 1) -> TensorDataset:
-    """``n`` samples (x [12], y in 0..11) for TinyNet and TiedNet."""
+    """``n`` samples (x [12], y in 0..11) for TinyNet, TiedNet and ReusedNet."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 12, generator=g)
     y = torch.randint(0, 12, (n,), generator=g)
@@ -176,6 +353,45 @@ def zoo_dataset(n: int, seed: int = 1) -> TensorDataset:
     route = torch.multinomial(torch.tensor(ROUTE_WEIGHTS), n, replacement=True, generator=g)
     y = torch.randint(0, 5, (n,), generator=g)
     return TensorDataset(torch.arange(n), x, route, y)
+
+
+def token_dataset(n: int, seed: int = 1) -> TensorDataset:
+    """``n`` samples (tokens [SEQ], a target per position) for language models. The targets are
+    drawn at random: equivalence needs the same loss on both sides, not a meaningful one."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(
+        torch.randint(0, VOCAB, (n, SEQ), generator=g),
+        torch.randint(0, VOCAB, (n, SEQ), generator=g),
+    )
+
+
+def masked_dataset(n: int, seed: int = 1) -> TensorDataset:
+    """``n`` samples (tokens [SEQ], targets [SEQ]) for masked language models: about a quarter
+    of the positions (at least one per sample) have a target, the others -100 (ignored)."""
+    tokens, targets = token_dataset(n, seed).tensors
+    g = torch.Generator().manual_seed(seed + 1)
+    keep = torch.rand(n, SEQ, generator=g) < 0.25
+    keep[torch.arange(n), torch.randint(0, SEQ, (n,), generator=g)] = True
+    return TensorDataset(tokens, torch.where(keep, targets, torch.full_like(targets, -100)))
+
+
+def seq2seq_dataset(n: int, seed: int = 1) -> TensorDataset:
+    """``n`` samples (input ids [SEQ], attention mask [SEQ], decoder input ids [SEQ], targets
+    [SEQ]) for encoder-decoders, in the order of T5's forward arguments; the inputs are padded
+    after 5 to 8 tokens."""
+    tokens, targets = token_dataset(n, seed).tensors
+    g = torch.Generator().manual_seed(seed + 1)
+    length = torch.randint(5, SEQ + 1, (n, 1), generator=g)
+    mask = (torch.arange(SEQ) < length).long()
+    decoder = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return TensorDataset(tokens * mask, mask, decoder, targets)
+
+
+def image_dataset(n: int, seed: int = 1) -> TensorDataset:
+    """``n`` samples (image [3, 8, 8], y in 0..9) for the ResNet."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 8, 8, generator=g)
+    return TensorDataset(x, torch.randint(0, 10, (n,), generator=g))
 
 
 def indexed(data: TensorDataset) -> TensorDataset:
@@ -218,15 +434,20 @@ class Recipe:
 
 
 def forward_loss(
-    model: Callable[..., torch.Tensor],
+    model: Callable[..., Any],
     batch: Sequence[torch.Tensor],
     autocast: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of the model on ``batch`` = (inputs..., targets), the forward under
-    ``torch.autocast`` to ``autocast`` when given, the loss in fp32."""
+    ``torch.autocast`` to ``autocast`` when given, the loss in fp32. A transformers model's
+    output gives its ``logits``; targets per position ([B, T] against logits [B, T, V]) count
+    every position with a target (not -100) once."""
     *inputs, y = batch
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         out = model(*inputs)
+    out = getattr(out, "logits", out)
+    if y.dim() > 1:
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
     return nn.functional.cross_entropy(out.float(), y)
 
 

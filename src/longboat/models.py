@@ -105,6 +105,10 @@ class GPT(nn.Module):
         tie_weights: share the LM head's weight with the token embedding.
     """
 
+    #: The repeated block, declared as transformers models declare theirs: ZeRO-3 makes each
+    #: one a unit by default ([Note: units run forward] in ``strategies/zero_units.py``).
+    _no_split_modules = ("_Block",)
+
     def __init__(
         self,
         vocab_size: int = 8192,

@@ -84,7 +84,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils.hooks import RemovableHandle
 
 from longboat.comm import compression
 from longboat.comm.order import InOrder
@@ -107,7 +106,7 @@ from longboat.strategies.buffers import BufferSync
 from longboat.strategies.flat import FlatUnit, UnitState
 from longboat.strategies.pieces import PieceSource, RankState
 from longboat.strategies.storage import free_storage
-from longboat.strategies.zero_gather import Gathering
+from longboat.strategies.zero_gather import UNIT_FIX, Gathering, Removable
 from longboat.strategies.zero_init import DeferredInit
 from longboat.strategies.zero_offload import StateSwap, UnitStream, check_room
 from longboat.strategies.zero_policy import ZeroPolicy
@@ -134,7 +133,7 @@ class Zero:
         self.name = f"zero-{self.policy.stage}"
         self.units: list[FlatUnit] = []
         self.where: dict[int, tuple[FlatUnit, int]] = {}
-        self._hooks: list[RemovableHandle] = []
+        self._hooks: list[Removable] = []
         self._sync = False
         self._order = InOrder(0, self._reduce)
         self._gathering: Gathering | None = None  # stage 3
@@ -189,8 +188,15 @@ class Zero:
         ]
         if self.policy.units_by_module:
             pieces = []
+            # A size the user set wins over the blocks a model declares ([Note: units run
+            # forward] in zero_units.py); the default size is only the fallback.
+            by_size = "unit_min_params" in self.cfg.model_fields_set
             for module, ps in module_units(
-                model, {id(p) for p in params}, self.cfg.unit_classes, self.cfg.unit_min_params
+                model,
+                {id(p) for p in params},
+                self.cfg.unit_classes,
+                self.cfg.unit_min_params,
+                by_size,
             ):
                 for chunk in _split(ps, group_of):
                     pieces.append((module, chunk))
@@ -420,6 +426,13 @@ class Zero:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         u, i = self.where[id(p)]
+        assert p.grad is not None
+        if p.grad.shape != u.shapes[i]:  # read while its unit was not gathered
+            raise ConfigError(
+                f"zero-3: a parameter of {u.tag} ({type(u.module).__name__}) was used while its "
+                "unit was not gathered: its module's forward did not run, and another module "
+                f"read its parameters directly ([Note: units run forward]); {UNIT_FIX}"
+            )
         if u.flat_grad is None:  # stages 2-3: a transient buffer per backward
             # On one data-parallel rank the shard is the whole unit: gradients accumulate in
             # it directly, with nothing to reduce (no more memory than a single process).
@@ -671,6 +684,15 @@ class Zero:
             "optimizer_state": optimizer_state_tensors(optimizer),
             "communication_buffers": comm,
         }
+
+    def hooked_modules(self) -> list[nn.Module]:
+        """Stage 3: the modules whose forward its hooks gather parameters around (each
+        unit's, the root's last), which compiling keeps out of its graphs ([Note: compiling
+        under a strategy] in ``longboat/compile.py``); stages 1-2 hook no forward."""
+        if self._gathering is None:
+            return []
+        modules = {id(u.module): u.module for u in self.units if u.module is not None}
+        return list(modules.values())
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:
         """Stage 3: every unit gathered while inside (entering and leaving are collective), so

@@ -5,22 +5,37 @@ Each unit is in one :class:`~longboat.strategies.flat.UnitState`: ``SHARDED`` (o
 shard; its parameters point at empty tensors), ``GATHERING`` (an all-gather of the full flat
 parameter is in flight: a prefetch) or ``UNSHARDED`` (the full flat parameter is here and its
 parameters are views into it).
+
+[Note: reused units] A module may run several times in one forward (weights shared across
+layers, as ALBERT does). Each training call whose inputs need a gradient counts in ``calls`` and
+passes its inputs through :class:`_PostBackward`; the unit's backward is over when the last of
+those reports, and its gradient (accumulated over every use by autograd and the flat buffer) is
+reduced once, then. A call whose inputs need no gradient (the model's first layer run on the
+data, reused later) reports nothing: autograd may still be accumulating its use's gradient after
+every other call's backward ended, so such a unit (``blind``) is done only when the whole
+backward is, like the root.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.hooks import RemovableHandle
 
 from longboat.comm.protocol import Comm
+from longboat.config import ConfigError
 from longboat.strategies.flat import FlatUnit, UnitState
 from longboat.strategies.storage import alloc_storage, free_storage
+
+
+class Removable(Protocol):
+    """What :meth:`Gathering.install` returns: hooks and the like, each undone by ``remove``."""
+
+    def remove(self) -> None: ...
 
 
 class Gathering:
@@ -55,9 +70,10 @@ class Gathering:
         self._order: list[FlatUnit] = []  # the first training forward's order of units
         self._recording = True
 
-    def install(self) -> list[RemovableHandle]:
-        """Forward hooks on every unit's module."""
-        hooks = []
+    def install(self) -> list[Removable]:
+        """Forward hooks on every unit's module, and the check of the first training forward
+        ([Note: units run forward] in ``zero_units.py``)."""
+        hooks: list[Removable] = [_FirstForward(self.root, self._not_run)]
         by_module: dict[int, list[FlatUnit]] = {}
         for u in self.units:
             by_module.setdefault(id(u.module), []).append(u)
@@ -74,6 +90,11 @@ class Gathering:
                 m.register_forward_hook(lambda _m, _a, out, us=us: self._after_forward(us, out))
             )
         return hooks
+
+    def _not_run(self) -> list[FlatUnit]:
+        """The units whose module did not run in the first training forward."""
+        ran = {id(u) for u in self._order}
+        return [u for u in self.units if id(u) not in ran and u.module is not self.root]
 
     # -- one unit ------------------------------------------------------------------------------
 
@@ -160,6 +181,10 @@ class Gathering:
                 return  # its backward is already over: gathering again would only waste memory
             self.gather(u, async_op=True)
 
+    # Both forward hooks run as Python under torch.compile: dynamo would bind the unit's
+    # parameters before the gather pointed them at it ([Note: compiling under a strategy]
+    # in longboat/compile.py).
+    @torch.compiler.disable
     def _before_forward(
         self, us: list[FlatUnit], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -182,7 +207,10 @@ class Gathering:
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not where:
-            return args, kwargs  # e.g. the first unit: handled when the backward is over
+            # e.g. the first unit: handled when the backward is over ([Note: reused units])
+            for u in us:
+                u.blind = True
+            return args, kwargs
         for u in us:
             u.calls += 1
         watched = _PostBackward.apply(lambda: self._after_backward(us), *(flat[i] for i in where))
@@ -190,6 +218,7 @@ class Gathering:
             flat[i] = t
         return tree_unflatten(flat, spec)
 
+    @torch.compiler.disable
     def _after_forward(self, us: list[FlatUnit], out: Any) -> None:
         training = torch.is_grad_enabled() and us[0].module.training  # type: ignore[union-attr]
         if not (training and us[0].module is self.root):
@@ -210,7 +239,8 @@ class Gathering:
     def _after_backward(self, us: list[FlatUnit]) -> None:
         for u in us:
             u.calls -= 1
-            if u.calls == 0:  # the last of the module's calls in this forward
+            # The last of the module's calls in this forward ([Note: reused units])
+            if u.calls == 0 and not u.blind:
                 u.backward_done = True
                 self.free(u)
         self.on_unit_done()
@@ -219,7 +249,68 @@ class Gathering:
         """The whole backward returned: nothing needs a unit gathered."""
         for u in self.units:
             u.calls = 0
+            u.blind = False
         self.free_all()
+
+
+class _FirstForward:
+    """Explains a failed first training forward in which some unit's module had not run: its
+    parameters were never gathered ([Note: units run forward] in ``zero_units.py``).
+
+    Hooks cannot do this: an error in a forward hook set to run after a failed forward becomes
+    a warning. So the root's ``forward`` is wrapped (as an instance attribute, which keeps the
+    model's names and state) until a training forward passed the check, then put back.
+    """
+
+    def __init__(self, root: nn.Module, not_run: Callable[[], list[FlatUnit]]) -> None:
+        self.root = root
+        self.not_run = not_run
+        # A forward the instance already had (another library's wrapper) is kept and restored.
+        self.own = root.__dict__.get("forward")
+        self.inner = root.forward
+        root.forward = self._forward  # type: ignore[method-assign]
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.root.training and torch.is_grad_enabled()):
+            return self.inner(*args, **kwargs)
+        try:
+            out = self.inner(*args, **kwargs)
+        except Exception as e:
+            missing = self.not_run()
+            if missing:  # a parameter of shape [0] read somewhere inside torch, most likely
+                raise ConfigError(_not_run_message(missing)) from e
+            raise
+        # A unit that did not run in a forward that worked is a module used on some steps only
+        # (which all ranks skip alike); its parameters read directly would show as gradients of
+        # the wrong size (``Zero._on_grad``).
+        self.remove()
+        return out
+
+    def remove(self) -> None:
+        if self.root.__dict__.get("forward") != self._forward:
+            return
+        if self.own is None:
+            del self.root.forward
+        else:
+            self.root.forward = self.own  # type: ignore[method-assign]
+
+
+def _not_run_message(missing: list[FlatUnit]) -> str:
+    named = ", ".join(f"{u.tag} ({type(u.module).__name__})" for u in missing[:4])
+    more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+    return (
+        f"zero-3: the model's first training forward failed, and the module of {named}{more} "
+        "had not run in it. A unit's parameters are gathered when its module's forward is "
+        "called, so a module whose parameters another module reads directly cannot be a unit "
+        f"({UNIT_FIX})"
+    )
+
+
+#: How to choose other units, for the errors that name a unit which cannot be one.
+UNIT_FIX = (
+    "set zero.unit_classes to the classes of modules whose forward runs, such as the model's "
+    "repeated blocks, or set zero.unit_min_params higher"
+)
 
 
 class _PostBackward(torch.autograd.Function):
