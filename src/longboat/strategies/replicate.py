@@ -264,6 +264,10 @@ class Replicate:
         pending = any(b.handle is not None for b in self._buckets)
         if not (
             pending
+            # Alone, nothing is on the wire to overlap, and stepping bucket by bucket costs a
+            # launch of every optimizer kernel per bucket (1.33x a plain bf16 step on an H100,
+            # benchmarks/results/gpu/step_time.json at 567ea30)
+            and self.comm.world_size > 1
             and self.cfg.overlap_optimizer
             and is_elementwise(optimizer)
             and not has_step_hooks(optimizer)
