@@ -677,7 +677,7 @@ def _join(
     cfg = load_config(config)
     world = world or World.from_env()
     setup_logging(world, cfg.log.level)
-    owns = init_process_group(world, timeout_s=cfg.comm.timeout_s)
+    owns = init_process_group(world, backend=cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
     # Ranks that serve the strategy instead of training ([Note: parameter server roles] in
     # ps/service.py): the mesh covers the others.
     service = build_service(cfg, world.world_size)

@@ -114,12 +114,14 @@ class ZeroConfig(_Section):
     unit_classes: list[str] = Field(
         default_factory=list,
         description="stage 3: module class names whose instances gather their parameters as "
-        "one unit (e.g. ['Block']); empty = choose by size",
+        "one unit (e.g. ['Block']); empty = the repeated blocks the model declares "
+        "(transformers' _no_split_modules), else by size. Containers (ModuleList) cannot be units",
     )
     unit_min_params: int = Field(
         1_000_000,
         gt=0,
-        description="stage 3 with no unit_classes: smallest module (in parameters) made a unit",
+        description="stage 3 with no unit_classes: smallest module (in parameters) made a unit; "
+        "setting it chooses units by size even where the model declares its blocks",
     )
     prefetch: bool = Field(True, description="stage 3: gather the next unit while this one runs")
     init_method: str | None = Field(
@@ -341,6 +343,11 @@ class CommConfig(_Section):
         True,
         description="share a fingerprint of each collective first, so ranks out of step "
         "fail at once naming the ranks and the difference",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto",
+        description="the data plane's torch.distributed backend: auto = NCCL where CUDA is "
+        "usable, else gloo; gloo on GPUs lets several ranks share one GPU (NCCL refuses that)",
     )
     log: bool = Field(False, description="count bytes and time per operation; a table at close")
     log_verbose: bool = Field(False, description="with log: also one line per collective")
