@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from longboat.pipeline import partition as partitions
 from longboat.pipeline import ties
@@ -121,10 +122,39 @@ class PipelineModule(nn.Module):
             (``lambda x: x.flatten(1)``), applied in order.
         partition: how to split them (DeepSpeed's ``partition_method``); the config's
             ``pipeline.partition`` overrides it when set.
+        activation_checkpoint_interval: DeepSpeed's: each stage's layers, from its first, in
+            runs of this many, each run recomputed in the backward as one checkpoint
+            ([Note: checkpoint interval]); 0: none.
+        checkpointable_layers: class names; a run is recomputed only when all its layers are
+            of these classes (default: when one of its layers is a module with parameters).
+        activation_checkpoint_func: ``func(run, *inputs)`` checkpoints a run (DeepSpeed's
+            convention); default: ``torch.utils.checkpoint.checkpoint``, non-reentrant.
     """
 
-    def __init__(self, layers: Sequence[Layer], partition: str | Sequence[int] = "parameters"):
+    def __init__(
+        self,
+        layers: Sequence[Layer],
+        partition: str | Sequence[int] = "parameters",
+        *,
+        activation_checkpoint_interval: int = 0,
+        checkpointable_layers: Sequence[str] | None = None,
+        activation_checkpoint_func: Callable[..., Any] | None = None,
+    ):
         super().__init__()
+        interval = activation_checkpoint_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+            raise ValueError(
+                f"PipelineModule(activation_checkpoint_interval={interval!r}) must be a whole "
+                "number of layers, 0 for none"
+            )
+        if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
+            raise TypeError(
+                "PipelineModule(checkpointable_layers=...) must be a list of class names, got "
+                f"{type(checkpointable_layers).__name__}"
+            )
+        self.activation_checkpoint_interval = interval
+        self.checkpointable_layers = checkpointable_layers
+        self.activation_checkpoint_func = activation_checkpoint_func
         if not layers:
             raise ValueError("PipelineModule needs at least one layer")
         for i, layer in enumerate(layers):
@@ -289,8 +319,52 @@ class PipelineModule(nn.Module):
                     "this PipelineModule is split into stages: name the stage to run"
                 )
             stage = self.held[0]
-        for layer in self.stage_layers(stage):
+        layers = self.stage_layers(stage)
+        for layer in layers:
             if isinstance(layer, LayerSpec):
                 raise RuntimeError(f"{layer!r} is not built: call bind() first")
-            x = layer(x)
+        n = self.activation_checkpoint_interval
+        if n == 0 or not torch.is_grad_enabled():  # nothing to keep for a backward
+            return _run(layers, x)
+        for start in range(0, len(layers), n):
+            run = layers[start : start + n]
+            if not self._checkpointable(run):
+                x = _run(run, x)
+            elif self.activation_checkpoint_func is not None:
+                fn = self.activation_checkpoint_func
+                x = fn(
+                    functools.partial(_run_unpacked, run), *(x if isinstance(x, tuple) else (x,))
+                )
+            else:
+                x = checkpoint(functools.partial(_run, run), x, use_reentrant=False)
         return x
+
+    # [Note: checkpoint interval] DeepSpeed's activation_checkpoint_interval = k cuts each
+    # stage's layers, from the stage's first, into runs of k and checkpoints each run whose
+    # layers qualify: only its input is kept from the forward, and the backward runs it again.
+    # The runs start at each stage's first layer, so they depend on the partition, as in
+    # DeepSpeed. Functions and tied layers with a forward_fn hold no parameters of their own
+    # and alone do not make a run worth recomputing. A run holding BatchNorm is refused: the
+    # recomputation would update its running statistics a second time (as recompute.py says).
+    def _checkpointable(self, run: Sequence[Layer]) -> bool:
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in run)
+        mods = [f for f in run if isinstance(f, nn.Module)]
+        if any(isinstance(s, nn.modules.batchnorm._BatchNorm) for m in mods for s in m.modules()):
+            raise ValueError(
+                "PipelineModule(activation_checkpoint_interval=...): a checkpointed run of layers "
+                "holds BatchNorm, whose running statistics the recomputation would update twice; "
+                "name the layers to checkpoint with checkpointable_layers=[...]"
+            )
+        return any(len(list(m.parameters())) > 0 for m in mods)
+
+
+def _run(layers: Sequence[Layer], x: Any) -> Any:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def _run_unpacked(layers: Sequence[Layer], *inputs: Any) -> Any:
+    """A run called as DeepSpeed's checkpoint functions call it: one input unpacked."""
+    return _run(layers, inputs[0] if len(inputs) == 1 else inputs)
