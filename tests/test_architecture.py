@@ -48,6 +48,7 @@ LAYERS = [
         "longboat.ps",
         "longboat.sync_batchnorm",
         "longboat.join",
+        "longboat.compile",
     },
     {"longboat.engine"},
     {

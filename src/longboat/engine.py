@@ -24,6 +24,7 @@ from longboat import checkpoint, sync_batchnorm
 from longboat.checkpoint.exchange import gather_json
 from longboat.checkpoint.layout import default_tag
 from longboat.comm.hang import CollectiveTimeout, PeerLost
+from longboat.compile import Compiler, unwrap
 from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
 from longboat.data import Loader, build_loader
 from longboat.evaluation import EvalLoader, reduce_metrics
@@ -141,6 +142,8 @@ class Engine:
         self._loss_count = 0
         self._owns_group = owns_group
         self._closed = False
+        # [Note: compiling under a strategy] in compile.py: set by assemble()
+        self.compiler: Compiler | None = None
         self.log = logging.getLogger("longboat")
         self.monitor = Monitor(
             config,
@@ -594,6 +597,8 @@ class Engine:
         atexit.unregister(self._atexit)
         self.monitor.close()
         self.strategy.close()
+        if self.compiler is not None:
+            self.compiler.restore()
         self.checkpointing.stop.uninstall()
         commlog = getattr(self.comm, "commlog", None)
         if commlog is not None and self.world.is_main:
@@ -747,6 +752,11 @@ def assemble(
     the group; ``longboat plan`` on its simulated topology, on CPU fake tensors, so a plan is
     of exactly what a run builds."""
     device = device or device_for(world)
+    # [Note: compiling under a strategy] in compile.py: a compiled model is set up as
+    # itself (names and checkpoints stay the user's), and compiled once the strategy's hooks
+    # are in place; bad settings are refused now, before anything else is built.
+    model, compiled = unwrap(model)
+    compiler = Compiler.plan(cfg.compile, compiled)
     schedule = build_schedule(cfg.pipeline, topology, device)
     # With pipeline stages, this rank's stages only, from here on (specs built here).
     model = schedule.prepare(model)
@@ -772,7 +782,7 @@ def assemble(
         schedule.restrict(optimizer, model)
     if scheduler is None and cfg.scheduler is not None:
         scheduler = build_scheduler(optimizer, cfg.scheduler)
-    return Engine(
+    engine = Engine(
         model,
         optimizer,
         cfg,
@@ -785,6 +795,11 @@ def assemble(
         service=service,
         param_init_fn=param_init_fn,
     )
+    if compiler is not None:
+        hooked = getattr(engine.strategy, "hooked_modules", list)()
+        compiler.apply(engine.module, hooked, engine.tensor.active)
+        engine.compiler = compiler
+    return engine
 
 
 def resolve_mesh(cfg: Config, world_size: int) -> Mesh:

@@ -57,6 +57,7 @@ _SUPPORTED = frozenset(
         "steps_per_print",
         "bfloat16",
         "data_types",
+        "compile",
     }
 )
 
@@ -317,6 +318,8 @@ def translate(
         _pipeline(data["pipeline"], put)
     if "activation_checkpointing" in data:
         _activation_checkpointing(data["activation_checkpointing"], put)
+    if "compile" in data:
+        _compile(data["compile"], put)
 
     if "zero_optimization" in data:
         z = data["zero_optimization"]
@@ -499,3 +502,25 @@ def _activation_checkpointing(block: Any, put: Any) -> None:
             True,
             "activation_checkpointing.cpu_checkpointing",
         )
+
+
+# DeepSpeed's ``compile`` block (its CompileConfig): ``enabled``, ``backend`` and ``kwargs``
+# passed to torch.compile, which here become the [compile] section's keys (longboat compiles
+# block by block, as docs/compile.md says). ``deepcompile`` turns on DeepSpeed's own compiler
+# passes over ZeRO's communication, which have no counterpart here.
+_COMPILE_KWARGS = {"mode", "fullgraph", "dynamic", "options"}
+
+
+def _compile(block: Any, put: Any) -> None:
+    b = _block(block, "compile", {"enabled", "backend", "kwargs", "deepcompile"})
+    if b.get("deepcompile", False):
+        raise ConfigError(
+            "DeepSpeed key 'compile.deepcompile' = true is not supported: DeepCompile's passes "
+            "over ZeRO's communication are DeepSpeed's own; remove it ('compile.enabled' = true "
+            "compiles the model block by block here)"
+        )
+    for k in ("enabled", "backend"):
+        if k in b:
+            put(f"compile.{k}", b[k], f"compile.{k}")
+    for k, v in _block(b.get("kwargs", {}), "compile.kwargs", _COMPILE_KWARGS).items():
+        put(f"compile.{k}", v, f"compile.kwargs.{k}")

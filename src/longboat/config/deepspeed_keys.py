@@ -61,7 +61,6 @@ OFF_ONLY: dict[str, str] = {
     "progressive_layer_drop": "progressive layer drop is not offered",
     "eigenvalue": "eigenvalue computation is not offered",
     "torch_autocast": "use bf16 or fp16 (longboat runs the forward under torch.autocast)",
-    "compile": "torch.compile through DeepSpeed is not offered; compile the model yourself",
     "sparse_attention": "DeepSpeed's sparse attention kernels are not offered",
 }
 

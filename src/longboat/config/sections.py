@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 StrategyName = Literal["auto", "single", "replicate", "zero", "parameter_server"]
 
@@ -489,6 +489,43 @@ class ActivationCheckpointingConfig(_Section):
     )
 
 
+class CompileConfig(_Section):
+    """``torch.compile`` applied by longboat, block by block, after the strategy is set up
+    (``longboat/compile.py``, docs/compile.md). ``compile = true`` is short for
+    ``[compile] enabled = true``. The other keys go to ``torch.compile`` as they are."""
+
+    enabled: bool = False
+    backend: str = Field("inductor", description="a torch.compile backend name (aot_eager, ...)")
+    mode: str | None = Field(
+        None,
+        description="torch.compile's mode: default, reduce-overhead, max-autotune, "
+        "max-autotune-no-cudagraphs (checked by torch at initialize)",
+    )
+    fullgraph: bool = Field(
+        False, description="each compiled block must be one graph (an error at a graph break)"
+    )
+    dynamic: bool | None = Field(
+        None, description="dynamic shapes: None lets torch decide (on a shape change)"
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="backend options (inductor's config), not with mode"
+    )
+    classes: list[str] = Field(
+        default_factory=list,
+        description="module class names compiled one by one (e.g. ['Block']); empty = ZeRO-3's "
+        "units, else the blocks the model declares (_no_split_modules), else the whole model",
+    )
+
+    @model_validator(mode="after")
+    def _mode_or_options(self) -> CompileConfig:
+        if self.mode is not None and self.options:
+            raise ValueError(
+                f"compile.mode = {self.mode!r} with compile.options: torch.compile takes one "
+                "of the two (a mode is a set of options); remove one"
+            )
+        return self
+
+
 class Config(_Section):
     """The whole configuration of a run."""
 
@@ -522,6 +559,13 @@ class Config(_Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_switch(cls, value: Any) -> Any:
+        """``compile = true`` (or false): the switch alone, the rest as default."""
+        return {"enabled": value} if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _join_where_ranks_can_shadow(self) -> Config:

@@ -78,6 +78,9 @@ class _Region(torch.autograd.Function):
         return ctx.move_back(g, ctx.comm, ctx.dim, ctx.tag), None, None, None, None, None
 
 
+# Under torch.compile each move runs as Python between graphs: the doorway counts, checks and
+# logs every transfer ([Note: compiling under a strategy] in longboat/compile.py).
+@torch.compiler.disable
 def _region(
     x: torch.Tensor, comm: Comm, dim: int, tag: str, forward: Move, backward: Move
 ) -> torch.Tensor:

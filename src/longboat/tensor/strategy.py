@@ -50,6 +50,10 @@ class TensorParallelStrategy:
     def before_forward(self) -> None:
         self.inner.before_forward()
 
+    def hooked_modules(self) -> list[nn.Module]:
+        """The modules the inner strategy hooks (``longboat/compile.py``)."""
+        return list(getattr(self.inner, "hooked_modules", list)())
+
     def before_backward(self, sync: bool) -> None:
         self.inner.before_backward(sync)
 
