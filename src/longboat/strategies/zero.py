@@ -694,15 +694,6 @@ class Zero:
         modules = {id(u.module): u.module for u in self.units if u.module is not None}
         return list(modules.values())
 
-    def hooked_modules(self) -> list[nn.Module]:
-        """Stage 3: the modules whose forward its hooks gather parameters around (each
-        unit's, the root's last), which compiling keeps out of its graphs ([Note: compiling
-        under a strategy] in ``longboat/compile.py``); stages 1-2 hook no forward."""
-        if self._gathering is None:
-            return []
-        modules = {id(u.module): u.module for u in self.units if u.module is not None}
-        return list(modules.values())
-
     def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:
         """Stage 3: every unit gathered while inside (entering and leaving are collective), so
         that any rank may run forwards alone, e.g. an evaluation on rank 0 under no_grad.

@@ -185,10 +185,6 @@ class Gathering:
     # parameters before the gather pointed them at it ([Note: compiling under a strategy]
     # in longboat/compile.py).
     @torch.compiler.disable
-    # Both forward hooks run as Python under torch.compile: dynamo would bind the unit's
-    # parameters before the gather pointed them at it ([Note: compiling under a strategy]
-    # in longboat/compile.py).
-    @torch.compiler.disable
     def _before_forward(
         self, us: list[FlatUnit], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -222,7 +218,6 @@ class Gathering:
             flat[i] = t
         return tree_unflatten(flat, spec)
 
-    @torch.compiler.disable
     @torch.compiler.disable
     def _after_forward(self, us: list[FlatUnit], out: Any) -> None:
         training = torch.is_grad_enabled() and us[0].module.training  # type: ignore[union-attr]
