@@ -152,8 +152,8 @@ def _backend(name: str | None, world: World) -> str | None:
             )
         return chosen
     raise ConfigError(
-        f"deepspeed.init_distributed(dist_backend={name!r}) is not a backend longboat can "
-        "use; give 'nccl', 'gloo' or 'mpi', or None for the device's default"
+        f"deepspeed.init_distributed(dist_backend={name!r}): {name!r} is not a backend "
+        "longboat can use; give 'nccl', 'gloo' or 'mpi', or None for the device's default"
     )
 
 

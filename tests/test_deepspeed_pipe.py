@@ -1,0 +1,292 @@
+"""``deepspeed.init_distributed`` and ``deepspeed.pipe`` of ``longboat.deepspeed``: the group is
+joined once and kept by ``initialize``; ``PipelineModule`` takes DeepSpeed's arguments with their
+meaning, or refuses them by name ([Note: DeepSpeed PipelineModule]); a pipeline built so trains
+as a plain PyTorch loop does ([Note: checkpoint interval] for the recomputed runs)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import longboat.deepspeed as deepspeed
+import longboat.deepspeed.pipe
+from longboat.config import ConfigError, load_config
+from longboat.deepspeed import _backend, _with_stages
+from longboat.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from longboat.world import World, default_backend
+
+# -- init_distributed --------------------------------------------------------------------------
+
+
+def _init_twice_then_initialize() -> dict:
+    group = dist.group.WORLD
+    deepspeed.init_distributed()
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=True)
+    deepspeed.init_distributed(dist_init_required=False)  # only checks that the group exists
+    same = dist.group.WORLD is group
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    out = {"same": same, "owns": engine.engine._owns_group, "world": engine.world_size}
+    out["steps"] = engine.global_steps
+    engine.destroy()
+    out["kept"] = dist.is_initialized()
+    return out
+
+
+def test_init_distributed_is_idempotent_and_initialize_keeps_its_group(ranks):
+    for r in ranks(2, _init_twice_then_initialize):
+        assert r == {"same": True, "owns": False, "world": 2, "steps": 1, "kept": True}
+
+
+def test_init_distributed_in_a_world_of_one_makes_no_group(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    deepspeed.init_distributed(dist_backend="hccl")
+    assert not dist.is_initialized()
+
+
+def test_init_distributed_refuses_what_it_cannot_do(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ConfigError, match=r"rank=1\).*environment says rank 0"):
+        deepspeed.init_distributed(rank=1)
+    with pytest.raises(ConfigError, match=r"world_size=4\)"):
+        deepspeed.init_distributed(world_size=4)
+    with pytest.raises(ConfigError, match="'bogus' is not a backend"):
+        deepspeed.init_distributed(dist_backend="bogus")
+    with pytest.raises(ConfigError, match=r"needs rank=\.\.\. and world_size"):
+        deepspeed.init_distributed(init_method="tcp://127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"dist_init_required=False.*no process group"):
+        deepspeed.init_distributed(dist_init_required=False)
+    assert not dist.is_initialized()
+
+
+def test_another_accelerators_backend_becomes_this_machines_with_a_log_line(caplog):
+    two = World(rank=0, world_size=2, local_world_size=2)
+    with caplog.at_level(logging.WARNING, logger="longboat"):
+        assert _backend("hccl", two) == default_backend()
+    assert "dist_backend='hccl'" in caplog.text and "Ascend NPU" in caplog.text
+    assert _backend(None, two) is None and _backend("GLOO", two) == "gloo"
+    if not torch.cuda.is_available():
+        assert _backend("nccl", two) == "gloo"
+
+
+# -- PipelineModule's arguments ----------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def _layers() -> list:
+    return [LayerSpec(Block), LayerSpec(Block), lambda x: x * 2, LayerSpec(Block), nn.Linear(6, 3)]
+
+
+def test_the_shim_is_a_module_of_the_package_with_deepspeeds_names():
+    assert longboat.deepspeed.pipe is deepspeed.pipe
+    assert deepspeed.PipelineModule is deepspeed.pipe.PipelineModule
+    assert issubclass(PipelineModule, longboat.pipeline.PipelineModule)
+    assert deepspeed.pipe.LayerSpec is longboat.pipeline.LayerSpec
+
+
+def test_deepspeeds_arguments_are_taken_with_their_meaning():
+    loss = nn.CrossEntropyLoss(weight=torch.ones(3))
+    m = PipelineModule(
+        layers=nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3)),
+        num_stages=2,
+        loss_fn=loss,
+        partition_method="TYPE:linear",
+        activation_checkpoint_interval=2,
+        checkpointable_layers=["Linear"],
+        base_seed=7,
+        dynamic_shape=True,
+    )
+    assert m.num_stages == m.num_pipeline_stages() == 2 and m.loss_fn is loss
+    assert m.boundaries(2) == [0, 2, 3]  # one Linear a stage, found case-blind
+    assert m.activation_checkpoint_interval == 2 and m.checkpointable_layers == ["Linear"]
+    # the loss stays out of the layers' names and checkpoints
+    assert sorted(m.state_dict()) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({}, "needs num_stages"),
+        ({"num_stages": 0}, r"num_stages=0\) must be 1 or more"),
+        ({"num_stages": 2, "topology": object()}, r"topology=\.\.\.\) is not supported"),
+        ({"num_stages": 2, "seed_layers": True}, r"seed_layers=True\) is not supported"),
+        ({"num_stages": 2, "partition_method": "profile"}, "'profile'.*not implement it either"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        PipelineModule(_layers(), **kwargs)
+
+
+def test_a_tie_of_some_parameters_only_is_refused():
+    TiedLayerSpec("emb", nn.Embedding, 10, 4)  # its only parameter, 'weight': tied as a whole
+    with pytest.raises(ConfigError, match=r"\['bias'\] would stay untied"):
+        TiedLayerSpec("head", nn.Linear, 4, 4, tied_weight_attr=["weight"])
+    TiedLayerSpec("head", nn.Linear, 4, 4, tied_weight_attr=["weight", "bias"])
+
+
+# -- activation_checkpoint_interval ------------------------------------------------------------
+
+
+def _grads(interval: int, counts: list[int], **kwargs) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    m = PipelineModule(_layers(), num_stages=1, activation_checkpoint_interval=interval, **kwargs)
+    m.build_all()
+    # counted as each layer starts: torch's recomputation stops once it has rebuilt what the
+    # backward needs, which may be inside a run's last layer, before its forward returns
+    for i, layer in enumerate(m._layers):
+        if isinstance(layer, nn.Module):
+            layer.register_forward_pre_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    m(x).square().sum().backward()
+    return [p.grad for p in m.parameters()]
+
+
+def test_runs_of_the_interval_run_again_in_the_backward_with_the_same_gradients():
+    plain, every2, only_block = [0] * 5, [0] * 5, [0] * 5
+    want = _grads(0, plain)
+    got = _grads(2, every2)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert plain == [1, 1, 0, 1, 1]
+    # runs [0, 1], [2, 3], [4]: each holds a module with parameters, so each runs twice
+    assert every2 == [2, 2, 0, 2, 2]
+    got = _grads(2, only_block, checkpointable_layers=["Block"])
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    # run [2 (a function), 3] is not all Blocks, nor [4] (a Linear): only [0, 1] again
+    assert only_block == [2, 2, 0, 1, 1]
+    with torch.no_grad():  # nothing is kept for a backward that will not come
+        m = PipelineModule(_layers(), num_stages=1, activation_checkpoint_interval=1)
+        m.build_all()
+        assert m(torch.zeros(1, 6)).shape == (1, 3)
+
+
+def test_a_checkpoint_function_of_deepspeeds_convention_is_called():
+    calls = []
+
+    def ckpt(run, *inputs):
+        calls.append(len(inputs))
+        return run(*inputs)
+
+    m = PipelineModule(
+        _layers(), num_stages=1, activation_checkpoint_interval=3, activation_checkpoint_func=ckpt
+    )
+    m.build_all()
+    m(torch.ones(2, 6)).sum().backward()
+    assert calls == [1, 1]  # runs [0, 1, 2] and [3, 4], each given its one input
+
+
+def test_a_recomputed_run_with_batchnorm_is_refused():
+    m = PipelineModule(
+        [nn.Linear(6, 6), nn.BatchNorm1d(6)], num_stages=1, activation_checkpoint_interval=2
+    )
+    m.build_all()
+    with pytest.raises(ValueError, match="BatchNorm"):
+        m(torch.ones(2, 6))
+
+
+# -- num_stages and the config -----------------------------------------------------------------
+
+
+def test_num_stages_becomes_the_meshs_pp_and_the_configs_interval_the_modules():
+    ds = {"train_batch_size": 8, "pipeline": {"activation_checkpoint_interval": 2}}
+    m = PipelineModule(_layers(), num_stages=2)
+    cfg = load_config(_with_stages(ds, m))
+    assert cfg.mesh.pp == 2 and m.activation_checkpoint_interval == 2
+    assert ds["pipeline"] == {"activation_checkpoint_interval": 2}  # the caller's is kept
+    assert load_config(_with_stages({"batch": {"micro_batch_size": 2}}, m)).mesh.pp == 2
+    assert _with_stages(load_config({"batch": {"micro_batch_size": 2}}), m).mesh.pp == 2
+    with pytest.raises(ConfigError, match=r"'pipeline.stages' = 4 and .*num_stages=2"):
+        _with_stages({"train_batch_size": 8, "pipeline": {"stages": 4}}, m)
+    with pytest.raises(ConfigError, match=r"'mesh.pp' = 4 and"):
+        _with_stages({"mesh": {"pp": 4}}, m)
+    with pytest.raises(ConfigError, match="activation_checkpoint_interval' = -1"):
+        _with_stages({"train_batch_size": 8, "pipeline": {"activation_checkpoint_interval": -1}}, m)
+
+
+# -- a DeepSpeed pipeline trains as a plain PyTorch loop ---------------------------------------
+
+
+def _build() -> list:
+    torch.manual_seed(0)
+    return [Block(), Block(), lambda x: x.flip(1), Block(), nn.Linear(6, 3)]
+
+
+def _pipeline_against_plain(steps: int) -> dict:
+    g = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(steps * 8, 6, generator=g), torch.randint(0, 3, (steps * 8,), generator=g)
+    cfg = {
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "pipeline": {"activation_checkpoint_interval": 1},
+    }
+    model = PipelineModule(
+        _build(), num_stages=2, loss_fn=F.cross_entropy, partition_method="uniform"
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        config=cfg, model=model, model_parameters=model.parameters()
+    )
+    data = iter([(xs[i : i + 2], ys[i : i + 2]) for i in range(0, len(xs), 2)])
+    losses = [engine.train_batch(data).item() for _ in range(steps)]
+    mine = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    held = engine.module.held
+    engine.destroy()
+
+    # the same layers as one nn.Sequential, a plain loop: the mean of 4 micro-batch losses a step
+    layers = _build()
+    plain = nn.Sequential(*[m if isinstance(m, nn.Module) else _Fn(m) for m in layers])
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    want = []
+    for s in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for k in range(4):
+            i = s * 8 + k * 2
+            loss = F.cross_entropy(plain(xs[i : i + 2]), ys[i : i + 2]) / 4
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        want.append(total)
+    ref = dict(plain.named_parameters())
+    same = all(torch.allclose(p, ref[n], rtol=1e-5, atol=1e-6) for n, p in mine.items())
+    return {"held": held, "names": sorted(mine), "same": same, "losses": (losses, want)}
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def test_a_deepspeed_pipeline_with_recomputation_trains_as_a_plain_loop(ranks):
+    r0, r1 = ranks(2, _pipeline_against_plain, 3)
+    # uniform: layers 0-2 on stage 0, 3-4 on stage 1, named by layer index as DeepSpeed does
+    assert r0["held"] == [0] and r1["held"] == [1]
+    assert r0["names"] == ["0.fc.bias", "0.fc.weight", "1.fc.bias", "1.fc.weight"]
+    assert r1["names"] == ["3.fc.bias", "3.fc.weight", "4.bias", "4.weight"]
+    assert r0["same"] and r1["same"]
+    for losses, want in (r0["losses"], r1["losses"]):
+        assert losses == pytest.approx(want, rel=1e-5)
