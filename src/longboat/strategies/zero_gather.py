@@ -275,6 +275,8 @@ class _FirstForward:
             return self.inner(*args, **kwargs)
         try:
             out = self.inner(*args, **kwargs)
+        except ConfigError:
+            raise  # already says what to change (a compile failure names its module, say)
         except Exception as e:
             missing = self.not_run()
             if missing:  # a parameter of shape [0] read somewhere inside torch, most likely
