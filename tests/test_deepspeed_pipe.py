@@ -81,6 +81,29 @@ def test_another_accelerators_backend_becomes_this_machines_with_a_log_line(capl
         assert _backend("nccl", two) == "gloo"
 
 
+def test_initialize_takes_deepspeeds_other_arguments_or_refuses_them(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    for name in ("mpu", "mesh_param"):
+        with pytest.raises(ConfigError, match=rf"initialize\({name}=\.\.\.\) is not supported"):
+            deepspeed.initialize(model=nn.Linear(2, 2), config=cfg, **{name: object()})
+    with pytest.raises(ConfigError, match=r"dist_init_required=False.*no process group"):
+        deepspeed.initialize(model=nn.Linear(2, 2), config=cfg, dist_init_required=False)
+    data = [{"x": torch.full((2,), float(i))} for i in range(4)]
+
+    def collate(items: list) -> torch.Tensor:
+        return torch.stack([d["x"] for d in items]) * 10
+
+    engine, _, loader, _ = deepspeed.initialize(
+        model=nn.Linear(2, 2), config=cfg, training_data=data, collate_fn=collate
+    )
+    batches = list(loader)  # dicts batched by the collate_fn given, not by torch's default
+    assert all(isinstance(b, torch.Tensor) and b.shape == (2, 2) for b in batches)
+    assert sorted(torch.cat(batches)[:, 0].tolist()) == [0.0, 10.0, 20.0, 30.0]
+    engine.destroy()
+
+
 # -- PipelineModule's arguments ----------------------------------------------------------------
 
 

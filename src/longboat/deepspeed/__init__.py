@@ -232,9 +232,12 @@ class DeepSpeedEngine:
         mean = self.engine.train_step(batch, lambda out, mb: loss_fn(out, mb[1]))
         return torch.tensor(mean)
 
-    def deepspeed_io(self, dataset: Any, **_: Any) -> Any:
-        """This rank's micro-batches of ``dataset`` (longboat's sharded, resumable loader)."""
-        return self.engine.loader(dataset)
+    def deepspeed_io(
+        self, dataset: Any, collate_fn: Callable[..., Any] | None = None, **_: Any
+    ) -> Any:
+        """This rank's micro-batches of ``dataset`` (longboat's sharded, resumable loader),
+        batched by ``collate_fn`` (default: torch's)."""
+        return self.engine.loader(dataset, collate_fn=collate_fn)
 
     def train(self, mode: bool = True) -> DeepSpeedEngine:
         self.engine.train(mode)
@@ -372,17 +375,42 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     training_data: Any = None,
     lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
     config: Any = None,
+    mesh_param: Any = None,
     config_params: Any = None,
-    **_: Any,
 ) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, Any, Any]:
     """DeepSpeed's ``deepspeed.initialize``: ``(engine, optimizer, training_dataloader,
     lr_scheduler)``. The config is ``config`` (a dict or a path), else ``config_params``, else
     ``args.deepspeed_config``; the optimizer is ``optimizer`` (or a callable given
     ``model_parameters``), else the config's ``optimizer`` block over ``model_parameters``;
-    ``lr_scheduler`` may be a scheduler or a callable given the optimizer."""
+    ``lr_scheduler`` may be a scheduler or a callable given the optimizer; ``collate_fn``
+    batches ``training_data``. The process group is joined as :func:`longboat.initialize`
+    joins it (the config's ``comm`` section chooses the backend), ``distributed_port`` being
+    the port where the environment names none; ``dist_init_required=False`` requires a group
+    to exist. ``mpu`` and ``mesh_param`` (Megatron's and DeepSpeed's own layouts of the ranks)
+    are refused: the mesh is the config's ``mesh`` section here."""
     if model is None:
         raise ConfigError("deepspeed.initialize() needs model=...")
+    for name, given in (("mpu", mpu), ("mesh_param", mesh_param)):
+        if given is not None:
+            raise ConfigError(
+                f"deepspeed.initialize({name}=...) is not supported: longboat lays out the "
+                "ranks from the config's mesh section (mesh.tp, mesh.pp, mesh.dp_replicate); "
+                "leave it out"
+            )
+    if dist_init_required is False:
+        init_distributed(dist_init_required=False)  # refuses where no group exists
+    # the port where the environment names none, as DeepSpeed's MPI discovery sets it
+    if (
+        "MASTER_PORT" not in os.environ
+        and not dist.is_initialized()
+        and World.from_env().distributed
+    ):
+        os.environ["MASTER_PORT"] = str(distributed_port)
     config = config if config is not None else config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
@@ -410,7 +438,9 @@ def initialize(
         config = _with_stages(config, model)
     engine = _initialize(model, optimizer, config, scheduler=scheduler)
     ds = DeepSpeedEngine(engine)
-    loader = ds.deepspeed_io(training_data) if training_data is not None else None
+    loader = None
+    if training_data is not None:
+        loader = ds.deepspeed_io(training_data, collate_fn=collate_fn)
     ds.training_dataloader = loader
     return ds, engine.optimizer, loader, engine.scheduler
 
