@@ -197,6 +197,7 @@ def test_the_dry_run_measures_memory_and_step_time_sides(dry_run):
     }
     assert steps["compiled"]["compile_backend"] == "eager"
     assert steps["compiled"]["ratio_of_medians"]["plain"] == 1.0
+    assert set(steps["compiled"]["ratio_of_medians"]) == {"plain", "single", "single+compile"}
 
 
 # -- on a GPU ----------------------------------------------------------------------------------

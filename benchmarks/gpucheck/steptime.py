@@ -16,7 +16,8 @@ Warm-up steps first, then rounds in which every side runs one step, in an order 
 round (ABBA), so a drift of the machine falls on every side alike. The ratio of the medians to
 ``plain`` is reported, and the median of the per-round ratios. ``compiled`` repeats ``plain``
 and ``single`` with every transformer block compiled (``block.compile()``, in place, so names
-stay), warm-up included the compilation.
+stay), warm-up included the compilation, and adds ``single+compile``: the blocks compiled by
+longboat itself (``[compile] enabled = true``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def tasks(dry: bool) -> list[Task]:
     }
     # In a dry run dynamo traces and runs the graphs as they are (no code generation): the
     # code path is exercised in seconds; the GPU run uses inductor, as a user gets by default.
-    compiled = dict(args, sides=["plain", "single"], compile="eager" if dry else "inductor")
+    compiled = dict(
+        args, sides=["plain", "single", "single+compile"], compile="eager" if dry else "inductor"
+    )
     compiled["warmup"] = 2 if dry else 3  # the first compiles
     return [
         Task("eager", "gpucheck.steptime:measure", args, 120.0),
@@ -79,10 +82,10 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     tokens = torch.randint(0, vocab, (args["micro_batch"], seq + 1), generator=gen, device=device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    def model() -> torch.nn.Module:
+    def model(by_hand: bool = True) -> torch.nn.Module:
         torch.manual_seed(0)
         m = GPT(**args["model"])
-        if backend is not None:
+        if backend is not None and by_hand:
             for block in m.blocks:
                 block.compile(backend=backend)
         return m
@@ -98,13 +101,17 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
             read = side == "plain-read-loss"
             steps[side] = plain.step_fn(plain_model, plain_opt, (x, y), gpt_loss, dtype, read)
             continue
-        m = model()
-        cfg = {
-            "strategy": side,
+        # "single+compile": longboat compiles the blocks itself ([compile] in the config)
+        strategy, _, how = side.partition("+")
+        m = model(by_hand=how != "compile")
+        cfg: dict[str, Any] = {
+            "strategy": strategy,
             "precision": {"dtype": args["dtype"]},
             "batch": {"micro_batch_size": args["micro_batch"]},
             "log": {"progress": False, "level": "WARNING"},
         }
+        if how == "compile":
+            cfg["compile"] = {"enabled": True, "backend": backend}
         engine = longboat.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-4), cfg)
         engines.append(engine)
 
