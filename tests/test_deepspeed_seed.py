@@ -6,7 +6,11 @@ not by an alias bound in the script). The examples are read from the tutorial at
 copied here; the test skips where the tutorial is not beside the repository.
 
 What each example does is checked by lines appended to it (they print what the script computed);
-nothing of the example itself is changed beyond the imports.
+nothing of the example itself is changed beyond the imports. The tutorial's scheduler example
+is a fragment that uses ``torch`` and ``deepspeed`` without importing them: its test puts the two
+imports in front of it, and changes nothing else. The tutorial's torchrun and DDP snippets are
+not scripts (they call a ``setup`` with the wrong number of arguments, ``MyModel``, ``do_A``), so
+there is nothing there to run as it is.
 """
 
 from __future__ import annotations
@@ -89,3 +93,20 @@ def test_the_pipeline_example_runs_with_its_imports_changed(tmp_path):
     want = {"steps": 100, "interval": 1, "finite": True}
     assert out[0] == {**want, "rank": 0, "held": [0], "params": ["0.fc.bias", "0.fc.weight"]}
     assert out[1] == {**want, "rank": 1, "held": [1], "params": ["1.fc.bias", "1.fc.weight"]}
+
+
+def test_the_scheduler_example_runs_with_the_imports_it_lacks(tmp_path):
+    code = _example(r"```python\nimport torch\.nn as nn", r"lr_scheduler\.step\(\)")
+    code = "import torch\nimport longboat.deepspeed as deepspeed\n" + code.split("\n", 1)[1]
+    out = _run(
+        tmp_path,
+        code,
+        "import json\n"
+        "print('REPORT ' + json.dumps({'rank': model_engine.global_rank, "
+        "'steps': model_engine.global_steps, 'type': type(optimizer).__name__, "
+        "'warming': 0.001 < optimizer.param_groups[0]['lr'] < 0.01}), flush=True)\n",
+    )
+    # the script's own torch.optim.Adam (the config's "Adam" would be AdamW, as in DeepSpeed),
+    # stepped once, its learning rate on the config's WarmupLR's way up
+    for rank in (0, 1):
+        assert out[rank] == {"rank": rank, "steps": 1, "type": "Adam", "warming": True}
