@@ -224,15 +224,41 @@ def _own_store(world: World, timeout: datetime.timedelta) -> dist.TCPStore:
     MASTER_ADDR is not an address of rank 0's host (a service name in front of it), the store
     falls back to torch's own listener.
     """
-    addr, port = world.master_addr, world.master_port
-    if world.rank != 0:
-        return dist.TCPStore(addr, port, world.world_size, False, timeout, multi_tenant=True)
+    return bound_store(
+        world.master_addr, world.master_port, world.rank, world.world_size, timeout, strict=False
+    )
+
+
+def bound_store(
+    addr: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    *,
+    strict: bool = True,
+) -> dist.TCPStore:
+    """A store for ``world_size`` ranks that rank 0 serves on ``addr:port`` and nowhere else.
+
+    Every group longboat opens gets its store here (``init_process_group(store=...)``): the
+    job's own, and those that ``longboat bench``, ``longboat tune`` and the test pool open for
+    their ranks on 127.0.0.1. Given only a host and port, torch's store listens on every
+    interface, unauthenticated, for as long as the group lives; a socket bound to ``addr``
+    first and handed over (``master_listen_fd``) is the only way to keep it there. ``strict``
+    False lets the store fall back to torch's own listener when ``addr`` is not an address of
+    this host (a service name in front of it, see :func:`_own_store`); the tools, which
+    always serve on loopback, keep it True, so a failed bind is an error, never a wildcard.
+    """
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, timeout, multi_tenant=True)
     try:
         fd: int | None = bind_listener(addr, port).detach()
     except OSError:
+        if strict:
+            raise
         fd = None
     return dist.TCPStore(
-        addr, port, world.world_size, True, timeout, multi_tenant=True, master_listen_fd=fd
+        addr, port, world_size, True, timeout, multi_tenant=True, master_listen_fd=fd
     )
 
 

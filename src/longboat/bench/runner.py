@@ -57,7 +57,7 @@ from longboat.bench.sides import (
     library,
     micro_batch_of,
 )
-from longboat.world import before_group
+from longboat.world import before_group, bound_store
 
 MEMORY_STEPS = 2
 # What every rank imports anyway (torch.optim's first use imports torch._dynamo: ~1.5 s).
@@ -292,7 +292,9 @@ def _worker(
     )
     torch.set_num_threads(s.threads)
     before_group()
-    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=s.timeout_s))
+    timeout = timedelta(seconds=s.timeout_s)
+    store = bound_store("127.0.0.1", port, rank, n, timeout)  # not torch's wildcard listener
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timeout)
     result: dict[str, Any] = {"rank": rank}
 
     def report(name: str, done: int, total: int) -> None:

@@ -186,6 +186,15 @@ def _run_this_host(opts: RunOptions, hosts: list[Host], node_rank: int | None) -
             f"--node-rank {node_rank} with --no-ssh: the host list has nodes 0 to "
             f"{len(hosts) - 1} ({', '.join(names)})"
         )
+    if opts.master_port is None and len(hosts) > 1:
+        # Each host runs this command on its own, so no host can pick a free port for the
+        # others; a fixed default would make two such jobs on one host meet on it, the second
+        # one's nodes joining the first one's rendezvous.
+        raise usage_error(
+            f"--no-ssh with {len(hosts)} hosts needs --master-port: node 0 ({names[0]}) "
+            "listens on it and every host dials it, so give each host the same free port, "
+            f"e.g. --master-port {DEFAULT_PORT}"
+        )
     host = hosts[node_rank]
     if not host.all_slots:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.slots))
@@ -195,7 +204,7 @@ def _run_this_host(opts: RunOptions, hosts: list[Host], node_rank: int | None) -
         node_rank=node_rank,
         nproc_per_node=host.nproc,
         master_addr=names[0] if opts.master_addr == "127.0.0.1" else opts.master_addr,
-        master_port=opts.master_port or DEFAULT_PORT,
+        master_port=opts.master_port,  # None (one host only): a free port
     )
     try:
         validate(node)

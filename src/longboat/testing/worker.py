@@ -121,14 +121,15 @@ def worker_main(
         import torch
         import torch.distributed as dist
 
+        from longboat.world import bound_store
+
         # N workers share a few cores; intra-op threads per worker would only thrash.
         torch.set_num_threads(1)
+        timeout = timedelta(seconds=pg_timeout_s)
+        # Rank 0 serves the store on 127.0.0.1 only: env:// would listen on every interface.
+        store = bound_store(HOST, port, rank, world_size, timeout)
         dist.init_process_group(
-            "gloo",
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
     except BaseException:
         _send(conn, "error", traceback.format_exc())

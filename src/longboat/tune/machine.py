@@ -99,9 +99,11 @@ def _link_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as the bench's ranks
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-    )
+    from longboat.world import bound_store
+
+    timeout = timedelta(seconds=120)
+    store = bound_store("127.0.0.1", port, rank, world_size, timeout)  # loopback only
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         big = torch.ones(LINK_BYTES // 4)
         small = torch.ones(1)
