@@ -3,6 +3,7 @@ expected for the framework it names; a row added without an expectation here fai
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -52,6 +53,12 @@ EXPECTED = {
     'DeepSpeed `"optimizer": {"type": "Lamb"}`': ("replicate", None, 1, None),
     'DeepSpeed `"optimizer": {"type": "OneBitAdam"}`': ("replicate", None, 1, None),
     'DeepSpeed `"optimizer": {"type": "OneBitLamb"}`': ("replicate", None, 1, None),
+    'DeepSpeed `PipelineModule(layers, num_stages=2, partition_method="uniform")`': (
+        "replicate",
+        None,
+        1,
+        None,
+    ),
     "DeepSpeed `activation_checkpointing.cpu_checkpointing`": ("replicate", None, 1, None),
 }
 # row -> further keys the row's config must resolve to
@@ -64,6 +71,10 @@ FIELDS = {
     'DeepSpeed `"optimizer": {"type": "OneBitLamb"}`': {"optimizer.type": "OneBitLamb"},
     "DeepSpeed `activation_checkpointing.cpu_checkpointing`": {
         "activation_checkpointing.cpu_checkpointing": True
+    },
+    'DeepSpeed `PipelineModule(layers, num_stages=2, partition_method="uniform")`': {
+        "mesh.pp": 2,
+        "pipeline.partition": "uniform",
     },
 }
 
@@ -99,3 +110,17 @@ def test_each_row_resolves_as_its_framework_means(row):
         for part in key.split("."):
             node = getattr(node, part)
         assert node == want, (row, key)
+
+
+def test_each_deepspeed_script_row_names_tests_that_exist():
+    """The "DeepSpeed scripts" table: every row cites test functions, and each is defined in
+    the file the row names."""
+    section = DOC.read_text().split("## DeepSpeed scripts", 1)[1]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and ".py: `test_" in ln]
+    assert len(rows) >= 7
+    for row in rows:
+        cited = row.rstrip(" |").rsplit(" | ", 1)[1]
+        file, names = cited.split(": ", 1)
+        source = (DOC.parents[1] / "tests" / file).read_text()
+        for name in re.findall(r"`(test_\w+)`", names):
+            assert f"def {name}(" in source, (file, name)
