@@ -309,3 +309,28 @@ def test_the_switch_and_the_deepspeed_block():
         load_config({"train_batch_size": 8, "compile": {"deepcompile": True}})
     with pytest.raises(longboat.ConfigError, match=r"mode.*options"):
         load_config({"compile": {"mode": "max-autotune", "options": {"trace.enabled": True}}})
+
+
+def test_on_a_torch_without_a_per_function_limit_the_global_one_is_raised(monkeypatch):
+    # torch 2.11 (a lent GPU machine's) refused torch.compile(..., recompile_limit=...)
+    import torch._dynamo
+
+    import longboat.compile as lc
+
+    seen: dict[str, Any] = {}
+
+    def fake_compile(fn, **kwargs):
+        seen.update(kwargs)
+        return fn
+
+    name = lc._LIMIT
+    monkeypatch.setattr(lc, "_TAKES_LIMIT", False)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch._dynamo.config, name, 8)
+    cfg = load_config({"compile": {"enabled": True, "backend": "eager"}}).compile
+    compiler = lc.Compiler.plan(cfg, None)
+    assert compiler is not None
+    compiler.wrap(lambda x: x, 40)
+    assert "recompile_limit" not in seen and getattr(torch._dynamo.config, name) == 40
+    compiler.wrap(lambda x: x, 4)  # never lowered
+    assert getattr(torch._dynamo.config, name) == 40

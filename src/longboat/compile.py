@@ -37,6 +37,7 @@ compiled module holds a module the strategy hooks, or with tensor-parallel layer
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,14 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
 
 def _probe(x: Any) -> Any:
     return x
+
+
+# torch.compile takes a per-function recompile limit only in recent torch; before that there is
+# the global one, named cache_size_limit before it was renamed recompile_limit.
+_TAKES_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+_LIMIT = (
+    "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+)
 
 
 @dataclass
@@ -145,7 +154,14 @@ class Compiler:
             raise CompileError(f"{_settings(cfg)}: torch.compile refused them: {e}") from None
 
         def wrap(fn: Callable[..., Any], limit: int | None) -> Callable[..., Any]:
-            return torch.compile(fn, **kwargs, recompile_limit=limit)
+            if limit is None:
+                return torch.compile(fn, **kwargs)
+            if _TAKES_LIMIT:
+                return torch.compile(fn, **kwargs, recompile_limit=limit)
+            # Older torch (2.11 on a lent GPU machine refused the keyword) has only the global
+            # limit: raised, never lowered, which every compiled function then shares.
+            setattr(torch._dynamo.config, _LIMIT, max(getattr(torch._dynamo.config, _LIMIT), limit))
+            return torch.compile(fn, **kwargs)
 
         return cls(
             wrap=wrap,
@@ -170,7 +186,7 @@ class Compiler:
         # one cache: each distinct block may need a few graphs (training, evaluation, a shorter
         # last batch) before torch's limit (8 by default) makes it fall back to eager.
         distinct = {(type(m), tuple(p.shape for p in m.parameters())) for _, m in targets}
-        limit = max(torch._dynamo.config.recompile_limit, 4 * len(distinct))
+        limit = max(getattr(torch._dynamo.config, _LIMIT), 4 * len(distinct))
         for name, m in targets:
             self.compiled.append((m, m.__dict__.get("_compiled_call_impl")))
             m._compiled_call_impl = _Guarded(  # nn.Module.compile's attribute
