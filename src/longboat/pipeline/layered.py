@@ -7,6 +7,8 @@ longboat import is needed in the model's file. Splitting keeps the user's module
 submodules of other stages' layers are replaced by a parameter-free placeholder, and its
 forward runs this rank's layers, so ``state_dict()`` keys stay ``"blocks.2.attn.qkv.weight"``
 whatever the number of stages, and checkpoints load across stage counts and strategies.
+Some transformers models are listed without the method, by their class
+(:mod:`longboat.pipeline.transformers_layers`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from longboat.pipeline import partition as partitions
-from longboat.pipeline import ties
+from longboat.pipeline import ties, transformers_layers
 from longboat.pipeline.module import StageInfo, describe_stages
 from longboat.tied import Tie
 
@@ -43,11 +45,16 @@ class Elsewhere(nn.Module):
 
 
 def lists_layers(model: nn.Module) -> bool:
-    return callable(getattr(model, "pipeline_layers", None))
+    """True for a model whose layers the pipeline knows: its own ``pipeline_layers()``, or a
+    transformers family whose layers are built in (:mod:`longboat.pipeline.transformers_layers`)."""
+    return callable(getattr(model, "pipeline_layers", None)) or transformers_layers.recognises(
+        model
+    )
 
 
 def _entries(model: nn.Module) -> list[Entry]:
-    entries = list(model.pipeline_layers())  # type: ignore[operator]
+    listed = getattr(model, "pipeline_layers", None)
+    entries = list(listed()) if callable(listed) else transformers_layers.layers(model)
     if not entries:
         raise ValueError(f"{type(model).__name__}.pipeline_layers() returned no layers")
     for i, (paths, fn) in enumerate(entries):

@@ -7,22 +7,24 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from longboat.pipeline import layered
+from longboat.pipeline import layered, transformers_layers
 from longboat.pipeline.module import PipelineModule, StageInfo
 
 
 def as_layers(model: nn.Module, partition: str | Sequence[int] | None) -> nn.Module:
     """``model`` as something with stages: an ``nn.Sequential`` becomes a
     :class:`PipelineModule` (``partition``, default ``"parameters"``); a
-    :class:`PipelineModule` or a model with ``pipeline_layers()`` is returned as is."""
+    :class:`PipelineModule`, a model with ``pipeline_layers()`` or a transformers model whose
+    layers are built in (:mod:`~longboat.pipeline.transformers_layers`) is returned as is."""
     if isinstance(model, nn.Sequential):
         return PipelineModule(list(model), partition=partition or "parameters")
     if isinstance(model, PipelineModule) or layered.lists_layers(model):
         return model
     raise TypeError(
         "pipeline stages need a model made of layers in order: a "
-        "longboat.pipeline.PipelineModule, an nn.Sequential, or a model with a "
-        f"pipeline_layers() method; {type(model).__name__} is none of them"
+        "longboat.pipeline.PipelineModule, an nn.Sequential, a model with a "
+        "pipeline_layers() method, or a transformers model whose layers are built in "
+        f"({', '.join(transformers_layers.FAMILIES)}); {type(model).__name__} is none of them"
     )
 
 
