@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,8 +22,8 @@ from longboat.comm.collectives import Collectives
 from longboat.comm.protocol import Comm
 from longboat.config import load_config
 from longboat.models import GPT, gpt_loss, gpt_param_count, synthetic_tokens
-from longboat.plan import Target, make_plan, resolve
-from longboat.plan.planner import OPTIMIZERS, strategy_config
+from longboat.plan import Plan, StrategyPlan, Target, make_plan, render, resolve
+from longboat.plan.planner import CATEGORIES, OPTIMIZERS, strategy_config
 from longboat.plan.simulate import MetaCollectives, simulate
 from longboat.plan.tracker import LiveBytes
 
@@ -873,3 +874,130 @@ def test_folded_accumulation_predicts_what_every_micro_batch_does(strategy):
         assert folded.comm_bytes["reduce_scatter"] == 8 * one.comm_bytes["reduce_scatter"]
     if strategy == "zero-3+offload":
         assert folded.disk_moved > every.disk_moved / 8 > 0
+
+
+# -- real models: a reason per row, never a traceback ----------------------------------------
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SMALL_GPT2 = {"width": 32, "heads": 4}
+SMALL_LLAMA = {"width": 32, "heads": 4}
+
+
+def _untraced(res: Any, code: int) -> str:
+    """The command's output, having ended with ``code`` and no traceback."""
+    assert res.exit_code == code, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    assert "Traceback" not in res.output, res.output
+    return res.output
+
+
+@pytest.fixture
+def hfmodels(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(FIXTURES))
+
+
+def _hf_cli(model: str, args: dict[str, int], *more: str) -> list[str]:
+    """``longboat plan`` arguments for a model of ``tests/fixtures/hfmodels.py`` at
+    micro-batch 2, then ``more``."""
+    return ["--model", f"hfmodels:{model}", "--model-args", json.dumps(args), "--micro-batch",
+            "2", *more]  # fmt: skip
+
+
+def test_transformers_stages_and_tensor_parallelism_are_planned(hfmodels):
+    # built-in pipeline layers and tensor-parallel plan; the planner's loss takes the logits,
+    # of the output object at one stage and of the last stage's tensor in a pipeline
+    args = ["--world-size", "4", "--pp", "2", "--tp", "2", "--strategies", "single,zero-1"]
+    res = _invoke(*_hf_cli("gpt2", SMALL_GPT2, *args, "--json"))
+    data = json.loads(_untraced(res, 0))
+    assert [(s["strategy"], s["stages"], s["error"]) for s in data["strategies"]] == [
+        ("single", [], ""),
+        ("zero-1", [0], ""),
+        ("zero-1", [1], ""),
+    ]
+    assert data["pipeline"]["micro_batches"] == 2, "with --pp, as many as the stages"
+    assert data["strategies"][1]["tp_layers"]["transformer.h.0.attn.c_attn"] > 0
+    # between the stages only the hidden state: 2 micro-batches of [2, SEQ, width] in fp32
+    for row in data["strategies"][1:]:
+        assert row["comm_bytes"]["send"] == 2 * (2 * 32 * SMALL_GPT2["width"] * 4)
+
+
+def test_a_model_that_cannot_be_split_says_why_in_its_rows(hfmodels):
+    bert = ("bert", {"width": 32, "layers": 1}, "--pp", "2", "--strategies")
+    out = _untraced(_invoke(*_hf_cli(*bert, "single,replicate,zero-2")), 1)
+    # exit 1: nothing to recommend, a verdict and not a usage error
+    assert "not planned: replicate, zero-2: mesh.pp = 2: pipeline stages need" in out
+    assert "BertForMaskedLM is none of them" in out
+    assert out.count("not planned: ") == 1, "one line per reason"
+    assert "recommended: none (replicate, zero-2 could not be planned" in out
+    single = next(line for line in out.splitlines() if line.startswith("│ single"))
+    assert "n/a" not in single and "-" in single  # planned; no budget, so fits is "-"
+    rows = json.loads(_untraced(_invoke(*_hf_cli(*bert, "single,replicate", "--json")), 1))
+    errors = [s["error"] for s in rows["strategies"]]
+    assert errors[0] == "" and "pipeline stages need" in errors[1]
+
+
+def test_a_tensor_parallel_plan_that_does_not_apply_says_why_under_a_budget(hfmodels):
+    t5 = _hf_cli("t5", {"width": 32, "layers": 1}, "--tp", "2", "--budget", "1GiB")
+    out = _untraced(_invoke(*t5), 1)
+    assert "no built-in plan for a T5ForConditionalGeneration" in out
+    assert "not planned: replicate, zero-1, zero-2, zero-3: tensor_parallel.plan" in out
+    assert "could not be planned" in out.split("recommended: ")[1]
+
+
+def test_user_names_are_printed_as_given(hfmodels):
+    # ":llama" followed by ":" in the title would be an emoji code to rich
+    out = _untraced(_invoke(*_hf_cli("llama", SMALL_LLAMA, "--strategies", "replicate")), 0)
+    assert out.startswith("hfmodels:llama: ") and "\N{LLAMA}" not in out
+    # reasons keep their brackets: rich would take "[mesh]" for a style
+    plan = Plan(
+        "pkg:[bold]x[/bold]:smile:", 1, 2, 1, "fp32", "adamw", None,
+        [StrategyPlan("replicate", 2, dict.fromkeys(CATEGORIES, 0), 0, 0, 0, {}, None,
+                      error="[mesh] pp = 2 :smile:")],
+        None, "",
+    )  # fmt: skip
+    text = render(plan)
+    assert text.startswith("pkg:[bold]x[/bold]:smile::")
+    assert "not planned: replicate: [mesh] pp = 2 :smile:" in text
+
+
+def test_a_model_fake_tensors_cannot_run_says_why_in_each_row(tmp_path, monkeypatch):
+    (tmp_path / "branchy_mod.py").write_text(
+        textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Branchy(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                h = self.fc(x)
+                return h[h > 0].sum() + h.mean()  # a shape that depends on values
+
+        def example_input(model, micro_batch):
+            return torch.randn(micro_batch, 4)
+        """)
+    )
+    (tmp_path / "broken_mod.py").write_text(
+        textwrap.dedent("""
+        def build():
+            raise ValueError("width 0 is too small")
+
+        def example_input(model, micro_batch):
+            return None
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = _invoke("--model", "branchy_mod:Branchy", "--strategies", "replicate,zero-3")
+    out = _untraced(res, 1)
+    assert "not planned: replicate, zero-3: DynamicOutputShapeException" in out
+    assert "fake tensors: shapes without values" in out
+    # a model that cannot be built at all is the command line's mistake, in one line
+    res = _invoke("--model", "broken_mod:build")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.output.strip().splitlines() == [
+        "longboat: error: --model 'broken_mod:build': building the model failed: "
+        "ValueError: width 0 is too small"
+    ]

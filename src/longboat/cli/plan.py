@@ -52,7 +52,8 @@ def plan(
         None,
         "--micro-batches",
         help="micro-batches per optimizer step: gradient accumulation, or with --pp the "
-        "schedule's (default: from the config's batch triple at this world size, else 1)",
+        "schedule's (default: from the config's batch triple at this world size, else 1; "
+        "with --pp, else the number of stages)",
     ),
     schedule: str | None = typer.Option(
         None, "--schedule", help="gpipe, 1f1b or interleaved (default: the config's, else 1f1b)"

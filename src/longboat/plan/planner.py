@@ -17,6 +17,13 @@ when asked for. A parameter server comes last,
 as it needs server ranks beside the workers and every worker's push and pull pass through them.
 At one rank the only strategy is single.
 
+[Note: unplanned rows] A strategy the planner cannot simulate for this model (pipeline stages of
+a model that does not list its layers, a tensor-parallel plan that does not apply, an operator
+fake tensors cannot run) is a row with a one-line ``error`` and no figures, never the end of the
+whole plan: the other rows are still planned and shown. What no row could change (a mesh that
+does not fit the world size, a schedule its micro-batches cannot fill, an unknown strategy)
+is checked first, once, and refused as a usage error (:class:`PlanInputError`).
+
 [Note: planning roles] A strategy whose ranks are not alike (a parameter server's workers and
 servers) is planned by its own module, a row per role (:data:`ROLES`); it is planned when
 ``--strategies`` names it or the config's strategy is it, not by default.
@@ -24,7 +31,9 @@ servers) is planned by its own module, a row per role (:data:`ROLES`); it is pla
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -126,6 +135,7 @@ class StrategyPlan:
     role: str = ""  # a strategy whose ranks differ: which ([Note: planning roles])
     disk: int = 0  # model state on disk (offload)
     disk_moved: int = 0  # ... and read and written per step
+    error: str = ""  # why this strategy could not be planned ([Note: unplanned rows])
 
     @property
     def comm_total(self) -> int:
@@ -166,6 +176,53 @@ def _mesh(cfg: Config, n: int) -> Mesh:
         raise PlanInputError(f"--world-size {n}: {e}") from None
 
 
+def _check_usage(base: Config, strategies: Sequence[str], world_size: int) -> None:
+    """Refuse what no strategy's row could plan: unknown names, a mesh that does not fit the
+    world size, a pipeline schedule its micro-batches cannot fill ([Note: unplanned rows])."""
+    for name in strategies:
+        cfg = strategy_config(base, name, 1)
+        if name not in ROLES:  # a role's own module checks its mesh (servers stand aside)
+            _mesh(cfg, 1 if name == "single" else world_size)
+    if base.mesh.pp > 1:
+        from longboat.pipeline import ScheduleError, build_pipeline_schedule
+
+        m = base.batch.gradient_accumulation_steps or 1
+        kind, v = base.pipeline.schedule, base.pipeline.virtual_stages
+        try:
+            build_pipeline_schedule(kind, base.mesh.pp, m, v)
+        except ScheduleError as e:
+            raise PlanInputError(
+                f"pipeline schedule {kind!r} with {m} micro-batches per step (--micro-batches, "
+                f"batch.gradient_accumulation_steps): {e}"
+            ) from None
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its message's first line, after its type unless longboat
+    raised it (its messages already say what is wrong and what to change)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    raiser = str(tb.tb_frame.f_globals.get("__name__", "")) if tb is not None else ""
+    if text and (type(e).__module__.startswith("longboat") or raiser.startswith("longboat")):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """Fake tensors log a traceback of their own for an operator whose meta kernel fails before
+    re-raising it; the planner reports that failure in its row ([Note: unplanned rows])."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _pipeline_facts(base: Config, world_size: int) -> dict[str, Any] | None:
     if base.mesh.pp == 1:
         return None
@@ -187,7 +244,7 @@ def _recommend(
     plans: Sequence[StrategyPlan], world_size: int, budget: int | None
 ) -> tuple[str | None, str]:
     # A strategy fits when every one of its rows (every pipeline rank) does.
-    over = {p.strategy for p in plans if p.fits is False}
+    over = {p.strategy for p in plans if p.fits is False or p.error}
     fitting = {p.strategy for p in plans} - over
     if world_size == 1 and "single" in fitting:
         return "single", "one rank: nothing to share"
@@ -200,10 +257,16 @@ def _recommend(
             if budget is None:
                 why = f"no --budget given; {why}"
             return name, why
-    if budget is None:
+    unplanned = list(dict.fromkeys(p.strategy for p in plans if p.error))
+    planned = [n for n in dict.fromkeys(p.strategy for p in plans) if n not in unplanned]
+    if budget is None or not planned:
+        if unplanned:
+            return None, f"{', '.join(unplanned)} could not be planned (see why above)"
         return None, "no candidate strategy"
-    names = ", ".join(dict.fromkeys(p.strategy for p in plans))
-    return None, f"none of {names} fits in {budget:,} bytes per rank"
+    why = f"none of {', '.join(planned)} fits in {budget:,} bytes per rank"
+    if unplanned:
+        why += f"; {', '.join(unplanned)} could not be planned"
+    return None, why
 
 
 def _plan_one(
@@ -227,15 +290,24 @@ def _plan_one(
 
     roles: list[str] = []
     trainable = 0
-    if name in ROLES:
-        rows = ROLES[name](target, cfg, n, micro_batch, make)
-        roles, sims = [r for r, _ in rows], [s for _, s in rows]
-        trainable = sims[0].trainable_params
-    elif (mesh := _mesh(cfg, n)).pp > 1:
-        sims = each_stage(mesh, one)  # a row per pipeline rank: they hold different layers
-    else:
-        sims = [one(min(rank, n - 1))]
-        trainable = sims[0].trainable_params
+    try:
+        if name in ROLES:
+            rows = ROLES[name](target, cfg, n, micro_batch, make)
+            roles, sims = [r for r, _ in rows], [s for _, s in rows]
+            trainable = sims[0].trainable_params
+        elif (mesh := _mesh(cfg, n)).pp > 1:
+            sims = each_stage(mesh, one)  # a row per pipeline rank: they hold different layers
+        else:
+            sims = [one(min(rank, n - 1))]
+            trainable = sims[0].trainable_params
+    except PlanInputError:
+        raise  # the command line's mistake, whichever strategy meets it
+    except Exception as e:  # this strategy's row says why ([Note: unplanned rows])
+        why = one_line(e)
+        if type(e).__module__ == "torch._subclasses.fake_tensor":
+            why += " (the planner runs the model on fake tensors: shapes without values)"
+        empty = dict.fromkeys(CATEGORIES, 0)
+        return [StrategyPlan(name, n, empty, 0, 0, 0, {}, None, error=why)], 0
     plans = [
         StrategyPlan(
             strategy=name,
@@ -285,25 +357,32 @@ def make_plan(
             f"--optimizer {optimizer!r} is unknown; choose from {', '.join(OPTIMIZERS)}"
         )
     make = OPTIMIZERS[optimizer]
+    _check_usage(base, strategies, world_size)
     plans: list[StrategyPlan] = []
-    trainable = 0
-    for name in strategies:
-        rows, trainable = _plan_one(target, base, name, world_size, micro_batch, make, budget, rank)
-        plans += rows
-    if base.mesh.pp > 1:
-        trainable = whole_model_params(target)
-    recommended, reason = _recommend(plans, world_size, budget)
-    planned = {p.strategy for p in plans}
-    if (
-        try_offload
-        and recommended is None
-        and budget is not None
-        and base.mesh.pp == base.mesh.tp == 1
-        and not planned & set(OFFLOADED)
-    ):  # nothing fits: ZeRO with its optimizer state on disk ([Note: recommendation])
-        for name in OFFLOADED:
-            plans += _plan_one(target, base, name, world_size, micro_batch, make, budget, rank)[0]
+    counted: list[int] = []
+    at = (world_size, micro_batch, make, budget, rank)
+    with _quiet_fake_tensors():
+        for name in strategies:
+            rows, n = _plan_one(target, base, name, *at)
+            plans += rows
+            counted.append(n)
+        planned = {p.strategy for p in plans}
         recommended, reason = _recommend(plans, world_size, budget)
+        if (
+            try_offload
+            and recommended is None
+            and budget is not None
+            and base.mesh.pp == base.mesh.tp == 1
+            and not planned & set(OFFLOADED)
+        ):  # nothing fits: ZeRO with its optimizer state on disk ([Note: recommendation])
+            for name in OFFLOADED:
+                plans += _plan_one(target, base, name, *at)[0]
+            recommended, reason = _recommend(plans, world_size, budget)
+        # The last strategy's count, as always; the whole model's where stages hold parts or
+        # the simulation counted nothing (a row that could not be planned).
+        trainable = counted[-1] if counted else 0
+        if base.mesh.pp > 1 or not trainable:
+            trainable = whole_model_params(target)
     return Plan(
         model=target.name,
         trainable_params=trainable,

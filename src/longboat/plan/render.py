@@ -58,18 +58,34 @@ def _row_name(s: StrategyPlan) -> str:
 
 def _pipeline_line(plan: Plan) -> str:
     p = plan.pipeline or {}
+    staged = [s for s in plan.strategies if s.stages]
     held = ", ".join(
         f"stage {','.join(map(str, s.stages))} {s.in_flight}"
-        for s in plan.strategies
-        if s.stages and s.strategy == plan.strategies[-1].strategy
+        for s in staged
+        if s.strategy == staged[-1].strategy
     )
     virtual = f" x {p['virtual_stages']} virtual stages" if p["virtual_stages"] > 1 else ""
-    return (
+    line = (
         f"pipeline: {p['pp']} stage rank(s){virtual} x {p['dp']} data-parallel, {p['schedule']}, "
         f"{p['micro_batches']} micro-batches of {plan.micro_batch} per step: idle fraction "
-        f"{100 * p['idle_fraction']:.0f}% with equal stages; micro-batches' activations held "
-        f"at most: {held}; 'send' is the activations and gradients to the neighbouring stages"
+        f"{100 * p['idle_fraction']:.0f}% with equal stages"
     )
+    if not held:  # no strategy's stages could be planned
+        return line
+    return (
+        f"{line}; micro-batches' activations held at most: {held}; 'send' is the activations "
+        "and gradients to the neighbouring stages"
+    )
+
+
+def _unplanned(plan: Plan) -> list[str]:
+    """One line per reason a strategy could not be planned, naming the strategies it holds
+    back ([Note: unplanned rows] in ``planner.py``)."""
+    why: dict[str, list[str]] = {}
+    for s in plan.strategies:
+        if s.error:
+            why.setdefault(s.error, []).append(_label(s))
+    return [f"not planned: {', '.join(names)}: {error}" for error, names in why.items()]
 
 
 def _per_step(plan: Plan) -> str:
@@ -113,8 +129,7 @@ def render(plan: Plan, width: int = 120) -> str:
             first.append(",".join(map(str, s.stages)) or "-")
         if roled:
             first.append(s.role or "-")
-        table.add_row(
-            *first,
+        figures = [
             _mib(ms["parameters"]),
             _mib(ms["gradients"]),
             _mib(ms["optimizer_state"]),
@@ -124,12 +139,25 @@ def render(plan: Plan, width: int = 120) -> str:
             _mib(s.peak),
             fits,
             _mib(s.comm_total),
-        )
+        ]
+        if s.error:  # [Note: unplanned rows]: the reason follows the table
+            figures = ["-"] * (len(figures) - 2) + ["n/a", "-"]
+        table.add_row(*first, *figures)
     buf = io.StringIO()
     # The role column and a long strategy name need room the figures would otherwise lose.
-    console = Console(file=buf, width=width + 24 * roled, no_color=True, highlight=False)
+    # Markup and emoji codes off: the title holds the user's model name, and
+    # "hfmodels:llama" is not meant as ":llama:" (an emoji) nor "[x]" as a style.
+    console = Console(
+        file=buf,
+        width=width + 24 * roled,
+        no_color=True,
+        highlight=False,
+        markup=False,
+        emoji=False,
+    )
     console.print(table)
     lines = [buf.getvalue().rstrip()]
+    lines += _unplanned(plan)
     if plan.pipeline:
         lines.append(_pipeline_line(plan))
     if plan.budget is not None:
@@ -143,7 +171,7 @@ def render(plan: Plan, width: int = 120) -> str:
     )
     for s in plan.strategies:
         parts = ", ".join(f"{op} {_mib(b)} MiB" for op, b in sorted(s.comm_bytes.items()))
-        lines.append(f"  {_row_name(s):<25} {parts or 'none'}")
+        lines.append(f"  {_row_name(s):<25} {'not planned' if s.error else parts or 'none'}")
     for s in plan.strategies:
         if s.disk:
             lines.append(

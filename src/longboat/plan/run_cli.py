@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from longboat import config as lb_config
-from longboat.plan.planner import ROLES, STRATEGIES, make_plan
+from longboat.plan.planner import ROLES, STRATEGIES, make_plan, one_line
 from longboat.plan.render import parse_bytes, render
-from longboat.plan.target import PlanInputError, resolve
+from longboat.plan.target import PlanInputError, Target, resolve, whole_model_params
 from longboat.strategies import zero_stage
 
 DEFAULT_MICRO_BATCH = 8  # as longboat bench's
@@ -19,13 +19,16 @@ def accumulation_of(base: lb_config.Config, micro_batch: int, world_size: int) -
     """Micro-batches per optimizer step from ``base``'s batch triple at ``micro_batch`` on the
     data-parallel ranks of ``world_size`` (``train_batch_size / (micro x dp)``, or its
     ``gradient_accumulation_steps``; 1 when it sets neither). A triple that does not hold
-    raises the config's own :class:`~longboat.config.ConfigError`, naming the keys."""
+    raises the config's own :class:`~longboat.config.ConfigError`, naming the keys. With
+    pipeline stages and neither set, ``mesh.pp``."""
     from longboat.config.batch import resolve_batch
     from longboat.engine import resolve_mesh
 
     batch = base.batch
     if batch.train_batch_size is None:
-        return batch.gradient_accumulation_steps or 1
+        # A pipeline's default is the fewest micro-batches that fill its stages: 1F1B and
+        # the interleaved schedule refuse fewer.
+        return batch.gradient_accumulation_steps or base.mesh.pp
     if batch.micro_batch_size is not None and batch.gradient_accumulation_steps is not None:
         # All three given: the micro-batch may be --micro-batch's, so the accumulation is
         # derived again from the global batch.
@@ -56,8 +59,9 @@ def run_plan(
     """Plan and format; returns (text, exit status). Raises :class:`PlanInputError` or
     :class:`~longboat.config.ConfigError` for usage errors.
 
-    Exit status 1 when a budget was given and no strategy fits it (a verdict, not a usage
-    error); 0 otherwise.
+    Exit status 1 when no strategy is recommended because a budget was given and none fits
+    it, or because strategies could not be planned for this model (a verdict, not a usage
+    error: the table says why, [Note: unplanned rows] in ``planner.py``); 0 otherwise.
 
     ``micro_batch`` None: the config's ``batch.micro_batch_size``, else 8. ``micro_batches``
     (micro-batches per optimizer step) None: what the config's batch triple gives at the
@@ -123,18 +127,35 @@ def run_plan(
     if not strategies and base.strategy in ROLES:  # see [Note: planning roles]
         names = (*names, base.strategy)
     target = resolve(model, kwargs, seq_len)
-    try:
-        plan = make_plan(
-            target,
-            base,
-            world_size,
-            micro_batch,
-            optimizer,
-            names,
-            parse_bytes(budget) if budget else None,
-            try_offload=not strategies,  # the user's own list is the user's choice
-        )
-    except TypeError as e:  # the model's constructor refused the arguments
-        raise PlanInputError(f"--model {model!r} with --model-args {kwargs}: {e}") from None
+    _check_builds(target, kwargs)
+    plan = make_plan(
+        target,
+        base,
+        world_size,
+        micro_batch,
+        optimizer,
+        names,
+        parse_bytes(budget) if budget else None,
+        try_offload=not strategies,  # the user's own list is the user's choice
+    )
     text = json.dumps(plan.to_json(), indent=2) if as_json else render(plan)
-    return text, 1 if plan.budget is not None and plan.recommended is None else 0
+    unplanned = any(s.error for s in plan.strategies)
+    verdict = plan.recommended is None and (plan.budget is not None or unplanned)
+    return text, 1 if verdict else 0
+
+
+def _check_builds(target: Target, kwargs: dict[str, Any]) -> None:
+    """Build the model once (on fake tensors, as every row does) so that a model that cannot
+    be built is one usage error, not the same failure in every row."""
+    try:
+        whole_model_params(target)
+    except PlanInputError:
+        raise
+    except TypeError as e:  # most often the constructor refusing the arguments
+        raise PlanInputError(
+            f"--model {target.name!r} with --model-args {kwargs}: {one_line(e)}"
+        ) from None
+    except Exception as e:
+        raise PlanInputError(
+            f"--model {target.name!r}: building the model failed: {one_line(e)}"
+        ) from None

@@ -11,15 +11,17 @@ A model is named by a built-in name or by ``package.module:callable`` (called wi
 [Note: example input] For a user model the module that holds the callable describes its input
 with ``example_input(model, micro_batch: int)``, returning the positional arguments of
 ``model(...)`` (a tensor or a tuple of tensors), and may define ``example_loss(output)``
-returning a scalar; without it the loss is ``output.float().mean()`` (a cross entropy would
-add about one more logits-sized buffer). Both run on fake tensors, so ``torch.randint`` and
-friends allocate nothing there. A model without ``example_input`` is refused by name.
+returning a scalar; without it the loss is the mean of the output's first floating-point
+tensor (the output itself, or the first in a tuple, a dict or a transformers output object:
+the logits), in fp32 (a cross entropy would add about one more logits-sized buffer). Both
+run on fake tensors, so ``torch.randint`` and friends allocate nothing there. A model
+without ``example_input`` is refused by name.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +73,25 @@ def _cnn_loss(out: Any, _args: tuple[Any, ...]) -> torch.Tensor:
     return F.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long))
 
 
+def first_float(out: Any) -> torch.Tensor | None:
+    """The first floating-point tensor in ``out``: itself, or the first found in a tuple, a
+    list or a mapping (a transformers output object is one, of the fields set: the logits
+    before the cache), depth first; None if there is none."""
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    if isinstance(out, Mapping):
+        items: Iterable[Any] = out.values()
+    elif isinstance(out, (tuple, list)):
+        items = out
+    else:
+        return None
+    for item in items:
+        found = first_float(item)
+        if found is not None:
+            return found
+    return None
+
+
 def _user(spec: str, kwargs: dict[str, Any]) -> Target:
     mod_name, _, attr = spec.partition(":")
     if not mod_name or not attr:
@@ -96,7 +117,15 @@ def _user(spec: str, kwargs: dict[str, Any]) -> Target:
     user_loss = getattr(module, "example_loss", None)
 
     def loss(out: Any, _args: tuple[Any, ...]) -> torch.Tensor:
-        return user_loss(out) if callable(user_loss) else out.float().mean()
+        if callable(user_loss):
+            return user_loss(out)
+        first = first_float(out)
+        if first is None:
+            raise TypeError(
+                f"the model's output (a {type(out).__name__}) holds no floating-point tensor "
+                f"to take a loss of: define example_loss(output) in {mod_name!r}"
+            )
+        return first.float().mean()
 
     return Target(spec, lambda: fn(**kwargs), lambda m, b: _as_args(example(m, b)), loss)
 

@@ -144,7 +144,11 @@ def render(result: TuneResult, outputs: dict[str, Any] | None = None, width: int
             _first_line(o.reason),
         )
     buf = io.StringIO()
-    Console(file=buf, width=width, no_color=True, highlight=False).print(table)
+    # The model's name and the reasons are the user's text: no markup, no emoji codes.
+    console = Console(
+        file=buf, width=width, no_color=True, highlight=False, markup=False, emoji=False
+    )
+    console.print(table)
     lines = [buf.getvalue().rstrip()]
     r = result.rates
     if r is not None:
