@@ -104,6 +104,33 @@ def test_initialize_takes_deepspeeds_other_arguments_or_refuses_them(monkeypatch
     engine.destroy()
 
 
+def test_the_engines_arguments_deepspeed_has_are_taken_or_refused_never_dropped(
+    monkeypatch, tmp_path
+):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = deepspeed.initialize(model=nn.Linear(2, 2), config=cfg)
+    # an older tutorial's names (ckpt_id=, client_sd=) are not DeepSpeed's: a TypeError there too
+    with pytest.raises(TypeError, match="ckpt_id"):
+        engine.save_checkpoint(tmp_path, ckpt_id=1, client_sd={})
+    for kwargs in ({"save_latest": False}, {"exclude_frozen_parameters": True}):
+        with pytest.raises(ConfigError, match=rf"save_checkpoint\({next(iter(kwargs))}="):
+            engine.save_checkpoint(tmp_path, **kwargs)
+    with pytest.raises(ConfigError, match=r"load_checkpoint\(custom_load_fn=\.\.\.\)"):
+        engine.load_checkpoint(tmp_path, custom_load_fn=print)
+    with pytest.raises(ConfigError, match=r"load_checkpoint\(load_module_only=True\)"):
+        engine.load_checkpoint(tmp_path, load_module_only=True)
+    assert engine.load_checkpoint(tmp_path, load_module_strict=1) == (None, None)
+    data = [torch.zeros(2)] * 4
+    with pytest.raises(ConfigError, match=r"deepspeed_io\(batch_size=3\).*micro-batch is 2"):
+        engine.deepspeed_io(data, batch_size=3)
+    with pytest.raises(ConfigError, match=r"deepspeed_io\(data_sampler=\.\.\.\)"):
+        engine.deepspeed_io(data, data_sampler=object())
+    assert len(list(engine.deepspeed_io(data, batch_size=2, pin_memory=False))) == 2
+    engine.destroy()
+
+
 # -- PipelineModule's arguments ----------------------------------------------------------------
 
 

@@ -233,10 +233,32 @@ class DeepSpeedEngine:
         return torch.tensor(mean)
 
     def deepspeed_io(
-        self, dataset: Any, collate_fn: Callable[..., Any] | None = None, **_: Any
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: Any = None,
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Callable[..., Any] | None = None,
+        num_local_io_workers: int | None = None,
     ) -> Any:
         """This rank's micro-batches of ``dataset`` (longboat's sharded, resumable loader),
-        batched by ``collate_fn`` (default: torch's)."""
+        batched by ``collate_fn`` (default: torch's). ``route``, ``pin_memory`` and
+        ``num_local_io_workers`` change how batches are fetched, not which; a ``batch_size``
+        other than the micro-batch and a ``data_sampler`` are refused (the loader shards by
+        the mesh's data-parallel ranks itself)."""
+        del route, pin_memory, num_local_io_workers  # see the docstring
+        micro = self.train_micro_batch_size_per_gpu()
+        if batch_size not in (None, micro):
+            raise ConfigError(
+                f"deepspeed_io(batch_size={batch_size}): the micro-batch is {micro} "
+                "(train_micro_batch_size_per_gpu); leave batch_size out"
+            )
+        if data_sampler is not None:
+            raise ConfigError(
+                "deepspeed_io(data_sampler=...) is not supported: longboat's loader shards the "
+                "data set by rank and reshuffles each epoch itself; leave it out"
+            )
         return self.engine.loader(dataset, collate_fn=collate_fn)
 
     def train(self, mode: bool = True) -> DeepSpeedEngine:
@@ -250,10 +272,23 @@ class DeepSpeedEngine:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def save_checkpoint(
-        self, save_dir: str | Path, tag: Any = None, client_state: Any = None, **_: Any
+        self,
+        save_dir: str | Path,
+        tag: Any = None,
+        client_state: Any = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Save under ``save_dir/tag`` (default tag: ``global_step<N>``, DeepSpeed's); every
-        rank calls it."""
+        rank calls it. A checkpoint saved is the latest one, and holds every parameter (so it
+        loads at any layout): ``save_latest=False`` and ``exclude_frozen_parameters=True`` are
+        refused."""
+        if not save_latest or exclude_frozen_parameters:
+            name = "save_latest=False" if not save_latest else "exclude_frozen_parameters=True"
+            raise ConfigError(
+                f"save_checkpoint({name}) is not supported: a longboat checkpoint is whole and "
+                "the newest is the latest; leave it at its default"
+            )
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         self.engine.save_checkpoint(save_dir, tag, client_state or {})
         return True
@@ -266,21 +301,26 @@ class DeepSpeedEngine:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
-        **_: Any,
+        custom_load_fn: Callable[..., Any] | None = None,
     ) -> tuple[str | None, Any]:
         """Load ``load_dir/tag`` (default: the latest); ``(path, client_state)``, or ``(None,
-        None)`` when there is none, as DeepSpeed returns. Everything saved is loaded: the flags
-        that would load less are refused when set to do so."""
-        for name, full in (
-            ("load_module_strict", load_module_strict),
-            ("load_optimizer_states", load_optimizer_states),
-            ("load_lr_scheduler_states", load_lr_scheduler_states),
-            ("load_module_only", not load_module_only),
-        ):
-            if not full:
+        None)`` when there is none, as DeepSpeed returns. Everything saved is loaded, by
+        longboat's verified loader: the flags that would load less, and a ``custom_load_fn``,
+        are refused when given."""
+        given = {
+            "load_module_strict": load_module_strict,
+            "load_optimizer_states": load_optimizer_states,
+            "load_lr_scheduler_states": load_lr_scheduler_states,
+            "load_module_only": load_module_only,
+            "custom_load_fn": custom_load_fn,
+        }
+        default = {**dict.fromkeys(given, True), "load_module_only": False, "custom_load_fn": None}
+        for name, value in given.items():
+            if value != default[name]:
+                shown = "..." if name == "custom_load_fn" else value
                 raise ConfigError(
-                    f"load_checkpoint({name}={not full if name == 'load_module_only' else full}) "
-                    "is not supported: longboat checkpoints load whole; leave it at its default"
+                    f"load_checkpoint({name}={shown}) is not supported: longboat checkpoints "
+                    "load whole; leave it at its default"
                 )
         loaded = self.engine.load_checkpoint(
             load_dir, None if tag is None else str(tag), allow_missing=True
