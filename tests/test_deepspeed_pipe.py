@@ -298,7 +298,7 @@ def _pipeline_against_plain(steps: int) -> dict:
     )
     data = iter([(xs[i : i + 2], ys[i : i + 2]) for i in range(0, len(xs), 2)])
     losses = [engine.train_batch(data).item() for _ in range(steps)]
-    mine = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    mine = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
     held = engine.module.held
     engine.destroy()
 
