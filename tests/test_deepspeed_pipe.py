@@ -273,6 +273,14 @@ def test_num_stages_becomes_the_meshs_pp_and_the_configs_interval_the_modules():
         _with_stages({"train_batch_size": 8, "pipeline": {"activation_checkpoint_interval": -1}}, m)
 
 
+def test_a_layout_other_than_num_stages_is_refused(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    model = PipelineModule(_layers(), num_stages=2, loss_fn=F.mse_loss)
+    with pytest.raises(ConfigError, match=r"num_stages=2\) is split into 1 stage"):
+        longboat.initialize(model, None, {"batch": {"micro_batch_size": 2}})
+
+
 # -- a DeepSpeed pipeline trains as a plain PyTorch loop ---------------------------------------
 
 

@@ -16,7 +16,7 @@ config describes is built after). Arguments whose DeepSpeed meaning longboat can
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -118,6 +118,19 @@ class PipelineModule(_module.PipelineModule):
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages
+
+    def bind(self, bounds: Sequence[int], held: Sequence[int]) -> Any:
+        """As longboat's, once the stages are those ``num_stages`` asked for: a run whose mesh
+        has another number (``longboat.initialize`` given a config without it; only
+        ``deepspeed.initialize`` sets ``mesh.pp`` from the module) would otherwise train a
+        layout the script did not ask for."""
+        if len(bounds) - 1 != self.num_stages:
+            raise ConfigError(
+                f"PipelineModule(num_stages={self.num_stages}) is split into "
+                f"{len(bounds) - 1} stage(s) here (mesh.pp x pipeline.virtual_stages): build "
+                f"the engine with deepspeed.initialize, or set mesh.pp = {self.num_stages}"
+            )
+        return super().bind(bounds, held)
 
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
