@@ -177,6 +177,32 @@ def test_async_worker_killed_mid_run_is_dropped_and_the_others_finish():
     assert "worker 1 (rank 1) died at clock 20 and lost 36 updates" in out, out
 
 
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_async_job_whose_workers_all_die_fails_naming_them(how):
+    # Each dead worker is dropped and the server goes on, but with none left the job trained
+    # nothing to its end: it must exit non-zero naming every worker. Killed, the workers leave
+    # the server waiting for a message no one sends (its watch ends it); raising, they still
+    # say goodbye from the engine's exit handler (the launcher, which saw them fail, decides).
+    script = SCRIPTS / "ps_worker_dies.py"
+    args = ("--die-rank", "-1", "--die-at", "3", "--die-how", how)
+    res = harness.longboat_run("-n", "3", str(script), *args, timeout=120)
+    out = res.stdout
+    assert res.returncode != 0, out
+    for r in (0, 1):
+        assert f"longboat: rank {r} (parameter-server worker {r} (async)) " in out, out
+    if how == "kill":
+        assert (
+            "parameter server 0: every worker died (worker 0 (rank 0), worker 1 (rank 1)), "
+            "none finished its training: the job failed" in out
+        ), out
+    else:
+        assert (
+            "longboat: every parameter-server worker failed (rank 0 failed with exit code 1, "
+            "rank 1 failed with exit code 1); none finished its training" in out
+        ), out
+    assert "the job finished without" not in out, out
+
+
 def test_a_server_that_dies_stops_the_job_naming_it_and_a_restart_resumes(tmp_path):
     # 2 workers and a server in sync mode, checkpointing every 10 steps; the server's
     # optimizer kills its process at its 25th step in the first attempt only.

@@ -1,5 +1,6 @@
-"""An async parameter-server job on digits in which worker ``--die-rank`` SIGKILLs itself after
-``--die-at`` steps; the others finish and print their step count and accuracy."""
+"""An async parameter-server job on digits in which worker ``--die-rank`` (-1: every worker)
+SIGKILLs itself (``--die-how raise``: raises) after ``--die-at`` steps; the others finish and
+print their step count and accuracy."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import longboat.ps
 from longboat.models import DigitsCNN
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--die-rank", type=int, default=1)
+ap.add_argument("--die-rank", type=int, default=1, help="-1: every worker")
 ap.add_argument("--die-at", type=int, default=20)
+ap.add_argument("--die-how", choices=("kill", "raise"), default="kill")
 ap.add_argument("--epochs", type=int, default=4)
 args = ap.parse_args()
 torch.set_num_threads(1)  # four processes share the machine
@@ -41,7 +43,9 @@ for _ in range(args.epochs):
     for xb, yb in engine.loader(TensorDataset(xtr, ytr)):
         engine.backward(torch.nn.functional.cross_entropy(engine(xb), yb))
         engine.step()
-        if rank == args.die_rank and engine.global_step == args.die_at:
+        if args.die_rank in (rank, -1) and engine.global_step == args.die_at:
+            if args.die_how == "raise":  # the engine's exit handler still runs
+                raise RuntimeError(f"rank {rank} fails at step {args.die_at}")
             os.kill(os.getpid(), signal.SIGKILL)
 engine.eval()
 with torch.no_grad():

@@ -309,8 +309,20 @@ def launch(opts: RunOptions) -> int:
             for line in merge(read_reports(reports)):
                 report(line)
         elif survivors.dropped:
-            ranks = ", ".join(map(str, sorted(survivors.dropped)))
-            report(f"longboat: the job finished without rank(s) {ranks}, dropped when they died")
+            # One node holds every rank: if every droppable one died, no worker is left.
+            # (Across nodes each launcher sees only its own; the servers' watch covers that.)
+            failed = survivors.all_failed() if opts.nnodes == 1 else None
+            if failed is not None:
+                report(
+                    f"longboat: every parameter-server worker failed ({failed}); none finished "
+                    "its training, so the job failed"
+                )
+                code = 1
+            else:
+                ranks = ", ".join(map(str, sorted(survivors.dropped)))
+                report(
+                    f"longboat: the job finished without rank(s) {ranks}, dropped when they died"
+                )
 
     if reaper.ended:
         pids = ", ".join(map(str, sorted(reaper.ended)))

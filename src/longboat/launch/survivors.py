@@ -92,6 +92,15 @@ class Survivors:
                 "(the servers drop it)"
             )
 
+    def all_failed(self) -> str | None:
+        """Each droppable rank that died, in words, when every one of them did (None
+        otherwise): the job then trained nothing to its end, whatever status its servers
+        exit with (a worker that raised still says goodbye to them from its exit handler)."""
+        droppable = {r for r, role in roles.read(self.roles_dir).items() if role.droppable}
+        if not droppable or not droppable <= set(self.dropped):
+            return None
+        return ", ".join(f"rank {r} {self.dropped[r]}" for r in sorted(droppable))
+
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         """Wrap the agent's monitor tick for the time of one launch ([Note: keeping

@@ -23,12 +23,16 @@ from each. A worker silent for ``dead_after_s`` is dead: in ``async`` and ``ssp`
 (logged with its clock; what it had pushed stays applied) and the others go on without waiting
 for it; in ``sync`` nothing can go on, so every waiting worker gets an abort naming it. A
 receive-from-any cannot time out and be posted again (gloo drops it), so the server only looks
-at the clocks when a message wakes it: the live workers' heartbeats guarantee one comes.
+at the clocks when a message wakes it: the live workers' heartbeats guarantee one comes. With
+none left to send one (every worker died), a watch thread ends the server with status 1
+(:meth:`Server._watch`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -146,8 +150,56 @@ class Server:
     def run(self) -> dict[str, Any]:
         """Serve until every worker has left or died; returns :meth:`summary`."""
         buf = empty_header()
+        done = threading.Event()
+        threading.Thread(
+            target=self._watch, args=(done,), name="longboat-ps-watch", daemon=True
+        ).start()
+        try:
+            return self._serve(buf)
+        finally:
+            done.set()
+
+    def _watch(self, done: threading.Event) -> None:
+        """End the process when no worker can wake the loop any more.
+
+        The loop notices deaths only when a message wakes it ([Note: parameter server
+        liveness]); a worker that left keeps sending heartbeats until it is answered. With
+        every worker silent for ``dead_after_s`` none is left to send one, so every one died
+        and the receive would wait for the group's timeout (30 minutes by default): the job
+        failed, and this server says so and exits 1 (its state serves no one)."""
+        limit = self.settings.dead_after_s
+        while not done.wait(min(limit / 4, 1.0)):
+            silent = time.monotonic() - max(w.last_seen for w in self.workers)
+            if silent > limit:
+                names = ", ".join(f"worker {i} (rank {w.rank})" for i, w in enumerate(self.workers))
+                log.error(
+                    "parameter server %d: every worker died (%s), none finished its training: "
+                    "the job failed; restart it from the last checkpoint (longboat run "
+                    "--max-restarts N restarts it for you)",
+                    self.index,
+                    names,
+                )
+                for handler in [*log.handlers, *logging.getLogger().handlers]:
+                    handler.flush()
+                os._exit(1)  # the main thread waits in a receive nothing will answer
+
+    def _serve(self, buf: torch.Tensor) -> dict[str, Any]:
+        broken_since: float | None = None
         while any(w.live() for w in self.workers):
-            self.link.recv(buf, None, 0)
+            try:
+                self.link.recv(buf, None, 0)
+            except RuntimeError:
+                # A worker killed mid-message breaks the receive-from-any ("Connection reset
+                # by peer", no rank named). Post it again: the live workers' messages still
+                # come; when none is left, the watch ends the process naming them all. Only
+                # an error that persists past dead_after_s is the server's own.
+                now = time.monotonic()
+                broken_since = now if broken_since is None else broken_since
+                if now - broken_since > self.settings.dead_after_s:
+                    raise
+                time.sleep(0.05)
+                continue
+            broken_since = None
             h = Header.of(buf)
             w = self.workers[h.worker]
             w.last_seen = time.monotonic()

@@ -41,11 +41,19 @@ log = logging.getLogger("longboat")
 
 class ServerExit(SystemExit):
     """Raised on a server rank when its work is done (exit code 0, or 1 if it stopped the
-    job); ``summary`` is what it served."""
+    job or every worker died); ``summary`` is what it served."""
 
     def __init__(self, summary: dict[str, Any]) -> None:
-        super().__init__(1 if summary.get("aborted") else 0)
+        super().__init__(1 if summary.get("aborted") or all_died(summary) else 0)
         self.summary = summary
+
+
+def all_died(summary: dict[str, Any]) -> bool:
+    """True when no worker finished: each one died. In async and ssp the servers drop dead
+    workers and go on, and the launcher lets them ([Note: keeping survivors]); with none left
+    the job trained nothing to its end, and its exit status must say so."""
+    workers = summary.get("workers") or []
+    return bool(workers) and all(w["dead"] for w in workers)
 
 
 class ParameterServerService:
@@ -258,4 +266,15 @@ def report(summary: dict[str, Any]) -> None:
                 w["lost_updates"],
                 w["clock"] + w["lost_updates"],
             )
+    if all_died(summary) and not summary.get("aborted"):
+        names = ", ".join(
+            f"worker {i} (rank {w['rank']})" for i, w in enumerate(summary["workers"])
+        )
+        log.error(
+            "parameter server %d: every worker died (%s), none finished its training: the job "
+            "failed; restart it from the last checkpoint (longboat run --max-restarts N "
+            "restarts it for you)",
+            summary["server"],
+            names,
+        )
     log.debug("parameter server summary: %s", json.dumps(summary))
