@@ -149,6 +149,37 @@ def test_a_path_that_is_not_a_writable_directory_is_refused(ranks, tmp_path):
         ranks(1, _offloaded_run, cfg, 1)
 
 
+def _initialize_error(cfg: dict) -> str:
+    """What ``longboat.initialize`` refuses on this rank ('' when it accepts)."""
+    import longboat
+
+    model, opt, _ = reference.Recipe(model="zoo", optimizer="adamw").build()
+    try:
+        longboat.initialize(model, opt, cfg).close()
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_a_path_whose_parent_does_not_exist_is_refused_on_every_rank(ranks, tmp_path, key):
+    # The path itself may be made; the directories above it never are: a mistyped mount
+    # point would put the swap on the disk that holds "/".
+    missing = tmp_path / "no-such-mount"
+    disk = {"device": "disk", "path": str(missing / "swap")}
+    cfg = {**harness.QUIET, "strategy": "zero", "zero": {"stage": 3, key: disk}}
+    cfg["batch"] = {"train_batch_size": 8}
+    errors = ranks(2, _initialize_error, cfg)
+    for e in errors:
+        assert f"zero.{key}.path = {str(missing / 'swap')!r}: its parent" in e, errors
+        assert f"{str(missing)!r} does not exist" in e and "create the parent first" in e, e
+    assert not missing.exists()
+    # Its parent there, the path itself is made.
+    disk["path"] = str(tmp_path / "swap")
+    assert ranks(2, _initialize_error, cfg) == ["", ""]
+    assert (tmp_path / "swap" / SWAP_DIR).is_dir()
+
+
 def test_config_keys_and_deepspeeds(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("needs zero.offload_optimizer.path")):
         load_config({"strategy": "zero", "zero": {"offload_optimizer": {"device": "disk"}}})

@@ -102,8 +102,19 @@ def _as_bytes(t: torch.Tensor) -> Any:
 
 
 def open_dir(path: str, key: str) -> Path:
-    """``<path>/longboat-swap``, made and probed; a crashed run's files in it removed."""
-    directory = Path(path) / SWAP_DIR
+    """``<path>/longboat-swap``, made and probed; a crashed run's files in it removed.
+
+    ``path`` itself may be made, its parent must exist: a mistyped mount point (``/mnt/nvme``
+    for ``/mnt/nvme0``) would otherwise become a tree of new directories on whatever disk
+    holds ``/``, and the swap would fill that disk instead of the one meant."""
+    root = Path(path).absolute()
+    if not root.parent.is_dir():
+        raise ConfigError(
+            f"{key}.path = {path!r}: its parent {str(root.parent)!r} does not exist (the path "
+            "itself is created, not the directories above it); create the parent first, or "
+            "give a directory on the disk meant for the swap"
+        )
+    directory = root / SWAP_DIR
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".probe.{os.getpid()}"
