@@ -186,7 +186,7 @@ def test_transformers_pipeline_equals_plain_pytorch(ranks, tmp_path, case):
             if k in state:  # a data-parallel peer, or the weight tied across the stages
                 assert torch.equal(state[k], v), k
             state[k] = v
-    assert list(want) == sorted(state, key=list(want).index), "the model's own keys"
+    assert set(state) == set(want), "the model's own keys, on the stages together"
     assert reference.max_rel_diff(state, want) <= 1e-5
     if kind == "gpt2":  # the head and the embedding are one tied weight on two stages
         assert "lm_head.weight" not in results[0]["state"]
@@ -197,7 +197,7 @@ def test_transformers_pipeline_equals_plain_pytorch(ranks, tmp_path, case):
         from longboat.checkpoint.inspect import consolidate
 
         whole = load_file(str(consolidate(tmp_path, tmp_path / "whole.safetensors")))
-        assert list(whole) == list(want) or set(whole) == set(want)
+        assert set(whole) == set(want), "every key of the model's own, tied ones included"
         assert reference.max_rel_diff(whole, state) == 0.0
         fresh = _hf(kind)
         fresh.load_state_dict(whole)  # strict: every key of the model's own, nothing else
