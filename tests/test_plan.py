@@ -606,7 +606,8 @@ def test_strategy_config_keeps_the_users_settings():
 
 def test_a_config_file_reaches_the_strategies(tmp_path):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[zero]\nunit_classes = ["_Block"]\n')
+    # A set size chooses units by size (small modules), not the blocks GPT declares
+    cfg.write_text("[zero]\nunit_min_params = 100\n")
     args = [
         "--model",
         "gpt",
@@ -623,11 +624,11 @@ def test_a_config_file_reaches_the_strategies(tmp_path):
     expected = make_plan(resolve("gpt", GPT_ARGS), load_config(cfg), 2, 2, "adamw", ["zero-3"])
     assert json.loads(res.output)["strategies"][0]["peak"] == expected.strategies[0].peak
     default = json.loads(_invoke(*args).output)["strategies"][0]["peak"]
-    assert default != expected.strategies[0].peak  # units by class, not by size: another plan
-    cfg.write_text('[zero]\nunit_clases = ["_Block"]\n')
+    assert default != expected.strategies[0].peak  # units by size, not by block: another plan
+    cfg.write_text("[zero]\nunit_min_param = 100\n")
     res = _invoke(*args, "--config", str(cfg))
     assert res.exit_code == 2
-    assert "unit_classes" in res.output  # the closest valid key
+    assert "unit_min_params" in res.output  # the closest valid key
 
 
 def test_both_doorways_implement_the_protocol():
