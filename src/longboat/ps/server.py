@@ -144,6 +144,9 @@ class Server:
         self._leaving: set[int] = set()
         self.aborted: str | None = None
         self.started = now
+        # Workers heard from at least once: one still building its model has not started its
+        # heartbeats yet, and its silence says nothing (see _watch).
+        self._heard: set[int] = set()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -151,26 +154,29 @@ class Server:
         """Serve until every worker has left or died; returns :meth:`summary`."""
         buf = empty_header()
         done = threading.Event()
-        threading.Thread(
+        watch = threading.Thread(
             target=self._watch, args=(done,), name="longboat-ps-watch", daemon=True
-        ).start()
+        )
+        watch.start()
         try:
             return self._serve(buf)
         finally:
             done.set()
+            watch.join()  # no thread of ours left running into the process's exit
 
     def _watch(self, done: threading.Event) -> None:
         """End the process when no worker can wake the loop any more.
 
         The loop notices deaths only when a message wakes it ([Note: parameter server
         liveness]); a worker that left keeps sending heartbeats until it is answered. With
-        every worker silent for ``dead_after_s`` none is left to send one, so every one died
+        every worker heard from once and silent since for ``dead_after_s``, none is left to
+        send one, so every one died
         and the receive would wait for the group's timeout (30 minutes by default): the job
         failed, and this server says so and exits 1 (its state serves no one)."""
         limit = self.settings.dead_after_s
         while not done.wait(min(limit / 4, 1.0)):
             silent = time.monotonic() - max(w.last_seen for w in self.workers)
-            if silent > limit:
+            if len(self._heard) == len(self.workers) and silent > limit:
                 names = ", ".join(f"worker {i} (rank {w.rank})" for i, w in enumerate(self.workers))
                 log.error(
                     "parameter server %d: every worker died (%s), none finished its training: "
@@ -194,6 +200,8 @@ class Server:
                 # come; when none is left, the watch ends the process naming them all. Only
                 # an error that persists past dead_after_s is the server's own.
                 now = time.monotonic()
+                if broken_since is None:
+                    log.warning("parameter server %d: a worker's connection broke", self.index)
                 broken_since = now if broken_since is None else broken_since
                 if now - broken_since > self.settings.dead_after_s:
                     raise
@@ -201,6 +209,7 @@ class Server:
                 continue
             broken_since = None
             h = Header.of(buf)
+            self._heard.add(h.worker)
             w = self.workers[h.worker]
             w.last_seen = time.monotonic()
             try:
