@@ -444,8 +444,11 @@ def test_the_comm_log_counts_every_tensor_parallel_collective(ranks):
     counts = ranks(2, _logged, cfg, 2)
     # Per micro-batch (2 per step): the embedding's sum, per block q|k|v's and fc's input
     # gradients and proj's and mlp.proj's outputs (4 x 2 blocks), the head's input gradient: 10
-    # all-reduces and the head's gather; per step, the gradient norm's sum over tp.
-    assert counts[0] == counts[1] == {"all_reduce": 2 * (2 * 10 + 1), "all_gather": 2 * 2}
+    # all-reduces and the head's gather; per step, the gradient norm's sum over tp. Before any
+    # of it, one broadcast per parameter and buffer: every tp rank starts from tp rank 0's.
+    tensors = len([*_gpt(False).parameters(), *_gpt(False).buffers()])
+    want = {"all_reduce": 2 * (2 * 10 + 1), "all_gather": 2 * 2, "broadcast": tensors}
+    assert counts[0] == counts[1] == want
 
 
 # -- longboat plan --------------------------------------------------------------------------------

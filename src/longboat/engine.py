@@ -765,7 +765,7 @@ def assemble(
     tensor = TensorParallel(
         cfg.tensor_parallel, topology.data("tp"), check_unused=topology.mesh.pp == 1
     )
-    tensor.apply(model)
+    tensor.apply(model, device)
     if cfg.sync_batchnorm:  # [Note: sync batchnorm]: before the strategy sees the modules
         n = sync_batchnorm.convert(model, topology.data("dp"))
         logging.getLogger("longboat").log(

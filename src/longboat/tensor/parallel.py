@@ -59,17 +59,20 @@ class TensorParallel:
 
     # -- applying the plan ---------------------------------------------------------------------
 
-    def apply(self, model: nn.Module) -> None:
-        """Divide ``model``'s parameters and replace its layers' forwards (in place)."""
+    def apply(self, model: nn.Module, device: torch.device | None = None) -> None:
+        """Divide ``model``'s parameters and replace its layers' forwards (in place), after
+        giving every ``tp`` rank ``tp`` rank 0's weights (through ``device``, the data plane's,
+        where the model is elsewhere)."""
         if not self.active:
             return
         try:
-            self._apply(model)
+            self._apply(model, device)
         except LayoutError as e:
             raise ConfigError(str(e)) from None
 
-    def _apply(self, model: nn.Module) -> None:
+    def _apply(self, model: nn.Module, device: torch.device | None) -> None:
         plan = plans.resolve(self.cfg.plan, model, self.cfg.divide)
+        self._same_start(model, device)
         names = canonical_names(model)
         at = Placement(
             self.comm, self.cfg.sequence_parallel, self.cfg.sequence_dim, self._shard(names)
@@ -103,6 +106,25 @@ class TensorParallel:
         for pid, d in self._by_id.items():
             for n in all_names.get(pid, []):
                 self.divided[n] = d
+
+    def _same_start(self, model: nn.Module, device: torch.device | None) -> None:
+        """Every ``tp`` rank takes ``tp`` rank 0's parameters and buffers, as the data-parallel
+        strategies give every ``dp`` rank its rank 0's: each rank then cuts its slices from the
+        same full tensors, and the parameters kept whole are alike on the ``tp`` peers, as
+        their gradients (never summed over ``tp``) and the gradient norm assume. Ranks that
+        initialised differently (no seed) would otherwise train a mix of models, silently.
+        Tensors still on the meta device are made later (ZeRO-3's deferred init)."""
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_meta:
+                    continue
+                # NCCL takes only tensors on the data plane's device; the engine moves the
+                # model there only after dividing it, so that no rank holds it whole there.
+                data = t.data
+                staged = data if device is None else data.to(device)
+                self.comm.broadcast(staged, src=0)
+                if staged is not data:
+                    data.copy_(staged)
 
     def _shard(self, names: dict[int, str]) -> Callable[[nn.Module, str, str, Split], None]:
         size, rank = self.comm.world_size, self.comm.rank
