@@ -257,7 +257,7 @@ def bert() -> nn.Module:
         intermediate_size=128, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, pad_token_id=0,
     )  # fmt: skip
-    return _key_bias_drawn(tf.BertForMaskedLM(cfg))
+    return _key_bias_frozen(tf.BertForMaskedLM(cfg))
 
 
 def t5() -> nn.Module:
@@ -298,18 +298,17 @@ def albert() -> nn.Module:
         max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         classifier_dropout_prob=0.0, pad_token_id=0, bos_token_id=2, eos_token_id=3,
     )  # fmt: skip
-    return _key_bias_drawn(tf.AlbertForMaskedLM(cfg))
+    return _key_bias_frozen(tf.AlbertForMaskedLM(cfg))
 
 
-def _key_bias_drawn(model: nn.Module) -> nn.Module:
-    """``model`` with its attention key biases drawn at random instead of zero. Softmax ignores
-    a key bias (it adds the same to every score of a query), so its gradient is zero in exact
-    arithmetic and the bias holds only rounding noise (1e-13), which no relative tolerance can
-    compare; from a drawn start the comparison says that it stayed there on both sides."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("key.bias"):
-                p.normal_(std=0.02)
+def _key_bias_frozen(model: nn.Module) -> nn.Module:
+    """``model`` with its attention key biases frozen. Softmax ignores a key bias (it adds the
+    same to every score of a query), so its gradient is zero in exact arithmetic: trained, the
+    bias and its momentum would hold only rounding noise (1e-13), which no relative tolerance
+    can compare. Frozen, it changes nothing in exact arithmetic."""
+    for name, p in model.named_parameters():
+        if name.endswith("key.bias"):
+            p.requires_grad_(False)
     return model
 
 
@@ -439,12 +438,17 @@ def forward_loss(
     autocast: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of the model on ``batch`` = (inputs..., targets), the forward under
-    ``torch.autocast`` to ``autocast`` when given, the loss in fp32. A transformers model's
-    output gives its ``logits``; targets per position ([B, T] against logits [B, T, V]) count
-    every position with a target (not -100) once."""
+    ``torch.autocast`` to ``autocast`` when given, the loss in fp32 (:func:`loss_of`)."""
     *inputs, y = batch
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         out = model(*inputs)
+    return loss_of(out, y)
+
+
+def loss_of(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a model's output against targets ``y``, in fp32. A transformers model's
+    output gives its ``logits``; targets per position ([B, T] against logits [B, T, V]) count
+    every position with a target (not -100) once."""
     out = getattr(out, "logits", out)
     if y.dim() > 1:
         out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
