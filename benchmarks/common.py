@@ -23,13 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_loopback(
-    rank: int, world_size: int, port: int, threads: int, timeout_s: float | None = None, **env: str
-) -> None:
-    """Join a gloo group of ``world_size`` ranks meeting on 127.0.0.1:``port`` as ``rank``.
-
-    Sets the variables torchrun would, so ``longboat.initialize`` finds the job and reuses the
-    group opened here (``env`` adds others), and runs ``threads`` torch threads."""
+def loopback_env(rank: int, world_size: int, port: int, **env: str) -> None:
+    """The variables torchrun would set for ``rank`` of ``world_size`` ranks meeting on
+    127.0.0.1:``port`` (``env`` adds others), so ``longboat.initialize`` finds the job."""
     n = str(world_size)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -42,8 +38,18 @@ def join_loopback(
     )
     if sys.platform.startswith("linux"):
         # Pin gloo to loopback: by default it resolves the hostname, which on some machines
-        # names an interface the other rank cannot reach.
+        # names an interface the other ranks cannot reach.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def join_loopback(
+    rank: int, world_size: int, port: int, threads: int, timeout_s: float | None = None, **env: str
+) -> None:
+    """Join a gloo group of ``world_size`` ranks meeting on 127.0.0.1:``port`` as ``rank``.
+
+    Sets the variables torchrun would, so ``longboat.initialize`` finds the job and reuses the
+    group opened here (``env`` adds others), and runs ``threads`` torch threads."""
+    loopback_env(rank, world_size, port, **env)
     torch.set_num_threads(threads)
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     before_group()  # so that leaving the group ends gloo's threads before the exit

@@ -55,20 +55,9 @@ def _join(world: dict[str, Any], rank: int, port: int, device: str) -> None:
     (``longboat.initialize`` then finds it and keeps it)."""
     import torch
     import torch.distributed as dist
+    from common import loopback_env  # benchmarks/ is on the ranks' path (launch.child_env)
 
-    n = str(world["size"])
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=n,
-        LOCAL_WORLD_SIZE=n,
-    )
-    if sys.platform.startswith("linux"):
-        # Pin gloo to loopback: by default it resolves the hostname, which on some machines
-        # names an interface the other ranks cannot reach.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    loopback_env(rank, world["size"], port)
     # NCCL says why it refuses something only at WARN and above; the parent keeps the log.
     os.environ.setdefault("NCCL_DEBUG", "WARN")
     from longboat.comm.collectives import NCCL_RULES_VAR
