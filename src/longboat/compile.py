@@ -51,6 +51,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch._subclasses.fake_tensor import FakeTensor
 
 from longboat.config import CompileConfig, ConfigError
+from longboat.strategies.zero_units import declared_blocks
 
 log = logging.getLogger("longboat")
 
@@ -222,12 +223,7 @@ class Compiler:
         ids = {id(m) for m in hooked if m is not module}
         if ids:
             return _outermost(named, lambda m: id(m) in ids)
-        declared = {
-            c
-            for _, m in named
-            for c in getattr(m, "_no_split_modules", None) or ()
-            if isinstance(c, str) and c in present
-        }
+        declared = set(declared_blocks(module))
         if declared:
             return _outermost(named, lambda m: type(m).__name__ in declared)
         return [("", module)]

@@ -796,7 +796,7 @@ def assemble(
         param_init_fn=param_init_fn,
     )
     if compiler is not None:
-        hooked = getattr(engine.strategy, "hooked_modules", list)()
+        hooked = engine.strategy.hooked_modules()
         compiler.apply(engine.module, hooked, engine.tensor.active)
         engine.compiler = compiler
     return engine

@@ -121,6 +121,12 @@ class Strategy(Protocol):
         """
         ...
 
+    def hooked_modules(self) -> list[nn.Module]:
+        """The modules whose forward this strategy's hooks wrap (ZeRO-3's units), which
+        compiling keeps out of its graphs ([Note: compiling under a strategy] in
+        ``longboat/compile.py``); none for a strategy that hooks no forward."""
+        ...
+
     def norm_groups(self) -> list[Comm]:
         """The doorways over which ``local_gradients`` are disjoint pieces of the model's
         gradients: the squares of their norms are summed over each. Empty when every rank of

@@ -184,6 +184,9 @@ class ParameterServer:
                 p.grad = g.to(p.device) if u else None
         self._exchanged = True
 
+    def hooked_modules(self) -> list[nn.Module]:
+        return []  # no forward hooks
+
     def norm_groups(self) -> list[Comm]:
         return []  # each worker's gradients are whole: the local norm is the norm
 

@@ -248,6 +248,9 @@ class Replicate:
         for b in self._buckets:
             self._wait(b)
 
+    def hooked_modules(self) -> list[nn.Module]:
+        return []  # no forward hooks
+
     def norm_groups(self) -> list[Comm]:
         return []  # identical on every rank after the all-reduce: a local norm is global
 

@@ -53,6 +53,9 @@ class Single:
     def wait_gradients(self) -> None:
         pass
 
+    def hooked_modules(self) -> list[nn.Module]:
+        return []  # no forward hooks
+
     def norm_groups(self) -> list[Comm]:
         return []
 

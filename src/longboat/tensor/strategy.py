@@ -52,7 +52,7 @@ class TensorParallelStrategy:
 
     def hooked_modules(self) -> list[nn.Module]:
         """The modules the inner strategy hooks (``longboat/compile.py``)."""
-        return list(getattr(self.inner, "hooked_modules", list)())
+        return self.inner.hooked_modules()
 
     def before_backward(self, sync: bool) -> None:
         self.inner.before_backward(sync)
