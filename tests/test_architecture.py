@@ -25,6 +25,8 @@ LAYERS = [
         # A launch module, but pure and importing nothing of longboat: world.py reads Slurm's
         # node list and port with the same functions `longboat run` uses.
         "longboat.launch.node_env",
+        # What checkpoints see of any strategy's state; imports nothing of longboat.
+        "longboat.pieces",
     },
     {
         "longboat.comm",
@@ -40,10 +42,10 @@ LAYERS = [
         "longboat.observe",
         "longboat.optim",
         "longboat.grads",
-        "longboat.schedule",
+        "longboat.pipeline.schedule",
         "longboat.pipeline",
         "longboat.recompute",
-        "longboat.tied",
+        "longboat.pipeline.tied",
         "longboat.tensor",
         "longboat.ps",
         "longboat.sync_batchnorm",
@@ -145,3 +147,46 @@ def test_lower_layers_never_import_higher_ones():
         if _layer(t) > _layer(m)
     ]
     assert not up, "\n".join(up)
+
+
+def _imported_on_import(path: Path, mods: dict[str, Path], me: str) -> set[str]:
+    """The modules importing ``me`` runs: its top-level imports (also inside top-level ``if`` and
+    ``try``), not those in functions or under ``TYPE_CHECKING``."""
+    out: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in mods)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                out.update([s for s in subs if s in mods] or [node.module])
+
+    visit(ast.parse(path.read_text()).body)
+    return {m for m in out if m in mods and m != me}
+
+
+def test_import_floors_stay_at_most_ten():
+    """A module's floor is the longest chain of longboat modules importing it runs (0: it
+    imports none). Ten floors keep the package shallow enough to read from the bottom up."""
+    mods = _modules()
+    graph = {m: _imported_on_import(p, mods, m) for m, p in mods.items()}
+
+    @functools.cache
+    def floor(m: str) -> tuple[int, tuple[str, ...]]:
+        below = [floor(t) for t in graph[m]]
+        if not below:
+            return 0, (m,)
+        f, chain = max(below)
+        return f + 1, (m, *chain)
+
+    worst = max(floor(m) for m in mods)
+    assert worst[0] <= 10, " -> ".join(worst[1])

@@ -17,7 +17,7 @@ from longboat.checkpoint.manifest import Manifest, Shard, TensorEntry, read_mani
 from longboat.checkpoint.save import _where, assign_replicated
 from longboat.checkpoint.tensorfile import checksum, write_tensors
 from longboat.data import make_loader
-from longboat.strategies.pieces import MODEL, Piece
+from longboat.pieces import MODEL, Piece
 
 
 def test_tensor_files_are_safetensors_with_per_tensor_checksums(tmp_path):

@@ -14,7 +14,7 @@ import reference
 import torch
 
 from longboat.config import ConfigError, load_config
-from longboat.strategies.zero_offload import SWAP_DIR, check_room, remove_stale
+from longboat.strategies.zero.offload import SWAP_DIR, check_room, remove_stale
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 STEPS = 6

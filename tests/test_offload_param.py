@@ -14,7 +14,7 @@ import reference
 import torch
 
 from longboat.config import ConfigError, load_config
-from longboat.strategies.zero_offload import SWAP_DIR
+from longboat.strategies.zero.offload import SWAP_DIR
 
 STEPS = 6
 GLOBAL_BATCH = 16

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import longboat
-from longboat.strategies.pieces import Slices
+from longboat.pieces import Slices
 from longboat.tensor.layout import LayoutError, Split
 from longboat.tensor.plans import GPT as GPT_PLAN
 from longboat.tensor.plans import matches, style_of

@@ -1,4 +1,4 @@
-"""ZeRO-3's deferred init ([Note: deferred init] in ``longboat/strategies/zero_init.py``): a
+"""ZeRO-3's deferred init ([Note: deferred init] in ``longboat/strategies/zero/init.py``): a
 model built on the meta device starts where the same model built eagerly starts (the model's
 own initialisation, not each module's ``reset_parameters()``), a ``param_init_fn`` or
 ``zero.init_method`` is used when given, and what cannot be made is refused by name on every

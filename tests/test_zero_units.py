@@ -1,6 +1,6 @@
 """Which modules ZeRO-3 makes units ([Note: units run forward] in
-``longboat/strategies/zero_units.py``), units whose module runs several times in one forward
-([Note: reused units] in ``zero_gather.py``), and the errors for modules that cannot be units."""
+``longboat/strategies/zero/units.py``), units whose module runs several times in one forward
+([Note: reused units] in ``zero/gather.py``), and the errors for modules that cannot be units."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 import longboat
 from longboat.config import ConfigError
 from longboat.models import GPT
-from longboat.strategies.zero_units import choose_modules
+from longboat.strategies.zero.units import choose_modules
 from longboat.testing import RankFailure
 
 

@@ -22,7 +22,9 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from longboat.checkpoint import CheckpointError, CheckpointNotFoundError
-    from longboat.config import Config, ConfigError, load_config
+    from longboat.config.errors import ConfigError
+    from longboat.config.loading import load_config
+    from longboat.config.sections import Config
     from longboat.engine import Engine, initialize, seed_everything
     from longboat.world import World
 

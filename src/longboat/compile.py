@@ -50,8 +50,9 @@ from torch._dynamo import exc as dynamo_exc
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._subclasses.fake_tensor import FakeTensor
 
-from longboat.config import CompileConfig, ConfigError
-from longboat.strategies.zero_units import declared_blocks
+from longboat.config.errors import ConfigError
+from longboat.config.sections import CompileConfig
+from longboat.strategies.zero.units import declared_blocks
 
 log = logging.getLogger("longboat")
 

@@ -92,7 +92,8 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from longboat.config import ConfigError, DataConfig
+from longboat.config.errors import ConfigError
+from longboat.config.sections import DataConfig
 
 log = logging.getLogger("longboat")
 _NULL = contextlib.nullcontext()

@@ -25,7 +25,10 @@ from longboat.checkpoint.exchange import gather_json
 from longboat.checkpoint.layout import default_tag
 from longboat.comm.hang import CollectiveTimeout, PeerLost
 from longboat.compile import Compiler, unwrap
-from longboat.config import Config, ConfigError, ResolvedBatch, load_config, resolve_batch
+from longboat.config.batch import ResolvedBatch, resolve_batch
+from longboat.config.errors import ConfigError
+from longboat.config.loading import load_config
+from longboat.config.sections import Config
 from longboat.data import Loader, build_loader
 from longboat.evaluation import EvalLoader, reduce_metrics
 from longboat.grads import clip_by_global_norm_
@@ -42,9 +45,9 @@ from longboat.observe.monitor import Monitor
 from longboat.optim import build_optimizer, build_scheduler, check_parameters
 from longboat.optim.self_reducing import check_bound
 from longboat.pipeline import build_schedule
+from longboat.pipeline.schedule import LossFn, Schedule, Sequential, default_inputs, split
 from longboat.precision import Precision, SkippedStep
 from longboat.recompute import apply_activation_checkpointing
-from longboat.schedule import LossFn, Schedule, Sequential, default_inputs, split
 from longboat.strategies import build_service, build_strategy
 from longboat.tensor import TensorParallel
 from longboat.tensor.strategy import wrap as tensor_parallel_over
@@ -286,7 +289,7 @@ class Engine:
         self.strategy.finish_gradients()
         skip = False
         ties = self.schedule.ties
-        if ties.parameters():  # [Note: tied weights] in tied.py: holders sum their gradients
+        if ties.parameters():  # [Note: tied weights] in pipeline/tied.py: holders sum gradients
             self.strategy.wait_gradients()
             ties.reduce(self.strategy.tied_gradient)
         if self.precision.checks_overflow or self.config.gradient_clipping > 0:
@@ -651,7 +654,7 @@ def initialize(
     of each module of a model built on the meta device, as ZeRO-3 makes them real; without it
     the model's own initialiser does (``zero.init_method``, found by itself for transformers
     models and :class:`longboat.models.GPT`), else each module's ``reset_parameters()``
-    ([Note: deferred init] in ``longboat/strategies/zero_init.py``).
+    ([Note: deferred init] in ``longboat/strategies/zero/init.py``).
     """
     cfg, world, owns, service, mesh, options = _join(config, world)
     if service is None:

@@ -106,7 +106,7 @@ class GPT(nn.Module):
     """
 
     #: The repeated block, declared as transformers models declare theirs: ZeRO-3 makes each
-    #: one a unit by default ([Note: units run forward] in ``strategies/zero_units.py``).
+    #: one a unit by default ([Note: units run forward] in ``strategies/zero/units.py``).
     _no_split_modules = ("_Block",)
 
     def __init__(
@@ -183,7 +183,7 @@ class GPT(nn.Module):
         pipeline stages can split the model and keep its parameter names: the embeddings, each
         block, the final LayerNorm with the head. (With tied weights the embedding and the head
         share a parameter; on different stages both hold it and keep it equal, see
-        ``longboat/tied.py``.)"""
+        ``longboat/pipeline/tied.py``.)"""
         return [
             (("tok_emb", "pos_emb", "drop"), self._embed),
             *(((f"blocks.{i}",), block) for i, block in enumerate(self.blocks)),

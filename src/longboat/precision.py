@@ -41,7 +41,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from longboat.comm.protocol import Comm
-from longboat.config import PrecisionConfig
+from longboat.config.sections import PrecisionConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

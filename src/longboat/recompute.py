@@ -29,7 +29,8 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
-from longboat.config import ActivationCheckpointingConfig, ConfigError
+from longboat.config.errors import ConfigError
+from longboat.config.sections import ActivationCheckpointingConfig
 
 log = logging.getLogger("longboat")
 

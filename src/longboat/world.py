@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 from longboat.heap import limit_arenas
 
 # Slurm's node list and port rules live with the launcher's, in a module free of torch;

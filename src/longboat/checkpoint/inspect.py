@@ -15,7 +15,7 @@ from longboat.checkpoint.manifest import Manifest, read_manifest
 from longboat.checkpoint.source import ManifestSource
 from longboat.checkpoint.tensorfile import write_tensors
 from longboat.checkpoint.verify import file_problems
-from longboat.strategies.pieces import MODEL
+from longboat.pieces import MODEL
 
 
 def locate(path: str | os.PathLike[str]) -> Path:

@@ -6,7 +6,7 @@ every tensor (a model tensor, key ``model``, or an element-wise optimizer state,
 ``optim.<state>``) its full shape, dtype and the shards that hold it, each a flat ``[start, end)``
 slice with the file, the key inside the file and the SHA-256 of its bytes (a shard of a
 tensor-parallel rank also has ``slices``: the n-dimensional slices of the full tensor its
-``[start, end)`` counts in, see ``Slices`` in ``strategies/pieces.py``); and the size and
+``[start, end)`` counts in, see ``Slices`` in ``pieces.py``); and the size and
 SHA-256 of every file. It carries the SHA-256 of its own canonical JSON (``checksum``), so a
 damaged manifest is refused rather than believed.
 
@@ -29,7 +29,7 @@ from typing import Any
 from longboat.checkpoint.errors import CheckpointError
 from longboat.checkpoint.fingerprint import ModelSpec
 from longboat.checkpoint.fsio import read_json
-from longboat.strategies.pieces import Slices
+from longboat.pieces import Slices
 
 FORMAT = "longboat-checkpoint"
 #: Version 2 adds a shard's ``slices``; a checkpoint without any is still written as version 1

@@ -22,7 +22,7 @@ class Trained(Protocol):
     optimizer: torch.optim.Optimizer
     scheduler: Any  # an LR scheduler, or None
     strategy: Any  # a longboat.strategies.Strategy
-    schedule: Any  # a longboat.schedule.Schedule (its ``ties``: weights on several stages)
+    schedule: Any  # a longboat.pipeline.schedule.Schedule (its ``ties``: weights on several stages)
     topology: Any  # a longboat.topology.Topology
     config: Any  # longboat.config.Config
     batch: Any  # longboat.config.ResolvedBatch

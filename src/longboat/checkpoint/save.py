@@ -29,7 +29,7 @@ from longboat.checkpoint.fingerprint import dtype_name
 from longboat.checkpoint.fsio import fsync_dir, to_json_bytes
 from longboat.checkpoint.manifest import Manifest, Shard, TensorEntry
 from longboat.checkpoint.tensorfile import write_json, write_tensors
-from longboat.strategies.pieces import Piece, Slices
+from longboat.pieces import Piece, Slices
 
 if TYPE_CHECKING:
     from longboat.checkpoint.protocol import Trained
@@ -150,7 +150,7 @@ def _write_rank_files(engine: Trained, tmp: Path, client_state: Any) -> dict[str
     comm = engine.control  # the world: one tensor file and one JSON file per rank
     tmp.mkdir(parents=True, exist_ok=True)
     state = engine.strategy.checkpoint_state(engine.model, engine.optimizer)
-    # [Note: tied weights] in tied.py: a weight on several stages is written once
+    # [Note: tied weights] in pipeline/tied.py: a weight on several stages is written once
     engine.schedule.ties.write_once(state.pieces, engine.topology.mesh, engine.topology.rank)
     owner = assign_replicated(state.pieces)
     mine = [p for p in state.pieces if not p.replicated or owner[_where(p)] == comm.rank]

@@ -1,5 +1,5 @@
 """Saved state read back slice by slice, whatever layout wrote it: the
-:class:`~longboat.strategies.pieces.PieceSource` a strategy loads from."""
+:class:`~longboat.pieces.PieceSource` a strategy loads from."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from longboat.checkpoint.errors import CheckpointError
 from longboat.checkpoint.manifest import Manifest, TensorEntry
 from longboat.checkpoint.tensorfile import TensorFiles
-from longboat.strategies.pieces import OPTIM, Slices
+from longboat.pieces import OPTIM, Slices
 
 #: Whole tensors kept after assembling them from sliced shards: a strategy reads a tensor's
 #: slices for its keys one after another, so a few suffice.

@@ -1,4 +1,4 @@
-"""A ``state_dict`` of whole tensors as a :class:`~longboat.strategies.pieces.PieceSource`, so
+"""A ``state_dict`` of whole tensors as a :class:`~longboat.pieces.PieceSource`, so
 ``engine.load_state_dict`` fills any layout the way a checkpoint does: a ZeRO-3 rank its shards,
 a tensor-parallel rank its slices. The optimizer's state is read back from the rank's own current
 pieces, so loading model weights leaves it as it was (as ``model.load_state_dict`` would)."""
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from longboat.checkpoint.errors import CheckpointError
-from longboat.strategies.pieces import MODEL, Piece, RankState, Slices
+from longboat.pieces import MODEL, Piece, RankState, Slices
 
 
 class StateDictSource:

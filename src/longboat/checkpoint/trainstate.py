@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from longboat.checkpoint.errors import CheckpointError
-from longboat.strategies.pieces import decode_scalar, encode_scalar
+from longboat.pieces import decode_scalar, encode_scalar
 
 if TYPE_CHECKING:
     from longboat.checkpoint.protocol import Trained

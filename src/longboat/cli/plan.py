@@ -71,7 +71,7 @@ def plan(
     ),
 ) -> None:
     """Predict per-rank memory and communication of each strategy, allocating nothing."""
-    from longboat.config import ConfigError
+    from longboat.config.errors import ConfigError
     from longboat.plan.run_cli import run_plan
     from longboat.plan.target import PlanInputError
 

@@ -42,7 +42,7 @@ import torch
 from longboat.comm.protocol import Comm, Handle
 from longboat.comm.protocol import Done as _Done
 from longboat.comm.trace import CallRecord
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 
 
 def node_layout(

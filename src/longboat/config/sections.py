@@ -59,7 +59,7 @@ class ReplicateConfig(_Section):
 
 class OffloadConfig(_Section):
     """Where a ZeRO rank keeps its optimizer state between steps ([Note: optimizer state
-    offload] in ``strategies/zero_offload.py``)."""
+    offload] in ``strategies/zero/offload.py``)."""
 
     _key: ClassVar[str] = "zero.offload_optimizer"
     _what: ClassVar[str] = "the optimizer state"
@@ -90,7 +90,7 @@ class OffloadConfig(_Section):
 
 class OffloadParamConfig(OffloadConfig):
     """Where a ZeRO-3 rank keeps its parameter and gradient shards between uses ([Note:
-    parameter offload] in ``strategies/zero_shard_swap.py``)."""
+    parameter offload] in ``strategies/zero/shard_swap.py``)."""
 
     _key: ClassVar[str] = "zero.offload_param"
     _what: ClassVar[str] = "the parameter and gradient shards"

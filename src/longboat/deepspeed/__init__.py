@@ -32,8 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from longboat.config import Config, ConfigError, read_mapping
 from longboat.config.deepspeed import looks_like_deepspeed
+from longboat.config.errors import ConfigError
+from longboat.config.loading import read_mapping
+from longboat.config.sections import Config
 from longboat.deepspeed import pipe
 from longboat.deepspeed.pipe import PipelineModule
 from longboat.engine import Engine

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 from longboat.pipeline import module as _module
 from longboat.pipeline.module import LayerSpec
 

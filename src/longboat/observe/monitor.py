@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from longboat.comm.protocol import Comm, Handle
-from longboat.config import Config, SinkConfig
+from longboat.config.sections import Config, SinkConfig
 from longboat.observe.breakdown import COLUMNS, Blocked, Breakdown
 from longboat.observe.events import Sink, StepEvent, count_tokens
 from longboat.observe.flops import StepFlops, matmul_rate

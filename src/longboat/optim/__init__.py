@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from longboat.config import ConfigError, OptimizerConfig, SchedulerConfig
-from longboat.config.sections import OWN_OPTIMIZERS
+from longboat.config.errors import ConfigError
+from longboat.config.sections import OWN_OPTIMIZERS, OptimizerConfig, SchedulerConfig
 from longboat.optim.lamb import Lamb
 from longboat.optim.onebit_adam import OneBitAdam
 from longboat.optim.onebit_lamb import OneBitLamb

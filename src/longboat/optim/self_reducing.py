@@ -24,7 +24,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from longboat.comm.protocol import Comm
-from longboat.config import Config, ConfigError
+from longboat.config.errors import ConfigError
+from longboat.config.sections import Config
 
 
 @runtime_checkable

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from longboat.config import ConfigError, PipelineConfig
-from longboat.pipeline.module import LayerSpec, PipelineModule, StageInfo, TiedLayerSpec
-from longboat.pipeline.partition import PartitionError
+from longboat.config.errors import ConfigError
+from longboat.config.sections import PipelineConfig
+from longboat.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from longboat.pipeline.partition import PartitionError, StageInfo
 from longboat.pipeline.runtime import Pipeline
+from longboat.pipeline.schedule import Schedule, Sequential
 from longboat.pipeline.schedules import Action, PipelineSchedule, ScheduleError, bubble_theory
 from longboat.pipeline.schedules import build as build_pipeline_schedule
-from longboat.schedule import Schedule, Sequential
 from longboat.topology import Topology
 
 
 def build_schedule(config: PipelineConfig, topology: Topology, device: torch.device) -> Schedule:
-    """The engine's schedule: :class:`~longboat.schedule.Sequential` without pipeline stages,
+    """The engine's schedule: :class:`~.schedule.Sequential` without pipeline stages,
     else a :class:`Pipeline` over the ``pp`` axis. Schedule errors name the config keys."""
     if topology.mesh.pp == 1:
         if config.virtual_stages != 1:

@@ -20,9 +20,9 @@ from typing import Any
 from torch import nn
 
 from longboat.pipeline import partition as partitions
-from longboat.pipeline import ties, transformers_layers
-from longboat.pipeline.module import StageInfo, describe_stages
-from longboat.tied import Tie
+from longboat.pipeline import transformers_layers
+from longboat.pipeline.partition import StageInfo, describe_stages
+from longboat.pipeline.tied import Tie, find_ties, place_ties
 
 Entry = tuple[tuple[str, ...], Callable[[Any], Any]]
 
@@ -109,7 +109,7 @@ def split(
 ) -> tuple[nn.Module, list[tuple[Tie, nn.Parameter | None]]]:
     """Keep the layers of stages ``held``: other stages' submodules become placeholders and the
     model's forward becomes ``forward(x, stage)`` over this rank's layers. Returns ``model``
-    and every weight tied across stages ([Note: tied weights] in ``longboat/tied.py``), with this
+    and every weight tied across stages ([Note: tied weights] in ``tied.py``), with this
     rank's parameter for those it holds (None for the others)."""
     entries = _entries(model)
     stage_of = [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
@@ -119,7 +119,7 @@ def split(
         [p for path in paths for p in model.get_submodule(path).parameters()]
         for paths, _ in entries
     ]
-    tied = ties.find(layer_params, stage_of, names)
+    tied = find_ties(layer_params, stage_of, names)
     mine = {i for i in range(len(entries)) if stage_of[i] in held}
     kept = {path for i in mine for path in entries[i][0]}
     for i, (paths, _) in enumerate(entries):
@@ -130,7 +130,7 @@ def split(
                 continue
             parent, _, leaf = path.rpartition(".")
             setattr(model.get_submodule(parent), leaf, Elsewhere(stage_of[i]))
-    out = ties.place(model, tied, params, list(names), held)
+    out = place_ties(model, tied, params, list(names), held)
     layers = {s: [entries[i][1] for i in range(bounds[s], bounds[s + 1])] for s in held}
 
     def forward(self: nn.Module, x: Any, stage: int | None = None) -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,8 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longboat.pipeline import partition as partitions
-from longboat.pipeline import ties
-from longboat.tied import Tie
+from longboat.pipeline.partition import StageInfo, describe_stages
+from longboat.pipeline.tied import Holder, Tie, find_ties, place_ties
 
 
 class LayerSpec:
@@ -52,7 +51,7 @@ class TiedLayerSpec(LayerSpec):
     """A layer whose module every layer of the same ``key`` shares, on any stage (DeepSpeed's
     ``TiedLayerSpec``): built once on each rank that holds one of them, named
     ``tied.<key>.<parameter>`` there, and kept equal across stages ([Note: tied weights] in
-    ``longboat/tied.py``). ``forward_fn(module, x)`` runs it where ``module(x)`` is not what
+    ``tied.py``). ``forward_fn(module, x)`` runs it where ``module(x)`` is not what
     the layer does, e.g. an output head ``lambda emb, x: x @ emb.weight.T``. Every parameter of
     the module is tied (DeepSpeed ties only ``tied_weight_attr`` and lets the others drift)."""
 
@@ -73,43 +72,6 @@ class TiedLayerSpec(LayerSpec):
 
 
 Layer = nn.Module | LayerSpec | Callable[[Any], Any]
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    """Which layers a stage holds and its trainable parameter count (for logs and explain)."""
-
-    stage: int
-    first: int
-    last: int  # inclusive
-    classes: tuple[str, ...]
-    parameters: int
-
-    def describe(self) -> str:
-        kinds: dict[str, int] = {}
-        for c in self.classes:
-            kinds[c] = kinds.get(c, 0) + 1
-        what = ", ".join(f"{n} {c}" if n > 1 else c for c, n in kinds.items())
-        return (
-            f"stage {self.stage}: layers {self.first}-{self.last} ({what}), "
-            f"{self.parameters:,} trainable parameters"
-        )
-
-
-def describe_stages(
-    params: Sequence[int], classes: Sequence[str], bounds: Sequence[int]
-) -> list[StageInfo]:
-    """What each stage holds, from each layer's trainable parameters and class name."""
-    return [
-        StageInfo(
-            s,
-            bounds[s],
-            bounds[s + 1] - 1,
-            tuple(classes[bounds[s] : bounds[s + 1]]),
-            sum(params[bounds[s] : bounds[s + 1]]),
-        )
-        for s in range(len(bounds) - 1)
-    ]
 
 
 class PipelineModule(nn.Module):
@@ -232,7 +194,7 @@ class PipelineModule(nn.Module):
     ) -> list[tuple[Tie, nn.Parameter | None]]:
         """Keep the layers of stages ``held`` (of those ``bounds`` delimit), build their
         specs, and drop every other layer. Once only. Returns the weights tied across stages
-        ([Note: tied weights] in ``longboat/tied.py``), with this rank's parameter for those
+        ([Note: tied weights] in ``tied.py``), with this rank's parameter for those
         it holds."""
         if self._bound:
             raise RuntimeError("PipelineModule.bind() was already called")
@@ -242,7 +204,7 @@ class PipelineModule(nn.Module):
         stage_of = [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
         names = {id(p): n for n, p in self.named_parameters()}
         params = {id(p): p for p in self.parameters()}
-        tied = ties.find(
+        tied = find_ties(
             [
                 list(layer.parameters()) if isinstance(layer, nn.Module) else []
                 for layer in self._layers
@@ -260,7 +222,7 @@ class PipelineModule(nn.Module):
         for i, layer in enumerate(self._layers):
             if i not in mine:
                 if str(i) in homes:
-                    self._modules[str(i)] = ties.Holder()
+                    self._modules[str(i)] = Holder()
                 elif str(i) in self._modules:
                     del self._modules[str(i)]
                 continue
@@ -274,7 +236,7 @@ class PipelineModule(nn.Module):
                 built = layer.build()
                 self._layers[i] = built
                 self.add_module(str(i), built)
-        return self._spec_ties(stage_of) + ties.place(self, tied, params, list(names), self.held)
+        return self._spec_ties(stage_of) + place_ties(self, tied, params, list(names), self.held)
 
     def build_all(self) -> None:
         """Build every spec: the whole model as one stage (without pipeline stages)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class PartitionError(ValueError):
@@ -142,3 +143,40 @@ def _check_counts(n_layers: int, stages: int, method: str) -> None:
             f"partition {method}: {n_layers} layer(s) cannot fill {stages} pipeline stages "
             "(every stage needs at least one); use fewer stages (mesh.pp) or more layers"
         )
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Which layers a stage holds and its trainable parameter count (for logs and explain)."""
+
+    stage: int
+    first: int
+    last: int  # inclusive
+    classes: tuple[str, ...]
+    parameters: int
+
+    def describe(self) -> str:
+        kinds: dict[str, int] = {}
+        for c in self.classes:
+            kinds[c] = kinds.get(c, 0) + 1
+        what = ", ".join(f"{n} {c}" if n > 1 else c for c, n in kinds.items())
+        return (
+            f"stage {self.stage}: layers {self.first}-{self.last} ({what}), "
+            f"{self.parameters:,} trainable parameters"
+        )
+
+
+def describe_stages(
+    params: Sequence[int], classes: Sequence[str], bounds: Sequence[int]
+) -> list[StageInfo]:
+    """What each stage holds, from each layer's trainable parameters and class name."""
+    return [
+        StageInfo(
+            s,
+            bounds[s],
+            bounds[s + 1] - 1,
+            tuple(classes[bounds[s] : bounds[s + 1]]),
+            sum(params[bounds[s] : bounds[s + 1]]),
+        )
+        for s in range(len(bounds) - 1)
+    ]

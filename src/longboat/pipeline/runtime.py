@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm, Handle
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 from longboat.pipeline import layered, schedules
 from longboat.pipeline import stages as staging
-from longboat.pipeline.module import PipelineModule, StageInfo
+from longboat.pipeline.module import PipelineModule
 from longboat.pipeline.p2p import Link, Message
-from longboat.schedule import LossFn, Steps
-from longboat.tied import Tie, TiedWeights
+from longboat.pipeline.partition import StageInfo
+from longboat.pipeline.schedule import LossFn, Steps
+from longboat.pipeline.tied import Tie, TiedWeights
 from longboat.topology import Topology
 
 

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from longboat.pipeline import layered, transformers_layers
-from longboat.pipeline.module import PipelineModule, StageInfo
+from longboat.pipeline.module import PipelineModule
+from longboat.pipeline.partition import StageInfo
 
 
 def as_layers(model: nn.Module, partition: str | Sequence[int] | None) -> nn.Module:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from longboat.config import Config
+from longboat.config.sections import Config
 from longboat.observe.memory import CATEGORIES, optimizer_state_tensors
 from longboat.plan.simulate import Simulated, simulate
 from longboat.plan.target import PlanInputError, Target

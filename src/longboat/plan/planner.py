@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from longboat.config import Config
+from longboat.config.sections import Config
 from longboat.mesh import Mesh
 from longboat.observe.memory import CATEGORIES
 from longboat.plan.parameter_server import parameter_server_roles
@@ -167,7 +167,7 @@ class Plan:
 
 
 def _mesh(cfg: Config, n: int) -> Mesh:
-    from longboat.config import ConfigError
+    from longboat.config.errors import ConfigError
     from longboat.engine import resolve_mesh
 
     try:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from longboat.plan.planner import Plan, StrategyPlan
 from longboat.plan.target import PlanInputError
+
+if TYPE_CHECKING:  # the planner is not needed to render its plan
+    from longboat.plan.planner import Plan, StrategyPlan
 
 _MIB = 2**20
 

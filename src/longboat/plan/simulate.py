@@ -72,7 +72,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from longboat.comm.collectives import _Done
-from longboat.config import Config
+from longboat.config.sections import Config
 from longboat.observe.memory import CATEGORIES, measure
 from longboat.plan import stages
 from longboat.plan.target import Target

@@ -34,10 +34,10 @@ from longboat.comm.protocol import Comm, Handle
 from longboat.mesh import Mesh
 from longboat.pipeline.p2p import Link, Message
 from longboat.pipeline.runtime import Pipeline
+from longboat.pipeline.schedule import split
 from longboat.pipeline.schedules import PipelineSchedule
 from longboat.plan.target import Target
 from longboat.plan.tracker import LiveBytes
-from longboat.schedule import split
 
 #: (micro-batch, stage) -> the shape and dtype of that stage's output for that micro-batch.
 Shapes = dict[tuple[int, int], tuple[torch.Size, torch.dtype]]

@@ -3,7 +3,7 @@
 A :class:`LiveBytes` dispatch mode sees every operator's outputs. Each new storage is counted
 once, when it first appears, and uncounted when Python frees it (a weak reference's callback);
 views share their base's storage and add nothing; a storage resized in place (ZeRO-3's freed
-buffers, [Note: storage resize] in ``strategies/storage.py``) counts its new size. On fake
+buffers, [Note: storage resize] in ``strategies/zero/storage.py``) counts its new size. On fake
 (meta) tensors this gives, without allocating anything, the bytes a real run would hold at
 every moment: its peak is what the caching allocator (GPU) or ``malloc`` (CPU) must provide for
 tensors.

@@ -2,7 +2,7 @@
 in ``sync``, ``async`` or ``ssp`` (bounded staleness) mode.
 
 Through the engine: ``strategy = "parameter_server"`` and a ``[parameter_server]`` section
-(``longboat.strategies.parameter_server``). Directly: :func:`connect` gives a worker MXNet's
+(``longboat.ps.worker``). Directly: :func:`connect` gives a worker MXNet's
 :class:`KVStore`; on a server rank it serves and ends the process.
 """
 
@@ -35,7 +35,7 @@ def connect(
     the optimizer they apply pushes with; None: a push replaces nothing and pulls return the
     mean gradient, sync only) and end their process when the workers leave; the others get
     a :class:`KVStore`. Joins the process group from the environment if needed."""
-    from longboat.config import load_config
+    from longboat.config.loading import load_config
     from longboat.strategies import build_service
     from longboat.world import World, init_process_group
 

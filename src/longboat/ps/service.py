@@ -28,7 +28,8 @@ import torch.distributed as dist
 from longboat import roles
 from longboat.comm.collectives import Collectives
 from longboat.comm.commlog import CommLog
-from longboat.config import Config, ConfigError
+from longboat.config.errors import ConfigError
+from longboat.config.sections import Config
 from longboat.mesh import Mesh
 from longboat.optim import describe_elementwise, is_elementwise
 from longboat.ps.client import Connection

@@ -6,9 +6,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from longboat.config import Config, ConfigError
+from longboat.config.errors import ConfigError
+from longboat.config.sections import Config
+from longboat.ps.worker import ParameterServer
 from longboat.strategies.base import Strategy, StrategyContext
-from longboat.strategies.parameter_server import ParameterServer
 from longboat.strategies.replicate import Replicate
 from longboat.strategies.single import Single
 from longboat.strategies.zero import Zero

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
-from longboat.config import Config
+from longboat.config.sections import Config
+from longboat.pieces import PieceSource, RankState
 from longboat.precision import DTYPES
-from longboat.strategies.pieces import PieceSource, RankState
 from longboat.topology import Topology
 from longboat.world import World
 
@@ -31,7 +31,7 @@ class StrategyContext:
     topology: Topology
     section: Any  # the strategy's own config section (e.g. ReplicateConfig), or None
     wire_dtype: torch.dtype | None = None
-    #: ids of parameters tied across pipeline stages ([Note: tied weights] in ``tied.py``):
+    #: ids of parameters tied across pipeline stages ([Note: tied weights] in ``pipeline/tied.py``):
     #: a sharding strategy gives each a flat unit of its own, laid out alike on every holder
     isolated: frozenset[int] = frozenset()
     #: ranks beside the mesh that serve this strategy (``longboat.ps.service``), or None
@@ -40,7 +40,7 @@ class StrategyContext:
     #: (``longboat.comm.compression``), or None
     compression: Any = None
     #: ``param_init_fn(module)`` given to ``longboat.initialize``: what initialises a module
-    #: made from the meta device ([Note: deferred init] in ``zero_init.py``), or None
+    #: made from the meta device ([Note: deferred init] in ``zero/init.py``), or None
     param_init_fn: Callable[[nn.Module], object] | None = None
 
     @classmethod
@@ -69,7 +69,7 @@ class StrategyContext:
 
 def full_gradient(param: nn.Parameter) -> torch.Tensor:
     """``param.grad``, made zeros if this rank's backward did not reach it (its copy on another
-    pipeline stage may have a gradient to share: [Note: tied weights] in ``tied.py``)."""
+    pipeline stage may have a gradient to share: [Note: tied weights] in ``pipeline/tied.py``)."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return param.grad
@@ -143,7 +143,7 @@ class Strategy(Protocol):
     def tied_gradient(self, param: nn.Parameter) -> torch.Tensor:
         """After :meth:`wait_gradients`: the tensor holding this rank's reduced gradient of
         ``param`` (a parameter of ``StrategyContext.isolated``), to be summed in place with its
-        copies on other pipeline stages ([Note: tied weights] in ``tied.py``)."""
+        copies on other pipeline stages ([Note: tied weights] in ``pipeline/tied.py``)."""
         ...
 
     def gradient_share(self, param: nn.Parameter) -> torch.Tensor | None:
@@ -171,7 +171,7 @@ class Strategy(Protocol):
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
         """This rank's parameters, buffers and optimizer state as pieces of the full tensors
-        (see [Note: pieces] in ``strategies/pieces.py``). Called between steps."""
+        (see [Note: pieces] in ``pieces.py``). Called between steps."""
         ...
 
     def load_checkpoint_state(

@@ -53,13 +53,13 @@ from longboat.comm import compression
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
 from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim import has_step_hooks, is_elementwise
 from longboat.optim.self_reducing import ReducesItself
+from longboat.pieces import PieceSource, RankState, members
 from longboat.strategies.base import StrategyContext, full_gradient
 from longboat.strategies.buffers import BufferSync
-from longboat.strategies.pieces import PieceSource, RankState, members
 from longboat.strategies.whole_state import load_whole_state, whole_state
 
 _MIB = 1024 * 1024

@@ -12,8 +12,8 @@ from torch import nn
 from longboat.comm.protocol import Comm
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim.self_reducing import ReducesItself
+from longboat.pieces import PieceSource, RankState
 from longboat.strategies.base import StrategyContext, full_gradient
-from longboat.strategies.pieces import PieceSource, RankState
 from longboat.strategies.whole_state import load_whole_state, whole_state
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from longboat.strategies.pieces import (
+from longboat.pieces import (
     MODEL,
     OPTIM,
     Piece,

@@ -7,7 +7,7 @@ has ``parts`` blocks along ``dim``, and each rank keeps its chunk of *every* blo
 of 2 holds ``[q_r; k_r; v_r]``, so its local output is its own heads of q, k and v (cutting the
 fused matrix into two consecutive halves instead would hand rank 0 all of q and half of k: it
 runs, and it is silently wrong). The local tensor is therefore the concatenation of ``parts``
-boxes of the full tensor along ``dim``: a :class:`~longboat.strategies.pieces.Slices`, which is
+boxes of the full tensor along ``dim``: a :class:`~longboat.pieces.Slices`, which is
 what checkpoints record, so a tensor-parallel checkpoint loads into any other layout.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longboat.strategies.pieces import Slices
+from longboat.pieces import Slices
 
 
 class LayoutError(ValueError):

@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
-from longboat.config import ConfigError, TensorParallelConfig
+from longboat.config.errors import ConfigError
+from longboat.config.sections import TensorParallelConfig
+from longboat.pieces import Slices, canonical_names
 from longboat.strategies.base import Strategy
-from longboat.strategies.pieces import Slices, canonical_names
 from longboat.tensor import plans
 from longboat.tensor.layout import LayoutError, Split
 from longboat.tensor.styles import Placement

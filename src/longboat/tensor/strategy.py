@@ -6,7 +6,7 @@ the full model's terms.
   their squares are summed over the ``tp`` group too. The gradients of parameters every ``tp``
   rank holds whole are alike on each: only ``tp`` rank 0 counts them.
 * **Checkpoints.** A piece of a divided parameter gets the parameter's full shape and the
-  :class:`~longboat.strategies.pieces.Slices` it counts in; a piece of a whole one is held by
+  :class:`~longboat.pieces.Slices` it counts in; a piece of a whole one is held by
   the ``tp`` peers alike, so it is written once for all of them. Loading reads each divided
   parameter's slices, so any layout loads into any other.
 * **Whole state.** ``full_state_dict`` gathers the divided tensors over ``tp``.
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
+from longboat.pieces import PieceSource, RankState, Slices
 from longboat.strategies.base import Strategy
-from longboat.strategies.pieces import PieceSource, RankState, Slices
 from longboat.tensor.parallel import TensorParallel
 
 

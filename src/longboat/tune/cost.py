@@ -146,7 +146,7 @@ def count_work(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from longboat.config import ActivationCheckpointingConfig
+    from longboat.config.sections import ActivationCheckpointingConfig
     from longboat.recompute import apply_activation_checkpointing
 
     with FakeTensorMode():

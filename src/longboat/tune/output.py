@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from longboat.config import flatten, load_config
+from longboat.config.loading import flatten, load_config
 
 _ELEMENT_BYTES = 4  # DeepSpeed sizes reduce buckets in elements; longboat's MiB are of fp32
 _DEFAULT_BUCKET_MB = 25.0

@@ -35,7 +35,7 @@ from typing import Any, Literal
 from longboat.bench.models import ModelSpec, resolve_model
 from longboat.bench.runner import MEMORY_STEPS, BenchProgressFn, BenchSettings, run_bench
 from longboat.bench.sides import CONFIG_PREFIX
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 from longboat.plan.target import PlanInputError
 from longboat.tune.cost import Planned, Prediction, Rates, Work, count_work, predict
 from longboat.tune.space import DEFAULT_BUCKETS_MB, Candidate, Invalid, build_space

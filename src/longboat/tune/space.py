@@ -20,7 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from longboat.config import Config, ConfigError, load_config, resolve_batch
+from longboat.config.batch import resolve_batch
+from longboat.config.errors import ConfigError
+from longboat.config.loading import load_config
+from longboat.config.sections import Config
 
 #: Strategies searched at two ranks or more; ``single`` is the only one at one rank.
 STRATEGIES = ("replicate", "zero-1", "zero-2", "zero-3")

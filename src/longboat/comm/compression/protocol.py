@@ -17,11 +17,12 @@ the strategy reduces exactly, by its usual path. Every collective a compressor s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from longboat.comm.protocol import Comm
+if TYPE_CHECKING:  # named in signatures only
+    from longboat.comm.protocol import Comm
 
 #: A parameter's place in a flat buffer: its offset and its shape.
 Span = tuple[int, torch.Size]

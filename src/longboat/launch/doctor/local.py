@@ -149,7 +149,9 @@ def check_config(path: Path | None, world_size: int) -> Finding | None:
     """The config loads and its batch triple resolves for ``world_size`` ranks."""
     if path is None:
         return None
-    from longboat.config import ConfigError, load_config, resolve_batch
+    from longboat.config.batch import resolve_batch
+    from longboat.config.errors import ConfigError
+    from longboat.config.loading import load_config
 
     try:
         cfg = load_config(path)

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 from longboat.models import GPT
 
 InitFn = Callable[[nn.Module], object]
@@ -173,7 +173,7 @@ class DeferredInit:
             raise ConfigError(
                 f"{', '.join(left[:5])}{' ...' if len(left) > 5 else ''} stayed on the meta "
                 "device: ZeRO-3 makes trainable parameters and buffers only (see [Note: "
-                "deferred init] in longboat/strategies/zero_init.py); build frozen parameters "
+                "deferred init] in longboat/strategies/zero/init.py); build frozen parameters "
                 "on a device"
             )
         self._make([m for m in self.order if any(b.is_meta for b in m.buffers(recurse=False))])
@@ -249,7 +249,7 @@ class DeferredInit:
             raise ConfigError(
                 f"{what}{' ...' if len(unset) > 5 else ''} stayed uninitialised after "
                 f"{self.how} ran on the meta device's model ([Note: deferred init] in "
-                f"longboat/strategies/zero_init.py): give {type(m).__name__} a "
+                f"longboat/strategies/zero/init.py): give {type(m).__name__} a "
                 "reset_parameters(), initialise it in the model's initialiser "
                 "(zero.init_method), or pass param_init_fn to longboat.initialize"
                 f"{_BUFFER_HINT if buffers else ''}"

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
-from longboat.tied import TiedWeights
+from longboat.pipeline.tied import TiedWeights
 
 #: ``loss_fn(output, micro_batch)``: the micro-batch's loss from the model's output.
 LossFn = Callable[[Any, Any], torch.Tensor]

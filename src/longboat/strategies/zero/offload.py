@@ -36,8 +36,8 @@ from typing import Any, Protocol
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from longboat.config import ConfigError
-from longboat.strategies.flat import FlatUnit
+from longboat.config.errors import ConfigError
+from longboat.strategies.zero.flat import FlatUnit
 
 SWAP_DIR = "longboat-swap"
 log = logging.getLogger("longboat")

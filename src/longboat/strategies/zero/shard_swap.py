@@ -11,14 +11,14 @@ they are used:
   dropped once written; the sum of its squares is kept, so clipping needs no second pass over the
   disk: the norm is known when the backward ends, and the clipping factor is applied as each
   unit's gradient is brought in for the step;
-- the step goes unit by unit (:class:`~longboat.strategies.zero_offload.UnitStream`): the
+- the step goes unit by unit (:class:`~longboat.strategies.zero.offload.UnitStream`): the
   parameter and gradient shards are read ahead on the I/O thread with the optimizer state (when
   that is offloaded too), the optimizer steps the unit, and the parameter shard is written back
   and dropped behind it.
 
 A shard "dropped" keeps its tensor and every view of it (the optimizer's pieces, [Note: shard
 pieces] in ``flat.py``) and frees its memory ([Note: storage resize] in ``storage.py``). Files
-follow [Note: optimizer state offload] in ``zero_offload.py``:
+follow [Note: optimizer state offload] in ``zero/offload.py``:
 ``rank<R>.pid<P>.unit<U>.param.bin`` and ``.grad.bin``, written before they are read, removed
 at ``close()`` and, after a crash, by the next run on that path.
 """
@@ -33,16 +33,16 @@ from typing import Any
 
 import torch
 
-from longboat.strategies.flat import FlatUnit, element_size
-from longboat.strategies.storage import alloc_storage, free_storage, has_storage
-from longboat.strategies.zero_offload import SWAP_DIR, SwapFiles, open_dir
+from longboat.strategies.zero.flat import FlatUnit, element_size
+from longboat.strategies.zero.offload import SWAP_DIR, SwapFiles, open_dir
+from longboat.strategies.zero.storage import alloc_storage, free_storage, has_storage
 
 _KEY = "zero.offload_param"
 
 
 class ShardSwap(SwapFiles):
     """The parameter and gradient shards of one rank's stage-3 units, on disk (see [Note:
-    parameter offload]): a :class:`~longboat.strategies.zero_offload.UnitHome`. ``submit``
+    parameter offload]): a :class:`~longboat.strategies.zero.offload.UnitHome`. ``submit``
     runs a function on the I/O thread shared with the optimizer state's swap."""
 
     def __init__(self, cfg: Any, rank: int, dry: bool) -> None:

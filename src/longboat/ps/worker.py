@@ -34,13 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from longboat.comm.protocol import Comm
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 from longboat.observe.memory import optimizer_state_tensors
+from longboat.pieces import PieceSource, RankState, members
 from longboat.ps.client import Connection
 from longboat.ps.service import check_optimizer
 from longboat.strategies.base import StrategyContext, full_gradient
 from longboat.strategies.buffers import BufferSync
-from longboat.strategies.pieces import PieceSource, RankState, members
 from longboat.strategies.whole_state import load_whole_state, whole_state
 
 

@@ -69,7 +69,7 @@ class FlatUnit:
     calls: int = 0  # stage 3: forwards of its module whose backward is still to come
     #: stage 3: a forward of its module in this micro-batch had no input needing a gradient,
     #: so nothing reports that call's backward over: the unit is done when backward is
-    #: ([Note: reused units] in ``zero_gather.py``)
+    #: ([Note: reused units] in ``zero/gather.py``)
     blind: bool = False
     backward_done: bool = False  # stage 3: its backward in this micro-batch is over
 

@@ -1,7 +1,7 @@
 """ZeRO-3's gathers: a unit's parameters are gathered just before its module runs, forward and
 backward, and freed right after (see [Note: stage-3 order] in ``zero.py``).
 
-Each unit is in one :class:`~longboat.strategies.flat.UnitState`: ``SHARDED`` (only this rank's
+Each unit is in one :class:`~longboat.strategies.zero.flat.UnitState`: ``SHARDED`` (only this rank's
 shard; its parameters point at empty tensors), ``GATHERING`` (an all-gather of the full flat
 parameter is in flight: a prefetch) or ``UNSHARDED`` (the full flat parameter is here and its
 parameters are views into it).
@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from longboat.comm.protocol import Comm
-from longboat.config import ConfigError
-from longboat.strategies.flat import FlatUnit, UnitState
-from longboat.strategies.storage import alloc_storage, free_storage
+from longboat.config.errors import ConfigError
+from longboat.strategies.zero.flat import FlatUnit, UnitState
+from longboat.strategies.zero.storage import alloc_storage, free_storage
 
 
 class Removable(Protocol):
@@ -72,7 +72,7 @@ class Gathering:
 
     def install(self) -> list[Removable]:
         """Forward hooks on every unit's module, and the check of the first training forward
-        ([Note: units run forward] in ``zero_units.py``)."""
+        ([Note: units run forward] in ``zero/units.py``)."""
         hooks: list[Removable] = [_FirstForward(self.root, self._not_run)]
         by_module: dict[int, list[FlatUnit]] = {}
         for u in self.units:
@@ -255,7 +255,7 @@ class Gathering:
 
 class _FirstForward:
     """Explains a failed first training forward in which some unit's module had not run: its
-    parameters were never gathered ([Note: units run forward] in ``zero_units.py``).
+    parameters were never gathered ([Note: units run forward] in ``zero/units.py``).
 
     Hooks cannot do this: an error in a forward hook set to run after a failed forward becomes
     a warning. So the root's ``forward`` is wrapped (as an instance attribute, which keeps the

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from longboat.comm.buckets import group_params
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 
 _MIB = 1024 * 1024
 

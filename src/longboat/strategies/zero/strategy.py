@@ -1,5 +1,5 @@
 """ZeRO: sharded data parallelism, stages 1, 2 and 3, built from flat units (see
-:mod:`longboat.strategies.flat`).
+:mod:`longboat.strategies.zero.flat`).
 
 - stage 1: optimizer state sharded. Gradients accumulate in a full flat buffer; at the boundary
   it is reduce-scattered, each rank steps its shard, and the shards are all-gathered back.
@@ -33,8 +33,8 @@ rank: plain ZeRO.
 
 Units launch their reduce-scatters strictly in unit order on every rank ([Note: launch order]
 in ``comm/order.py``). What each stage shards and when it communicates is a
-:class:`~longboat.strategies.zero_policy.ZeroPolicy`; stage 3's gathers live in
-:mod:`longboat.strategies.zero_gather`.
+:class:`~longboat.strategies.zero.policy.ZeroPolicy`; stage 3's gathers live in
+:mod:`longboat.strategies.zero.gather`.
 
 [Note: stage-3 order] Stage 3 mixes two kinds of collective during backward: the gathers of the
 units still to run and the reduce-scatters of those done. Collectives are matched by order, so
@@ -88,7 +88,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from longboat.comm import compression
 from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
-from longboat.config import ConfigError
+from longboat.config.errors import ConfigError
 from longboat.observe.memory import (
     expected_bytes,
     optimizer_state_bytes_per_param,
@@ -100,18 +100,18 @@ from longboat.optim import (
     is_elementwise,
     why_not_elementwise,
 )
-from longboat.strategies import zero_state
+from longboat.pieces import PieceSource, RankState
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.buffers import BufferSync
-from longboat.strategies.flat import FlatUnit, UnitState
-from longboat.strategies.pieces import PieceSource, RankState
-from longboat.strategies.storage import free_storage
-from longboat.strategies.zero_gather import UNIT_FIX, Gathering, Removable
-from longboat.strategies.zero_init import DeferredInit
-from longboat.strategies.zero_offload import StateSwap, UnitStream, check_room
-from longboat.strategies.zero_policy import ZeroPolicy
-from longboat.strategies.zero_shard_swap import ShardSwap
-from longboat.strategies.zero_units import bucket_units, module_units
+from longboat.strategies.zero import state as zero_state
+from longboat.strategies.zero.flat import FlatUnit, UnitState
+from longboat.strategies.zero.gather import UNIT_FIX, Gathering, Removable
+from longboat.strategies.zero.init import DeferredInit
+from longboat.strategies.zero.offload import StateSwap, UnitStream, check_room
+from longboat.strategies.zero.policy import ZeroPolicy
+from longboat.strategies.zero.shard_swap import ShardSwap
+from longboat.strategies.zero.storage import free_storage
+from longboat.strategies.zero.units import bucket_units, module_units
 
 
 class Zero:

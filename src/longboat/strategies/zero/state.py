@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
-from longboat.strategies.flat import FlatUnit, UnitState
-from longboat.strategies.pieces import (
+from longboat.pieces import (
     MODEL,
     OPTIM,
     Piece,
@@ -30,6 +29,7 @@ from longboat.strategies.pieces import (
     split_state,
 )
 from longboat.strategies.whole_state import load_model, model_pieces
+from longboat.strategies.zero.flat import FlatUnit, UnitState
 
 
 def rank_state(
