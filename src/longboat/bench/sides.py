@@ -115,7 +115,7 @@ def exists_at(side: str, n: int) -> bool:
 
 
 def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
-    from longboat.observe.memory import _storages
+    from longboat.observe.memory import storage_bytes
 
     local = []
     for t in tensors:
@@ -123,7 +123,7 @@ def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
             continue
         # DTensors (FSDP2) count their local shard.
         local.append(t.to_local() if hasattr(t, "to_local") else t)
-    return _storages(local, set())
+    return storage_bytes(local, set())
 
 
 def _plain_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:

@@ -82,7 +82,10 @@ def _storage_key(st: torch.UntypedStorage) -> tuple[object, ...]:
     return (st.data_ptr(), st.nbytes())
 
 
-def _storages(tensors: Iterable[torch.Tensor], seen: set[tuple[object, ...]]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[tuple[object, ...]]) -> int:
+    """Bytes of the storages behind ``tensors`` (None skipped), each counted once: a view
+    adds nothing beyond its base, and a storage already in ``seen`` (updated here) adds
+    nothing."""
     total = 0
     for t in tensors:
         if t is None:
@@ -143,4 +146,4 @@ class MemoryReport:
 def measure(groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     """Bytes per category, each storage counted once (in the first category that holds it)."""
     seen: set[tuple[object, ...]] = set()
-    return {c: _storages(groups.get(c, []), seen) for c in CATEGORIES}
+    return {c: storage_bytes(groups.get(c, []), seen) for c in CATEGORIES}
