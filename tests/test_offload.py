@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import harness
+import offload_helpers
 import pytest
 import reference
 import torch
@@ -17,20 +18,13 @@ from longboat.config import ConfigError, load_config
 from longboat.strategies.zero.offload import SWAP_DIR, check_room, remove_stale
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
-STEPS = 6
-GLOBAL_BATCH = 16
-# stage 3: units that every rank runs (the routed experts inside one), besides the root
-UNITS = {1: {"bucket_mb": 0.001}, 2: {"bucket_mb": 0.001}, 3: {"unit_classes": ["Experts", "LSTM"]}}
+UNITS = {1: {"bucket_mb": 0.001}, 2: {"bucket_mb": 0.001}, 3: offload_helpers.ZOO_UNITS}
 
 
 def _zero(stage: int, path: Path | None, buffer_count: int = 2) -> dict:
     zero: dict = {"stage": stage, **UNITS[stage]}
     if path is not None:
-        zero["offload_optimizer"] = {
-            "device": "disk",
-            "path": str(path),
-            "buffer_count": buffer_count,
-        }
+        zero["offload_optimizer"] = offload_helpers.disk(path, buffer_count)
     return {"strategy": "zero", "zero": zero}
 
 
@@ -41,35 +35,17 @@ def test_offloaded_zero_equals_plain_pytorch(ranks, tmp_path, stage, world):
     # accumulation; units of odd sizes; the zoo model has a routed (conditionally used), a
     # never-used and a frozen parameter, and BatchNorm buffers.
     recipe = reference.Recipe(model="zoo", optimizer="adamw", clip=0.5)
-    harness.run_and_compare(
-        ranks,
-        world,
-        _zero(stage, tmp_path, buffer_count=1 + stage % 2),
-        recipe,
-        STEPS,
-        2,
-        GLOBAL_BATCH,
-        tol=1e-5,
-    )
-    assert not list((tmp_path / SWAP_DIR).glob("*.bin")), "files left after close()"
+    strategy = _zero(stage, tmp_path, buffer_count=1 + stage % 2)
+    offload_helpers.equals_plain_pytorch(ranks, world, strategy, recipe, tmp_path)
 
 
 def _offloaded_run(cfg: dict, steps: int) -> dict:
     """Train ``steps`` steps; what the swap directory and the engine hold before close()."""
-    import longboat
-
-    recipe = reference.Recipe(model="zoo", optimizer="adamw")
-    model, opt, _ = recipe.build()
-    engine = longboat.initialize(model, opt, cfg)
-    data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
-    for batch in engine.loader(data):
-        _, *rest = batch
-        engine.backward(reference.forward_loss(engine, rest))
-        engine.step()
+    engine = offload_helpers.train_zoo(cfg, steps)
     swap = engine.strategy._swap
-    path = Path(cfg["zero"]["offload_optimizer"]["path"]) / SWAP_DIR
+    path = Path(cfg["zero"]["offload_optimizer"]["path"])
     out = {
-        "files": sorted(f.name for f in path.glob("*.bin")),
+        "files": sorted(f.name for f in offload_helpers.swap_files(path)),
         "disk_bytes": swap.disk_bytes,
         "in_memory": sum(
             t.numel() for s in engine.optimizer.state.values() for t in s.values() if t.dim() > 0
@@ -95,27 +71,13 @@ def test_state_lives_in_files_between_steps_and_they_go_at_close(ranks, tmp_path
         assert r["disk_bytes"] > 0 and r["disk_bytes"] % 8 == 0
         # each of 3 steps reads (but the first) and writes every unit's state
         assert r["moved"] == (2 * 3 - 1) * r["disk_bytes"]
-    assert not list((tmp_path / SWAP_DIR).glob("*.bin"))
+    assert not offload_helpers.swap_files(tmp_path)
 
 
 def test_checkpoints_move_between_offloaded_and_in_memory_runs(ranks, tmp_path):
-    base = {**harness.QUIET, "batch": {"train_batch_size": 8}}
-    ckpt = str(tmp_path / "ckpt")
-    saved = ranks(2, harness.save_or_load, {**base, **_zero(2, tmp_path / "a")}, ckpt, 3)
-    plain = ranks(1, harness.save_or_load, {**base, **_zero(1, None)}, ckpt, 0)
-    back = ranks(2, harness.save_or_load, {**base, **_zero(3, tmp_path / "b")}, ckpt, 0)
-    want = harness.assemble(saved)
-    assert any(k == "exp_avg" for v in want.values() for k in v)
-    for res in (plain, back):
-        got = harness.assemble(res)
-        assert got.keys() == want.keys()
-        for name, keys in want.items():
-            for k, v in keys.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    assert reference.max_rel_diff({k: got[name][k]}, {k: v}) == 0.0, (name, k)
-                else:
-                    assert got[name][k] == v, (name, k)
-        assert reference.max_rel_diff(res[0]["state"], saved[0]["state"]) == 0.0
+    offload_helpers.checkpoints_move(
+        ranks, tmp_path, _zero(2, tmp_path / "a"), _zero(1, None), _zero(3, tmp_path / "b")
+    )
 
 
 def test_a_crashed_runs_files_are_removed_and_a_live_ones_kept(tmp_path):
@@ -245,7 +207,7 @@ def test_a_crash_mid_step_resumes_from_the_last_checkpoint_and_no_swap_file_is_t
         return sorted(ln.split("]: ", 1)[1] for ln in text.splitlines() if "finished at step" in ln)
 
     assert digests(out) == digests(whole.stdout) and len(digests(out)) == 2, (out, whole.stdout)
-    assert not list((tmp_path / "sb" / SWAP_DIR).glob("*.bin"))
+    assert not offload_helpers.swap_files(tmp_path / "sb")
 
 
 def _real_offloaded(cfg: dict) -> dict:

@@ -9,23 +9,21 @@ import re
 from pathlib import Path
 
 import harness
+import offload_helpers
 import pytest
 import reference
 import torch
 
 from longboat.config import ConfigError, load_config
-from longboat.strategies.zero.offload import SWAP_DIR
 
-STEPS = 6
-GLOBAL_BATCH = 16
-UNITS = {"unit_classes": ["Experts", "LSTM"]}  # the zoo model's, as test_offload's stage 3
+UNITS = offload_helpers.ZOO_UNITS  # the zoo model's, as test_offload's stage 3 (shared)
 GPT_ARGS = {"vocab_size": 128, "d_model": 32, "n_layers": 3, "n_heads": 4, "seq_len": 16}
 
 
 def _zero3(
     path: Path, optimizer_too: bool = True, buffer_count: int = 2, units: dict = UNITS
 ) -> dict:
-    disk = {"device": "disk", "path": str(path), "buffer_count": buffer_count}
+    disk = offload_helpers.disk(path, buffer_count)
     zero: dict = {"stage": 3, **units, "offload_param": disk}
     if optimizer_too:
         zero["offload_optimizer"] = disk
@@ -45,44 +43,25 @@ def test_parameters_and_gradients_on_disk_equal_plain_pytorch(
     # to what the gradient file holds); the zoo model has a routed, a never-used and a frozen
     # parameter and BatchNorm buffers, the tied one a weight used twice.
     recipe = reference.Recipe(model=model, optimizer="adamw", clip=0.5)
-    harness.run_and_compare(
-        ranks,
-        world,
-        # the tied model's Linear layers as units: the tied weight sits in one of them
-        _zero3(
-            tmp_path, optimizer_too, world, UNITS if model == "zoo" else {"unit_min_params": 50}
-        ),
-        recipe,
-        STEPS,
-        2,
-        GLOBAL_BATCH,
-        tol=1e-5,
-    )
-    assert not list((tmp_path / SWAP_DIR).glob("*.bin")), "files left after close()"
+    # the tied model's Linear layers as units: the tied weight sits in one of them
+    units = UNITS if model == "zoo" else {"unit_min_params": 50}
+    strategy = _zero3(tmp_path, optimizer_too, world, units)
+    offload_helpers.equals_plain_pytorch(ranks, world, strategy, recipe, tmp_path)
 
 
 def _between_steps(cfg: dict, steps: int) -> dict:
     """Train ``steps`` steps; what memory and disk hold before close()."""
-    import longboat
-
-    recipe = reference.Recipe(model="zoo", optimizer="adamw")
-    model, opt, _ = recipe.build()
-    engine = longboat.initialize(model, opt, cfg)
-    data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
-    for batch in engine.loader(data):
-        _, *rest = batch
-        engine.backward(reference.forward_loss(engine, rest))
-        engine.step()
+    engine = offload_helpers.train_zoo(cfg, steps)
     report = engine.memory_report()
     units = engine.strategy.units
-    path = Path(cfg["zero"].get("offload_param", {}).get("path", "/nonexistent")) / SWAP_DIR
+    path = Path(cfg["zero"].get("offload_param", {}).get("path", "/nonexistent"))
     out = {
         "measured": report.measured,
         "expected": report.expected,
         "on_disk": report.on_disk,
         "shard_bytes": sum(u.shard_numel * 4 for u in units),
         "units": len(units),
-        "files": sorted(f.name for f in path.glob("*.bin")),
+        "files": sorted(f.name for f in offload_helpers.swap_files(path)),
         "text": str(report),
         # element-wise state (AdamW's moments); the step counts stay in memory with offload
         "moments": sum(
@@ -114,27 +93,13 @@ def test_between_steps_nothing_of_the_model_state_is_in_memory(ranks, tmp_path):
         assert len([f for f in mine if f.endswith(".param.bin")]) == r["units"]
         assert len([f for f in mine if f.endswith(".grad.bin")]) == r["units"]
         assert "parameters on disk" in r["text"]
-    assert not list((tmp_path / SWAP_DIR).glob("*.bin"))
+    assert not offload_helpers.swap_files(tmp_path)
 
 
 def test_checkpoints_move_between_parameter_offload_and_in_memory_runs(ranks, tmp_path):
-    base = {**harness.QUIET, "batch": {"train_batch_size": 8}}
-    ckpt = str(tmp_path / "ckpt")
-    saved = ranks(2, harness.save_or_load, {**base, **_zero3(tmp_path / "a")}, ckpt, 3)
-    plain = ranks(1, harness.save_or_load, {**base, "strategy": "zero"}, ckpt, 0)
-    back = ranks(2, harness.save_or_load, {**base, **_zero3(tmp_path / "b", False)}, ckpt, 0)
-    want = harness.assemble(saved)
-    assert any(k == "exp_avg" for v in want.values() for k in v)
-    for res in (plain, back):
-        got = harness.assemble(res)
-        assert got.keys() == want.keys()
-        for name, keys in want.items():
-            for k, v in keys.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    assert reference.max_rel_diff({k: got[name][k]}, {k: v}) == 0.0, (name, k)
-                else:
-                    assert got[name][k] == v, (name, k)
-        assert reference.max_rel_diff(res[0]["state"], saved[0]["state"]) == 0.0
+    offload_helpers.checkpoints_move(
+        ranks, tmp_path, _zero3(tmp_path / "a"), {"strategy": "zero"}, _zero3(tmp_path / "b", False)
+    )
 
 
 # -- a model built on the meta device ------------------------------------------------------------
