@@ -36,8 +36,8 @@ Every key longboat's config accepts: TOML, JSON or YAML (`longboat.initialize(..
 `longboat.load_config(path)`), or a dict. A key not listed here is refused by name, a misspelt
 one with the key meant. Sections are TOML tables (`[zero]`, `[zero.offload_optimizer]`); in a
 dict or JSON they are nested objects. DeepSpeed's JSON dialect is translated into these keys
-(see the README's "Config" section); `longboat config explain FILE --world-size N` prints every
-resolved value and where it came from.
+(see [configuring.md](configuring.md)); `longboat config explain FILE --world-size N` prints
+every resolved value and where it came from.
 """
 
 
