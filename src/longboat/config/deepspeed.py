@@ -5,7 +5,9 @@ log line saying why, features longboat lacks are accepted while switched off, an
 else is named in a :class:`~longboat.config.ConfigError` (with the real key a misspelt one is
 closest to) rather than silently ignored, so a DeepSpeed config never trains with settings its
 author did not get ([Note: DeepSpeed keys] in ``deepspeed_keys.py``). Hugging Face's ``"auto"``
-values resolve from the Trainer's arguments ([Note: auto values] in ``deepspeed_auto.py``).
+values resolve from the Trainer's arguments ([Note: auto values] in ``deepspeed_auto.py``). The
+nested blocks (``zero_optimization``, ``pipeline``, ``activation_checkpointing``, ``compile``) are
+translated in ``deepspeed_blocks.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from typing import Any
 
 from longboat.config import deepspeed_keys as keys
 from longboat.config.deepspeed_auto import resolve_auto
+from longboat.config.deepspeed_blocks import (
+    checked_block,
+    translate_activation_checkpointing,
+    translate_compile,
+    translate_pipeline,
+    translate_zero,
+)
 from longboat.config.errors import ConfigError
 from longboat.config.sections import OWN_OPTIMIZERS
 
@@ -119,19 +128,6 @@ def _enabled(block: Any, key: str) -> bool:
             f"remove them (longboat would otherwise ignore them)"
         )
     return on
-
-
-def _block(block: Any, key: str, allowed: set[str]) -> Mapping[str, Any]:
-    """A DeepSpeed sub-object, refusing keys longboat does not implement by name."""
-    if not isinstance(block, Mapping):
-        raise ConfigError(f"DeepSpeed key '{key}' must be an object, got {block!r}")
-    extra = sorted(set(block) - allowed)
-    if extra:
-        raise ConfigError(
-            f"DeepSpeed key(s) {', '.join(f'{key}.{k}' for k in extra)} are not supported; "
-            f"remove them (supported here: {', '.join(sorted(allowed))})"
-        )
-    return block
 
 
 def _screen(data: Mapping[str, Any], where: str) -> None:
@@ -282,19 +278,19 @@ def translate(
 
     for ds_key, key in (("tensorboard", "monitor.tensorboard"), ("csv_monitor", "monitor.csv")):
         if ds_key in data:
-            block = _block(data[ds_key], ds_key, {"enabled", "output_path", "job_name"})
+            block = checked_block(data[ds_key], ds_key, {"enabled", "output_path", "job_name"})
             for k, v in block.items():
                 if k == "output_path" and v == "":
                     continue  # DeepSpeed's default: keep longboat's ("runs")
                 put(f"{key}.{k}", v, f"{ds_key}.{k}")
     if "wandb" in data:
-        block = _block(data["wandb"], "wandb", {"enabled", "team", "group", "project"})
+        block = checked_block(data["wandb"], "wandb", {"enabled", "team", "group", "project"})
         for k, v in block.items():
             put(f"monitor.wandb.{'entity' if k == 'team' else k}", v, f"wandb.{k}")
     if "steps_per_print" in data:  # DeepSpeed's progress line every N steps
         put("monitor.every", data["steps_per_print"], "steps_per_print")
     if "data_types" in data:
-        b = _block(data["data_types"], "data_types", {"grad_accum_dtype"})
+        b = checked_block(data["data_types"], "data_types", {"grad_accum_dtype"})
         if b.get("grad_accum_dtype") not in (None, "fp32"):
             raise ConfigError(
                 f"DeepSpeed key 'data_types.grad_accum_dtype' = {b['grad_accum_dtype']!r} is not "
@@ -304,223 +300,23 @@ def translate(
         put("profile.wall_clock_breakdown", data["wall_clock_breakdown"], "wall_clock_breakdown")
     if "flops_profiler" in data:
         # Only the switch: DeepSpeed's per-module tables and profile_step are not offered.
-        block = _block(data["flops_profiler"], "flops_profiler", {"enabled"})
+        block = checked_block(data["flops_profiler"], "flops_profiler", {"enabled"})
         if "enabled" in block:
             put("profile.flops", block["enabled"], "flops_profiler.enabled")
     if "comms_logger" in data:
         # debug/prof_all/prof_ops choose what DeepSpeed prints; longboat logs every operation.
-        block = _block(data["comms_logger"], "comms_logger", {"enabled", "verbose"})
+        block = checked_block(data["comms_logger"], "comms_logger", {"enabled", "verbose"})
         for k, key in (("enabled", "comm.log"), ("verbose", "comm.log_verbose")):
             if k in block:
                 put(key, block[k], f"comms_logger.{k}")
 
     if "pipeline" in data:
-        _pipeline(data["pipeline"], put)
+        translate_pipeline(data["pipeline"], put)
     if "activation_checkpointing" in data:
-        _activation_checkpointing(data["activation_checkpointing"], put)
+        translate_activation_checkpointing(data["activation_checkpointing"], put)
     if "compile" in data:
-        _compile(data["compile"], put)
+        translate_compile(data["compile"], put)
 
     if "zero_optimization" in data:
-        z = data["zero_optimization"]
-        if isinstance(z, bool):  # DeepSpeed's oldest form: true is stage 1
-            z = {"stage": 1 if z else 0}
-        if not isinstance(z, Mapping):
-            raise ConfigError(f"DeepSpeed key 'zero_optimization' must be an object, got {z!r}")
-        _screen_zero(z, where)
-        stage = z.get("stage", 0)
-        if stage == 0:
-            put("strategy", "replicate", "zero_optimization.stage")
-        elif stage in (1, 2, 3):
-            put("strategy", "zero", "zero_optimization.stage")
-            put("zero.stage", stage, "zero_optimization.stage")
-            if "reduce_bucket_size" in z:  # DeepSpeed counts elements; longboat MiB of fp32
-                put(
-                    "zero.bucket_mb",
-                    z["reduce_bucket_size"] * 4 / 2**20,
-                    "zero_optimization.reduce_bucket_size",
-                )
-        else:
-            raise ConfigError(
-                f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is invalid; use 0, 1, 2 or 3"
-            )
-        prefetch = z.get("stage3_prefetch_bucket_size")
-        if prefetch == 0 and stage == 3:  # DeepSpeed prefetches nothing then
-            put("zero.prefetch", False, "zero_optimization.stage3_prefetch_bucket_size")
-        for old, new in (
-            ("cpu_offload", "offload_optimizer"),
-            ("cpu_offload_params", "offload_param"),
-        ):
-            if z.get(old) and new not in z:  # DeepSpeed's deprecated switches, as it maps them
-                log.info(
-                    "DeepSpeed key 'zero_optimization.%s' is DeepSpeed's old name for %s with "
-                    "device 'cpu': read as that",
-                    old,
-                    new,
-                )
-                z = {**z, new: {"device": "cpu"}}
-        if "offload_optimizer" in z:
-            _offload(z["offload_optimizer"], "offload_optimizer", stage, put)
-        if "offload_param" in z:
-            _offload(z["offload_param"], "offload_param", stage, put)
+        translate_zero(data["zero_optimization"], where, put)
     return out, src
-
-
-# zero_optimization keys that are off at these values (DeepSpeed's defaults)
-_ZERO_OFF = {"zero_hpz_partition_size": (1,), "mics_shard_size": (-1, 0)}
-
-
-def _screen_zero(z: Mapping[str, Any], where: str) -> None:
-    """[Note: DeepSpeed keys] for ``zero_optimization``."""
-    known = keys.ZERO_TRANSLATED | set(keys.ZERO_NO_EFFECT) | set(keys.ZERO_REFUSED)
-    unknown = sorted(set(z) - known)
-    if unknown:
-        raise ConfigError(
-            f"DeepSpeed config in {where}: key(s) "
-            + ", ".join(f"'zero_optimization.{k}'{keys.near_miss(k, known)}" for k in unknown)
-            + " are not DeepSpeed keys longboat knows; remove them"
-        )
-    for k in sorted(set(z) & set(keys.ZERO_REFUSED)):
-        v = z[k]
-        if v in (False, None) or v in _ZERO_OFF.get(k, ()):
-            continue
-        raise ConfigError(
-            f"DeepSpeed key 'zero_optimization.{k}' = {v!r} in {where} is not supported: "
-            f"{keys.ZERO_REFUSED[k]}; remove it"
-        )
-    for k in sorted(set(z) & set(keys.ZERO_NO_EFFECT)):
-        if not keys.ZERO_NO_EFFECT[k]:
-            continue  # translated where it is read
-        log.info(
-            "DeepSpeed key 'zero_optimization.%s' has no effect here: %s",
-            k,
-            keys.ZERO_NO_EFFECT[k],
-        )
-
-
-# DeepSpeed's offload_optimizer and offload_param blocks: device none/cpu/nvme; nvme_path;
-# buffer_count (its swap buffers: here the units in memory at once); pin_memory matters with an
-# accelerator only. offload_param's buffer_size and max_in_cpu size DeepSpeed's own parameter
-# buffers, which have no counterpart here (each unit's shard is its own buffer): refused.
-_OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "disk"}
-
-
-def _offload(block: Any, name: str, stage: Any, put: Any) -> None:
-    key = f"zero_optimization.{name}"
-    b = _block(block, key, {"device", "nvme_path", "buffer_count", "pin_memory"})
-    device = b.get("device", "none")
-    if device not in _OFFLOAD_DEVICES:
-        raise ConfigError(
-            f"DeepSpeed key '{key}.device' = {device!r} is invalid; use none, cpu or nvme"
-        )
-    if _OFFLOAD_DEVICES[device] != "none" and stage not in (1, 2, 3):
-        raise ConfigError(
-            f"DeepSpeed key '{key}.device' = {device!r} needs zero_optimization.stage 1, 2 or 3 "
-            f"(got {stage!r}): offload moves sharded state"
-        )
-    put(f"zero.{name}.device", _OFFLOAD_DEVICES[device], f"{key}.device")
-    if "nvme_path" in b:
-        put(f"zero.{name}.path", b["nvme_path"], f"{key}.nvme_path")
-    if "buffer_count" in b:
-        put(f"zero.{name}.buffer_count", b["buffer_count"], f"{key}.buffer_count")
-
-
-# DeepSpeed's ``pipeline`` block (runtime/config.py's defaults). ``pipe_partitioned`` and
-# ``grad_partitioned`` split the activations and gradients sent between stages over the
-# tensor-parallel group; with no tensor parallelism (longboat's mesh.tp is 1) there is nothing to
-# split and DeepSpeed sends them whole too, so either value trains the same.
-_PIPELINE_KEYS = {
-    "stages",
-    "partition",
-    "seed_layers",
-    "activation_checkpoint_interval",
-    "pipe_partitioned",
-    "grad_partitioned",
-}
-
-
-def _pipeline(block: Any, put: Any) -> None:
-    b = _block(block, "pipeline", _PIPELINE_KEYS)
-    stages = b.get("stages", "auto")
-    if stages != "auto":
-        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-            raise ConfigError(
-                f"DeepSpeed key 'pipeline.stages' = {stages!r} is invalid; use a number of "
-                "stages (1 or more) or 'auto'"
-            )
-        put("mesh.pp", stages, "pipeline.stages")
-    method = b.get("partition", "best")
-    if method != "best":  # DeepSpeed's placeholder: its PipelineModule balances parameters
-        put("pipeline.partition", method, "pipeline.partition")
-    if b.get("seed_layers", False):
-        raise ConfigError(
-            "DeepSpeed key 'pipeline.seed_layers' = true is not supported (it re-seeds each "
-            "layer's initialisation); build the model with the seed you want and remove it"
-        )
-    interval = b.get("activation_checkpoint_interval", 0)
-    if interval:
-        raise ConfigError(
-            f"DeepSpeed key 'pipeline.activation_checkpoint_interval' = {interval!r} is not "
-            "supported: choose the recomputed layers by class with longboat's "
-            "[activation_checkpointing] classes = [...] and every = k, and remove it"
-        )
-
-
-# DeepSpeed's ``activation_checkpointing`` block tunes how deepspeed.checkpointing stores the
-# checkpoints a model asks for in its own code; which modules are recomputed is longboat's
-# ``[activation_checkpointing]``. Buffer layout, synchronisation and timing do not change what is
-# computed; cpu_checkpointing keeps the checkpoints in CPU memory here too ([Note: cpu
-# checkpointing] in recompute.py); partitioning over tensor-parallel ranks has nothing to split.
-_AC_KEYS = {
-    "partition_activations",
-    "contiguous_memory_optimization",
-    "cpu_checkpointing",
-    "number_checkpoints",
-    "synchronize_checkpoint_boundary",
-    "profile",
-}
-
-
-def _activation_checkpointing(block: Any, put: Any) -> None:
-    b = _block(block, "activation_checkpointing", _AC_KEYS)
-    if b.get("partition_activations", False):
-        # It splits each checkpoint over the model-parallel ranks, which a DeepSpeed config
-        # does not have here (its mesh.tp is 1): a split into one part is the whole.
-        log.info(
-            "DeepSpeed key 'activation_checkpointing.partition_activations' has no effect here: "
-            "there are no tensor-parallel ranks to split checkpoints over"
-        )
-    cpu = b.get("cpu_checkpointing", False)
-    if not isinstance(cpu, bool):
-        raise ConfigError(
-            f"DeepSpeed key 'activation_checkpointing.cpu_checkpointing' = {cpu!r} must be true "
-            "or false"
-        )
-    if cpu:
-        put(
-            "activation_checkpointing.cpu_checkpointing",
-            True,
-            "activation_checkpointing.cpu_checkpointing",
-        )
-
-
-# DeepSpeed's ``compile`` block (its CompileConfig): ``enabled``, ``backend`` and ``kwargs``
-# passed to torch.compile, which here become the [compile] section's keys (longboat compiles
-# block by block, as docs/compile.md says). ``deepcompile`` turns on DeepSpeed's own compiler
-# passes over ZeRO's communication, which have no counterpart here.
-_COMPILE_KWARGS = {"mode", "fullgraph", "dynamic", "options"}
-
-
-def _compile(block: Any, put: Any) -> None:
-    b = _block(block, "compile", {"enabled", "backend", "kwargs", "deepcompile"})
-    if b.get("deepcompile", False):
-        raise ConfigError(
-            "DeepSpeed key 'compile.deepcompile' = true is not supported: DeepCompile's passes "
-            "over ZeRO's communication are DeepSpeed's own; remove it ('compile.enabled' = true "
-            "compiles the model block by block here)"
-        )
-    for k in ("enabled", "backend"):
-        if k in b:
-            put(f"compile.{k}", b[k], f"compile.{k}")
-    for k, v in _block(b.get("kwargs", {}), "compile.kwargs", _COMPILE_KWARGS).items():
-        put(f"compile.{k}", v, f"compile.kwargs.{k}")
