@@ -1,8 +1,10 @@
 """The one doorway to ``torch.distributed``.
 
 Every collective longboat issues goes through a :class:`Collectives` object, so that logging,
-timing, desync checks and hang reports see all traffic in one place. A world of one has no
-process group: every operation is then the identity and costs nothing.
+timing, desync checks and hang reports see all traffic in one place; point-to-point (the
+pipeline's sends, the parameter server's messages) goes through it too
+(:mod:`longboat.comm.messages`). A world of one has no process group: every operation is then
+the identity and costs nothing.
 
 Observation is opt-in per doorway and costs one attribute test when off:
 
@@ -37,109 +39,44 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from longboat.comm.commlog import CommLog
-from longboat.comm.desync import DesyncCheck, DesyncError, PendingCheck
+from longboat.comm.desync import DesyncCheck, DesyncError
 from longboat.comm.hang import (
     CollectiveTimeout,
     PeerLost,
     build_report,
     is_hang_or_loss,
+    is_timeout,
     namespace,
     raise_report,
 )
-from longboat.comm.protocol import Comm, Handle
-from longboat.comm.protocol import Done as _Done
+from longboat.comm.messages import PointToPoint, Staged
+from longboat.comm.protocol import Comm, Handle, Mailbox
+from longboat.comm.rules import NCCL_RULES_VAR, Rules, RulesError
 from longboat.comm.trace import CallRecord, dtype_name, where_called
+from longboat.comm.works import Done, Timed, reduce_scatter_in_place
 
-__all__ = ["CollectiveTimeout", "Collectives", "Comm", "DesyncError", "Handle", "PeerLost", "Rules"]
+__all__ = [
+    "NCCL_RULES_VAR",
+    "CollectiveTimeout",
+    "Collectives",
+    "Comm",
+    "DesyncError",
+    "Handle",
+    "Mailbox",
+    "PeerLost",
+    "Rules",
+    "RulesError",
+]
 
-#: The environment variable that turns :class:`Rules` on ([Note: NCCL rules]).
-NCCL_RULES_VAR = "LONGBOAT_NCCL_RULES"
-
-
-class RulesError(RuntimeError):
-    """A tensor this plane would refuse under NCCL ([Note: NCCL rules])."""
-
-
-@dataclass(frozen=True)
-class Rules:
-    """What a doorway accepts ([Note: NCCL rules]): the data plane only tensors on ``device``;
-    the control plane (``device`` None) only CPU tensors of at most ``max_bytes``."""
-
-    device: torch.device | None = None
-    max_bytes: int = 16 * 2**20
-
-    def check(self, op: str, tensors: tuple[torch.Tensor, ...], group: str) -> None:
-        for t in tensors:
-            if self.device is not None:
-                if t.device != self.device:
-                    raise RulesError(
-                        f"{op} on the data plane ({group}) got a tensor on {t.device}, not on "
-                        f"the model's device {self.device}: NCCL would refuse it. Make it on "
-                        "the model's device, or send what the CPU must read through the "
-                        "control plane"
-                    )
-            elif t.device.type != "cpu" or t.numel() * t.element_size() > self.max_bytes:
-                raise RulesError(
-                    f"{op} on the control plane ({group}) got a {t.device} tensor of "
-                    f"{t.numel() * t.element_size():,} bytes: the control plane carries small "
-                    f"CPU tensors (at most {self.max_bytes:,} bytes); tensors of the model "
-                    "belong on the data plane"
-                )
-
-
-class _Timed:
-    """An in-flight collective whose ``wait`` adds the time it blocks to its doorway's count
-    and turns a timeout or a lost peer into a report."""
-
-    __slots__ = ("_check", "_log", "_owner", "_rec", "_work")
-
-    def __init__(
-        self,
-        owner: Collectives,
-        work: Any,
-        rec: CallRecord | None,
-        log: tuple[CommLog, int, float] | None = None,
-        check: PendingCheck | None = None,
-    ) -> None:
-        self._owner = owner
-        self._work = work
-        self._rec = rec
-        self._log = log  # (log, bytes, launch time) when the work has no future to time it
-        self._check = check  # [Note: overlapped check]: verified before the result is used
-
-    def is_completed(self) -> bool:
-        """Whether the operation is over (without waiting for it)."""
-        return bool(self._work.is_completed())
-
-    def wait(self) -> Any:
-        t0 = time.perf_counter()
-        try:
-            if self._check is not None:
-                check, self._check = self._check, None
-                assert self._owner._check is not None
-                self._owner._check.finish(check)  # raises DesyncError on every rank alike
-            # Bounded: measured with a host's link cut mid-run, a gloo work could wait forever
-            # on the side that was cut off while the other side's timed out as configured.
-            out = self._work.wait(self._owner.wait_timeout)
-        except RuntimeError as e:
-            self._owner._failed(e, self._rec)
-            raise
-        finally:
-            t1 = time.perf_counter()
-            self._owner.blocked_seconds += t1 - t0
-        if self._log is not None and self._rec is not None:
-            log, nbytes, launched = self._log
-            log.add(self._rec, nbytes, t1 - launched)
-            self._log = None
-        return out
-
+# The names these had here before they moved beside their kin; still importable from here.
+_Done = Done
+_Staged = Staged
 
 # torch 2.13 renamed the tensor forms and deprecated the old names; torch>=2.4 has the old ones.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -148,87 +85,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-# [Note: gloo reduce-scatter] gloo has no reduce-scatter of its own: torch's ProcessGroupGloo
-# clones the input, all-reduces the clone and, in ``wait``, copies this rank's chunk into the
-# output, so a full-size copy of every reduction in flight is alive until its wait. ZeRO's input
-# is a transient gradient buffer that is dropped once its shard landed; told so (``scratch``),
-# the doorway all-reduces that buffer itself, in place, and copies the chunk in ``wait``: the
-# same bytes on the wire and the same sums, without the clone.
-
-
-class _ChunkOf:
-    """The work of an in-place all-reduce whose ``wait`` then copies this rank's chunk of the
-    result into the reduce-scatter's output ([Note: gloo reduce-scatter])."""
-
-    __slots__ = ("_done", "_input", "_output", "_rank", "_size", "_work")
-
-    def __init__(
-        self, work: Any, output: torch.Tensor, input: torch.Tensor, rank: int, size: int
-    ) -> None:
-        self._work, self._output, self._input = work, output, input
-        self._rank, self._size, self._done = rank, size, False
-
-    def get_future(self) -> Any:
-        return self._work.get_future()
-
-    def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        out = self._work.wait(timeout) if timeout is not None else self._work.wait()
-        if not self._done:
-            self._done = True
-            self._output.copy_(self._input.chunk(self._size)[self._rank])
-        return bool(out) if out is not None else True
-
-
-# [Note: gloo point-to-point on accelerators] gloo's collectives take CUDA tensors (they copy
-# through host memory themselves), but its send and recv do not: given a CUDA tensor they hand
-# its device pointer to the socket, and the process aborts ("writev ... Bad address", seen on a
-# lent H100 with two pipeline stages on one GPU). So a point-to-point message over gloo goes
-# through a host copy: a send sends a CPU copy, a recv receives into one and copies it to the
-# device in ``wait``.
-
-
-class _Staged:
-    """A gloo send or recv through a host copy ([Note: gloo point-to-point on accelerators]):
-    ``wait`` keeps the copy alive until the work is over, and lands a recv on the device."""
-
-    __slots__ = ("_done", "_host", "_target", "_work")
-
-    def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor | None) -> None:
-        self._work, self._host, self._target, self._done = work, host, target, False
-
-    def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        out = self._work.wait(timeout) if timeout is not None else self._work.wait()
-        if not self._done:
-            self._done = True
-            if self._target is not None:
-                self._target.copy_(self._host)
-        return bool(out) if out is not None else True
-
-
-def _reduce_scatter_in_place(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    op: Any,
-    group: dist.ProcessGroup | None,
-    async_op: bool,
-) -> Any:
-    """A reduce-scatter as gloo does it, without its copy of ``input`` ([Note: gloo
-    reduce-scatter]): ``input`` is all-reduced in place and left holding the sum."""
-    work = dist.all_reduce(input, op=op, group=group, async_op=True)
-    chunk = _ChunkOf(work, output, input, dist.get_rank(group), dist.get_world_size(group))
-    if async_op:
-        return chunk
-    chunk.wait()
-    return None
-
-
-class Collectives:
+class Collectives(PointToPoint):
     """Collectives over one process group (the default group when ``group`` is None); implements
     :class:`~longboat.comm.protocol.Comm`.
 
@@ -359,9 +216,14 @@ class Collectives:
             tag=tag,
         )
 
-    def _failed(self, err: RuntimeError, rec: CallRecord | None) -> None:
-        """A collective raised: timeouts and lost peers become a report and its exception."""
+    def _failed(
+        self, err: RuntimeError, rec: CallRecord | None, loss_reported: bool = True
+    ) -> None:
+        """An operation raised: timeouts and lost peers become a report and its exception
+        (a lost peer only if ``loss_reported``: [Note: receives from any rank])."""
         if isinstance(err, (DesyncError, CollectiveTimeout, PeerLost)) or not is_hang_or_loss(err):
+            return
+        if not loss_reported and not is_timeout(err):
             return
         peer_last = self._check.last_agreed if self._check is not None else None
         rep = build_report(
@@ -386,9 +248,9 @@ class Collectives:
             self._failed(e, None)
             raise
         if async_op:
-            return _Timed(self, work, None)
+            return Timed(self, work, None)
         self.blocked_seconds += time.perf_counter() - t0
-        return _Done()
+        return Done()
 
     def _observed(
         self,
@@ -428,14 +290,14 @@ class Collectives:
                 try:
                     fut = work.get_future()
                 except RuntimeError:  # e.g. gloo's reduce_scatter: timed to the end of wait()
-                    return _Timed(self, work, rec, (log, nbytes, t1), pending)
+                    return Timed(self, work, rec, (log, nbytes, t1), pending)
                 fut.add_done_callback(lambda _f: log.add(rec, nbytes, time.perf_counter() - t1))
-            return _Timed(self, work, rec, check=pending)
+            return Timed(self, work, rec, check=pending)
         t2 = time.perf_counter()
         self.blocked_seconds += t2 - t0
         if log is not None:
             log.add(rec, nbytes, t2 - t1)
-        return _Done()
+        return Done()
 
     def all_reduce(
         self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, tag: str = ""
@@ -444,7 +306,7 @@ class Collectives:
         floating tensor only). ``tag`` says what the tensor is, for the desync check and
         reports."""
         if not self.active:
-            return _Done()
+            return Done()
         if self.rules is not None:
             self.rules.check("all_reduce", (tensor,), self._group_name)
         if op == "avg":
@@ -482,7 +344,7 @@ class Collectives:
         caller has no further use for ``input``, which may then be overwritten (on gloo it
         saves a copy of it: [Note: gloo reduce-scatter])."""
         in_place = scratch and self.active and self._gloo_cpu(input)
-        fn = _reduce_scatter_in_place if in_place else _reduce_scatter
+        fn = reduce_scatter_in_place if in_place else _reduce_scatter
         nbytes = input.numel() * input.element_size()
         return self._into(
             "reduce_scatter", fn, output, input, nbytes, async_op, tag, "sum", op=dist.ReduceOp.SUM
@@ -534,7 +396,7 @@ class Collectives:
         observed (desync check, record, comm log of ``nbytes``) or not."""
         if not self.active:
             output.copy_(input)
-            return _Done()
+            return Done()
         if self.rules is not None:
             self.rules.check(name, (output, input), self._group_name)
         self.seq += 1
@@ -590,50 +452,3 @@ class Collectives:
             self._observed("barrier", dist.barrier, tensor=None, async_op=False)
         else:
             self._issue(dist.barrier, async_op=False)
-
-    # -- point to point ------------------------------------------------------------------------
-    #
-    # Not part of the desync check, which is a collective of the whole group: a send and its
-    # receive involve two ranks. A receive that never comes is still a timeout and a report.
-
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: str = "") -> Handle:
-        """Send ``tensor`` to group rank ``dst``, which must ``recv`` it; ``tag`` says what it
-        is in a hang report."""
-        return self._p2p("send", dist.isend, tensor, dst, async_op, tag)
-
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: str = "") -> Handle:
-        """Receive into ``tensor`` what group rank ``src`` sends."""
-        return self._p2p("recv", dist.irecv, tensor, src, async_op, tag)
-
-    def _p2p(
-        self, name: str, fn: Any, tensor: torch.Tensor, peer: int, async_op: bool, tag: str
-    ) -> Handle:
-        if not self.active:
-            raise RuntimeError(f"{name} in a group of one rank: there is no peer")
-        if not 0 <= peer < self.world_size or peer == self.rank:
-            raise ValueError(
-                f"{name}: peer {peer} is not another rank of this group of {self.world_size}"
-            )
-        if self.rules is not None:
-            self.rules.check(name, (tensor,), self._group_name)
-        # Recorded (not counted in ``seq``: point-to-point traffic is not part of the desync
-        # check's agreement) so that a timeout or a lost peer names the operation and the peer.
-        where = f"{'to' if name == 'send' else 'from'} rank {self.global_rank(peer)}"
-        rec = self._record(name, tensor, None, "", f"{tag}, {where}" if tag else where)
-        t0 = time.perf_counter()
-        # [Note: gloo point-to-point on accelerators]
-        staged = self._gloo_device(tensor)
-        wire = tensor.cpu() if staged else tensor  # a recv's value is not read: copied back
-        try:
-            work = fn(wire, self.global_rank(peer), group=self._live())
-        except RuntimeError as e:
-            self._failed(e, rec)
-            raise
-        self.blocked_seconds += time.perf_counter() - t0
-        if staged:
-            work = _Staged(work, wire, tensor if name == "recv" else None)
-        handle = _Timed(self, work, rec)
-        if not async_op:
-            handle.wait()
-            return _Done()
-        return handle

@@ -60,7 +60,7 @@ _PEER_LOSS = (
 def is_hang_or_loss(err: BaseException) -> bool:
     """True for a timeout or a lost peer; other errors (a bad argument) pass through unchanged."""
     text = f"{type(err).__name__} {err}".lower()
-    return _is_timeout(err) or any(m in text for m in _PEER_LOSS)
+    return is_timeout(err) or any(m in text for m in _PEER_LOSS)
 
 
 def namespace(group: str) -> str:
@@ -69,7 +69,8 @@ def namespace(group: str) -> str:
     return f"longboat/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{group}"
 
 
-def _is_timeout(err: BaseException) -> bool:
+def is_timeout(err: BaseException) -> bool:
+    """True when ``err`` says an operation timed out (not that a peer went away)."""
     text = str(err).lower()
     return "timed out" in text or "timeout" in text
 
@@ -86,7 +87,7 @@ def build_report(
     timeout_s: float,
 ) -> dict[str, Any]:
     """Share this rank's state through the store, collect the peers' and return the report."""
-    timed_out = _is_timeout(error)
+    timed_out = is_timeout(error)
     mine = {
         "rank": rank,
         "node": _node_rank(),

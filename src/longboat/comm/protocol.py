@@ -13,6 +13,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from longboat.comm.trace import CallRecord
+from longboat.comm.works import Done
+
+__all__ = ["Comm", "Done", "Handle", "Mailbox"]
 
 
 @runtime_checkable
@@ -22,17 +25,6 @@ class Handle(Protocol):
     def wait(self) -> Any: ...
 
     def is_completed(self) -> bool: ...
-
-
-class Done:
-    """The handle of an operation that is already over: no communication was needed, or it
-    blocked until done."""
-
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 @runtime_checkable
@@ -114,4 +106,48 @@ class Comm(Protocol):
 
     def close(self) -> None:
         """Release what the doorway created (every rank of the group calls it)."""
+        ...
+
+
+@runtime_checkable
+class Mailbox(Protocol):
+    """Point-to-point messages on numbered channels, received from a named rank or from any
+    (a server's requests): an ability of some doorways beside :class:`Comm`. Ranks are group
+    ranks, as in :class:`Comm`; ``tag`` names the message in logs and hang reports."""
+
+    rank: int
+    world_size: int
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of position ``group_rank`` of this group."""
+        ...
+
+    def send_message(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        channel: int,
+        tag: str = "",
+        loss_reported: bool = True,
+    ) -> None:
+        """Send ``tensor`` to group rank ``dst`` on ``channel``; returns once it is sent.
+        ``loss_reported`` false: a lost peer raises the backend's error, for the caller to
+        name, instead of a hang report ([Note: receives from any rank] in
+        ``comm/messages.py``)."""
+        ...
+
+    def recv_message(
+        self,
+        tensor: torch.Tensor,
+        src: int | None,
+        channel: int,
+        tag: str = "",
+        loss_reported: bool = True,
+    ) -> int:
+        """Receive into ``tensor`` what group rank ``src`` (None: any rank) sends on
+        ``channel``; returns the sender's group rank."""
+        ...
+
+    def log_summary(self) -> list[dict[str, Any]]:
+        """The comm log's rows; empty when the log is off."""
         ...

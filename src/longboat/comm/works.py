@@ -1,0 +1,126 @@
+"""Handles of operations in flight or over, as a :class:`~longboat.comm.collectives.Collectives`
+doorway gives them back: timed into its count, checked ([Note: overlapped check]) and
+reported (a timeout or a lost peer) when waited; and the reduce-scatter gloo does without its
+copy of the input ([Note: gloo reduce-scatter]). Below every other module of ``comm/``: what
+it is given (records, logs, checks) it only passes on."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Done:
+    """The handle of an operation that is already over: no communication was needed, or it
+    blocked until done."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Timed:
+    """An in-flight collective whose ``wait`` adds the time it blocks to its doorway's count
+    and turns a timeout or a lost peer into a report."""
+
+    __slots__ = ("_check", "_log", "_loss_reported", "_owner", "_rec", "_work")
+
+    def __init__(
+        self,
+        owner: Any,  # the Collectives doorway that issued it
+        work: Any,
+        rec: Any,  # its CallRecord (comm/trace.py), None when not observed
+        log: tuple[Any, int, float] | None = None,  # (CommLog, bytes, launch time)
+        check: Any = None,  # a PendingCheck (comm/desync.py)
+        loss_reported: bool = True,
+    ) -> None:
+        self._owner = owner
+        # False: a lost peer is the caller's to name ([Note: receives from any rank])
+        self._loss_reported = loss_reported
+        self._work = work
+        self._rec = rec
+        self._log = log  # (log, bytes, launch time) when the work has no future to time it
+        self._check = check  # [Note: overlapped check]: verified before the result is used
+
+    def is_completed(self) -> bool:
+        """Whether the operation is over (without waiting for it)."""
+        return bool(self._work.is_completed())
+
+    def wait(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            if self._check is not None:
+                check, self._check = self._check, None
+                assert self._owner._check is not None
+                self._owner._check.finish(check)  # raises DesyncError on every rank alike
+            # Bounded: measured with a host's link cut mid-run, a gloo work could wait forever
+            # on the side that was cut off while the other side's timed out as configured.
+            out = self._work.wait(self._owner.wait_timeout)
+        except RuntimeError as e:
+            self._owner._failed(e, self._rec, self._loss_reported)
+            raise
+        finally:
+            t1 = time.perf_counter()
+            self._owner.blocked_seconds += t1 - t0
+        if self._log is not None and self._rec is not None:
+            log, nbytes, launched = self._log
+            log.add(self._rec, nbytes, t1 - launched)
+            self._log = None
+        return out
+
+
+# [Note: gloo reduce-scatter] gloo has no reduce-scatter of its own: torch's ProcessGroupGloo
+# clones the input, all-reduces the clone and, in ``wait``, copies this rank's chunk into the
+# output, so a full-size copy of every reduction in flight is alive until its wait. ZeRO's input
+# is a transient gradient buffer that is dropped once its shard landed; told so (``scratch``),
+# the doorway all-reduces that buffer itself, in place, and copies the chunk in ``wait``: the
+# same bytes on the wire and the same sums, without the clone.
+
+
+class ChunkOf:
+    """The work of an in-place all-reduce whose ``wait`` then copies this rank's chunk of the
+    result into the reduce-scatter's output ([Note: gloo reduce-scatter])."""
+
+    __slots__ = ("_done", "_input", "_output", "_rank", "_size", "_work")
+
+    def __init__(
+        self, work: Any, output: torch.Tensor, input: torch.Tensor, rank: int, size: int
+    ) -> None:
+        self._work, self._output, self._input = work, output, input
+        self._rank, self._size, self._done = rank, size, False
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        out = self._work.wait(timeout) if timeout is not None else self._work.wait()
+        if not self._done:
+            self._done = True
+            self._output.copy_(self._input.chunk(self._size)[self._rank])
+        return bool(out) if out is not None else True
+
+
+def reduce_scatter_in_place(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> Any:
+    """A reduce-scatter as gloo does it, without its copy of ``input`` ([Note: gloo
+    reduce-scatter]): ``input`` is all-reduced in place and left holding the sum."""
+    work = dist.all_reduce(input, op=op, group=group, async_op=True)
+    chunk = ChunkOf(work, output, input, dist.get_rank(group), dist.get_world_size(group))
+    if async_op:
+        return chunk
+    chunk.wait()
+    return None
