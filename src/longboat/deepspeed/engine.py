@@ -1,0 +1,249 @@
+"""DeepSpeed's engine object on longboat's :class:`~longboat.engine.Engine`: the methods and
+properties a DeepSpeed training loop calls, with DeepSpeed's meanings ([Note: DeepSpeed call
+sites] in ``deepspeed/__init__.py``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from longboat.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from longboat.engine import Engine
+
+
+def _repeating(loader: Iterable[Any]) -> Iterator[Any]:
+    """The loader's batches epoch after epoch (DeepSpeed's ``RepeatingLoader``)."""
+    while True:
+        yield from loader
+
+
+class DeepSpeedEngine:
+    """A longboat :class:`~longboat.engine.Engine` behind DeepSpeed's engine methods."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.training_dataloader: Any = None  # set by initialize() from training_data
+        self._data_iter: Iterator[Any] | None = None  # train_batch()'s own, over that loader
+        self._applied = True  # whether the last optimizer step was applied
+
+    # -- training ------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        """The optimizer step at an accumulation boundary; between boundaries nothing (as
+        DeepSpeed's ``step()``, called after every micro-batch)."""
+        skipped = self.engine.skipped_steps
+        if self.engine.step():
+            self._applied = self.engine.skipped_steps == skipped
+
+    def train_batch(
+        self, data_iter: Iterator[Any] | None = None, loss_fn: Callable[..., Any] | None = None
+    ) -> torch.Tensor:
+        """One optimizer step on ``gradient_accumulation_steps()`` micro-batches drawn from
+        ``data_iter`` (default: the ``training_data`` loader given to :func:`initialize`), each
+        an ``(inputs, labels)`` pair, the loss ``loss_fn(outputs, labels)`` (default: the
+        module's ``loss_fn``, as DeepSpeed's ``PipelineModule`` has); returns the mean loss.
+        Runs through the pipeline schedule when ``mesh.pp > 1``."""
+        loss_fn = loss_fn or getattr(self.module, "loss_fn", None)
+        if loss_fn is None:
+            raise ConfigError(
+                "train_batch() needs a loss: give loss_fn=..., or set the module's loss_fn "
+                "attribute (DeepSpeed's PipelineModule(loss_fn=...))"
+            )
+        if data_iter is None:
+            if self.training_dataloader is None:
+                raise ConfigError(
+                    "train_batch() without data_iter needs training_data given to initialize()"
+                )
+            if self._data_iter is None:
+                self._data_iter = iter(_repeating(self.training_dataloader))
+            data_iter = self._data_iter
+        micro = list(itertools.islice(data_iter, self.gradient_accumulation_steps()))
+        if len(micro) < self.gradient_accumulation_steps():
+            raise StopIteration("data_iter ran out within a step")
+        batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
+        mean = self.engine.train_step(batch, lambda out, mb: loss_fn(out, mb[1]))
+        return torch.tensor(mean)
+
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: Any = None,
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Callable[..., Any] | None = None,
+        num_local_io_workers: int | None = None,
+    ) -> Any:
+        """This rank's micro-batches of ``dataset`` (longboat's sharded, resumable loader),
+        batched by ``collate_fn`` (default: torch's). ``route``, ``pin_memory`` and
+        ``num_local_io_workers`` change how batches are fetched, not which; a ``batch_size``
+        other than the micro-batch and a ``data_sampler`` are refused (the loader shards by
+        the mesh's data-parallel ranks itself)."""
+        del route, pin_memory, num_local_io_workers  # see the docstring
+        micro = self.train_micro_batch_size_per_gpu()
+        if batch_size not in (None, micro):
+            raise ConfigError(
+                f"deepspeed_io(batch_size={batch_size}): the micro-batch is {micro} "
+                "(train_micro_batch_size_per_gpu); leave batch_size out"
+            )
+        if data_sampler is not None:
+            raise ConfigError(
+                "deepspeed_io(data_sampler=...) is not supported: longboat's loader shards the "
+                "data set by rank and reshuffles each epoch itself; leave it out"
+            )
+        return self.engine.loader(dataset, collate_fn=collate_fn)
+
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.engine.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        self.engine.eval()
+        return self
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: Any = None,
+        client_state: Any = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save under ``save_dir/tag`` (default tag: ``global_step<N>``, DeepSpeed's); every
+        rank calls it. A checkpoint saved is the latest one, and holds every parameter (so it
+        loads at any layout): ``save_latest=False`` and ``exclude_frozen_parameters=True`` are
+        refused."""
+        if not save_latest or exclude_frozen_parameters:
+            name = "save_latest=False" if not save_latest else "exclude_frozen_parameters=True"
+            raise ConfigError(
+                f"save_checkpoint({name}) is not supported: a longboat checkpoint is whole and "
+                "the newest is the latest; leave it at its default"
+            )
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        self.engine.save_checkpoint(save_dir, tag, client_state or {})
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Callable[..., Any] | None = None,
+    ) -> tuple[str | None, Any]:
+        """Load ``load_dir/tag`` (default: the latest); ``(path, client_state)``, or ``(None,
+        None)`` when there is none, as DeepSpeed returns. Everything saved is loaded, by
+        longboat's verified loader: the flags that would load less, and a ``custom_load_fn``,
+        are refused when given."""
+        given = {
+            "load_module_strict": load_module_strict,
+            "load_optimizer_states": load_optimizer_states,
+            "load_lr_scheduler_states": load_lr_scheduler_states,
+            "load_module_only": load_module_only,
+            "custom_load_fn": custom_load_fn,
+        }
+        default = {**dict.fromkeys(given, True), "load_module_only": False, "custom_load_fn": None}
+        for name, value in given.items():
+            if value != default[name]:
+                shown = "..." if name == "custom_load_fn" else value
+                raise ConfigError(
+                    f"load_checkpoint({name}={shown}) is not supported: longboat checkpoints "
+                    "load whole; leave it at its default"
+                )
+        loaded = self.engine.load_checkpoint(
+            load_dir, None if tag is None else str(tag), allow_missing=True
+        )
+        if loaded is None:
+            return None, None
+        return str(loaded.path), loaded.client_state
+
+    # -- what DeepSpeed's engine reports -------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.engine.scheduler
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_step
+
+    @property
+    def global_samples(self) -> int:
+        return self.engine.global_step * self.train_batch_size()
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.micro_step
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    @property
+    def global_rank(self) -> int:
+        return self.engine.world.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.engine.world.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.engine.optimizer.param_groups]
+
+    def train_batch_size(self) -> int:
+        return self.engine.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.batch.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_boundary
+
+    def zero_optimization_stage(self) -> int:
+        cfg = self.engine.config
+        return cfg.zero.stage if self.engine.strategy.name.startswith("zero") else 0
+
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped for an fp16 overflow."""
+        return self._applied
+
+    def destroy(self) -> None:
+        self.engine.close()
