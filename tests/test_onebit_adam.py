@@ -23,34 +23,33 @@ an LSTM, BatchNorm). Tolerance fp32 1e-5 relative.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import harness
-import onebit_sim
+import onebit_helpers
 import pytest
 import reference
 import torch
+from onebit_helpers import FREEZE, RECIPE, TOL
 from onebit_sim import SimAverage
 
 import longboat
 from longboat.config import ConfigError, load_config
 from longboat.optim.onebit_adam import OneBitAdam
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 7
-FREEZE = 3
-GLOBAL_BATCH = 16
-TOL = 1e-5
 LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.999), 1e-8
-RECIPE = reference.Recipe(model="zoo")
-REPLICATE = {"strategy": "replicate", "replicate": {"bucket_mb": 0.001}}
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _optimizer(params: Any, freeze: int) -> OneBitAdam:
+    return OneBitAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=freeze)
 
 
 # -- the plain simulation of N ranks -----------------------------------------------------------
 
 
-def simulate(order: list[list[int]], freeze: int) -> tuple[list[list[float]], Any, Any]:
+def simulate(order: list[list[list[int]]], freeze: int) -> onebit_helpers.Simulated:
     """Losses [step][rank], the state_dict and the optimizer state by parameter name."""
     average = SimAverage()
     b1, b2 = BETAS
@@ -71,38 +70,32 @@ def simulate(order: list[list[int]], freeze: int) -> tuple[list[list[float]], An
         update.add_(p, alpha=WD)
         p.add_(update, alpha=-LR)
 
-    data = harness.data_for(RECIPE, GLOBAL_BATCH * len(order))
-    return onebit_sim.simulate(RECIPE, data, order, adam)
+    return onebit_helpers.simulate(order, adam)
 
 
 # -- the longboat side -------------------------------------------------------------------------
 
 
-def _train(cfg: dict[str, Any], steps: int, freeze: int) -> dict[str, Any]:
-    def make(params: Any) -> OneBitAdam:
-        return OneBitAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                          freeze_step=freeze)  # fmt: skip
-
-    return harness.train_self_reducing(cfg, RECIPE, make, GLOBAL_BATCH, steps)
+def _run(ranks: Any, world: int, freeze: int) -> list[dict[str, Any]]:
+    """STEPS steps at ``world`` ranks freezing at ``freeze``."""
+    cfg = onebit_helpers.config(world)
+    return ranks(world, onebit_helpers.train, cfg, _optimizer, STEPS, freeze)
 
 
 def _check(results: list[dict[str, Any]], freeze: int) -> None:
-    order = [[res["ids"][s] for res in results] for s in range(STEPS)]
-    harness.check_simulated(results, simulate(order, freeze), ("exp_avg", "exp_avg_sq"), TOL)
-    # the never-used and the frozen parameter have no optimizer state (nor in the simulation)
-    assert not {"never", "frozen.weight"} & harness.assemble(results).keys()
+    simulated = simulate(onebit_helpers.order_of(results, STEPS), freeze)
+    onebit_helpers.check(results, simulated, STATE_KEYS)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_onebit_adam_equals_the_plain_simulation(ranks, world):
     """Across the freeze: losses at every step, then parameters, buffers and optimizer state;
     and the run must end far from exact Adam (the compression shows)."""
-    cfg = harness.config(REPLICATE, RECIPE, GLOBAL_BATCH, GLOBAL_BATCH // world)
-    results = ranks(world, _train, cfg, STEPS, FREEZE)
+    results = _run(ranks, world, FREEZE)
     assert all(res["local"] for res in results), "gradients stay local after the freeze"
     _check(results, FREEZE)
     if world > 1:
-        order = [[res["ids"][s] for res in results] for s in range(STEPS)]
+        order = onebit_helpers.order_of(results, STEPS)
         _, exact, _ = simulate(order, STEPS)  # never frozen: Adam all along
         assert reference.max_rel_diff(results[0]["state"], exact) > 100 * TOL
 
@@ -110,8 +103,7 @@ def test_onebit_adam_equals_the_plain_simulation(ranks, world):
 def test_warm_up_is_plain_adam_with_deepspeeds_rule(ranks):
     """Before the freeze, against a plain loop written here: torch.optim.Adam-free, no bias
     correction, weight decay added to the update, on exactly averaged gradients."""
-    cfg = harness.config(REPLICATE, RECIPE, GLOBAL_BATCH, GLOBAL_BATCH // 2)
-    results = ranks(2, _train, cfg, STEPS, STEPS + 1)
+    results = _run(ranks, 2, STEPS + 1)
     assert not any(res["local"] for res in results)
     _check(results, STEPS + 1)
     # and DeepSpeed's rule is not torch's AdamW: the first step alone tells them apart
@@ -126,53 +118,11 @@ def test_warm_up_is_plain_adam_with_deepspeeds_rule(ranks):
     assert torch.allclose(w.detach(), want, rtol=1e-6, atol=1e-7)
 
 
-def _resume(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
-    """Train 5 steps (freeze at 3), save; a fresh engine loads it and takes one more step."""
-    first = _train_and_save(cfg, directory)
-    model, _, _ = RECIPE.build()
-    opt = OneBitAdam(model.parameters(), lr=LR, weight_decay=WD, freeze_step=FREEZE)
-    engine = longboat.initialize(model, opt, cfg)
-    engine.load_checkpoint(directory)
-    loaded = {k: v.detach().clone() for k, v in engine.state_dict().items()}
-    v_loaded = {id(p): s["exp_avg_sq"].clone() for p, s in opt.state.items()}
-    compressed_next = opt.longboat_reduces_gradients()
-    for _, *batch in engine.loader(harness.data_for(RECIPE, GLOBAL_BATCH * 8)):
-        engine.backward(reference.forward_loss(engine, batch))
-        engine.step()
-        break
-    frozen = all(torch.equal(s["exp_avg_sq"], v_loaded[id(p)]) for p, s in opt.state.items())
-    out = {
-        "saved": first,
-        "loaded": loaded,
-        "compressed_next": compressed_next,
-        "frozen": frozen,
-        "local": engine.strategy._local,
-        "steps": opt.steps_taken(),
-    }
-    engine.close()
-    return out
-
-
-def _train_and_save(cfg: dict[str, Any], directory: str) -> dict[str, torch.Tensor]:
-    model, _, _ = RECIPE.build()
-    opt = OneBitAdam(model.parameters(), lr=LR, weight_decay=WD, freeze_step=FREEZE)
-    engine = longboat.initialize(model, opt, cfg)
-    for _, *batch in engine.loader(harness.data_for(RECIPE, GLOBAL_BATCH * 5)):
-        engine.backward(reference.forward_loss(engine, batch))
-        engine.step()
-        if engine.global_step == 5:
-            break
-    engine.save_checkpoint(directory, tag="five")
-    state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
-    engine.close()
-    return state
-
-
 def test_a_resumed_run_continues_compressed_with_the_frozen_variance(ranks, tmp_path):
     """The step count, momentum and frozen variance are optimizer state: a run resumed after
     the freeze goes on compressing (its residuals restart from zero, as in DeepSpeed)."""
-    cfg = harness.config(REPLICATE, RECIPE, GLOBAL_BATCH, GLOBAL_BATCH // 2)
-    for res in ranks(2, _resume, cfg, str(tmp_path)):
+    cfg = onebit_helpers.config(2)
+    for res in ranks(2, onebit_helpers.resume, cfg, str(tmp_path), _optimizer):
         assert reference.max_rel_diff(res["loaded"], res["saved"]) == 0
         assert res["compressed_next"] and res["local"] and res["frozen"]
         assert res["steps"] == 6
@@ -190,11 +140,7 @@ def test_a_resumed_run_continues_compressed_with_the_frozen_variance(ranks, tmp_
     ],
 )
 def test_config_refuses_onebit_adam_where_it_is_not_built(extra, named):
-    cfg = {"batch": {"train_batch_size": 8}, "optimizer": {"type": "OneBitAdam"}, **extra}
-    with pytest.raises(ConfigError) as e:
-        load_config(cfg)
-    for n in named:
-        assert n in str(e.value), str(e.value)
+    onebit_helpers.check_refused("OneBitAdam", extra, named)
 
 
 def _zero_with_object(_: int) -> str:
@@ -246,6 +192,4 @@ def test_digits_converges_with_onebit_adam(tmp_path):
         'type = "OneBitAdam"\n'
         "params = { lr = 3e-3, weight_decay = 1e-4, freeze_step = 66, eps = 1e-4 }"
     )
-    config = harness.digits_config(optimizer)
-    accuracy, out = harness.digits_accuracy(tmp_path, "digits_onebit_adam", config)
-    assert accuracy >= 0.95, out[-2000:]
+    onebit_helpers.check_digits_converge(tmp_path, "digits_onebit_adam", optimizer)

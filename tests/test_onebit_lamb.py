@@ -28,27 +28,22 @@ import re
 from pathlib import Path
 from typing import Any
 
-import harness
-import onebit_sim
+import onebit_helpers
 import pytest
 import reference
 import torch
+from onebit_helpers import FREEZE, RECIPE, TOL
 from onebit_sim import SimAverage
 
 import longboat
-from longboat.config import ConfigError, load_config
+from longboat.config import load_config
 from longboat.optim.onebit_lamb import OneBitLamb
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
-FREEZE = 3
-GLOBAL_BATCH = 16
-TOL = 1e-5
 LR, WD, BETAS, EPS = 2e-2, 0.1, (0.9, 0.999), 1e-8
 MAX_COEFF, MIN_COEFF = 0.8, 0.01
 COEFF_BETA, FACTOR_MAX, FACTOR_MIN, FACTOR_THRESHOLD = 0.5, 4.0, 0.5, 0.1
-RECIPE = reference.Recipe(model="zoo")
-REPLICATE = {"strategy": "replicate", "replicate": {"bucket_mb": 0.001}}
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor")
 
 
@@ -62,7 +57,7 @@ def _optimizer(params: Any, freeze: int) -> OneBitLamb:
 # -- the plain simulation of N ranks -----------------------------------------------------------
 
 
-def simulate(order: list[list[list[int]]], freeze: int) -> tuple[list[list[float]], Any, Any]:
+def simulate(order: list[list[list[int]]], freeze: int) -> onebit_helpers.Simulated:
     """Losses [step][rank], the state_dict and the optimizer state by parameter name."""
     average = SimAverage()
     b1, b2 = BETAS
@@ -105,25 +100,21 @@ def simulate(order: list[list[list[int]]], freeze: int) -> tuple[list[list[float
         st["last_factor"] = torch.tensor(f)
         p.sub_(LR * float(st["lamb_coeff_freeze"]) * f * u)
 
-    data = harness.data_for(RECIPE, GLOBAL_BATCH * len(order))
-    return onebit_sim.simulate(RECIPE, data, order, lamb)
+    return onebit_helpers.simulate(order, lamb)
 
 
 # -- the longboat side -------------------------------------------------------------------------
 
 
-def _train(cfg: dict[str, Any], steps: int, freeze: int) -> dict[str, Any]:
-    def make(params: Any) -> OneBitLamb:
-        return _optimizer(params, freeze)
-
-    return harness.train_self_reducing(cfg, RECIPE, make, GLOBAL_BATCH, steps)
+def _run(ranks: Any, world: int, freeze: int) -> list[dict[str, Any]]:
+    """STEPS steps at ``world`` ranks freezing at ``freeze``."""
+    cfg = onebit_helpers.config(world)
+    return ranks(world, onebit_helpers.train, cfg, _optimizer, STEPS, freeze)
 
 
 def _check(results: list[dict[str, Any]], freeze: int) -> None:
-    order = [[res["ids"][s] for res in results] for s in range(STEPS)]
-    harness.check_simulated(results, simulate(order, freeze), STATE_KEYS, TOL)
-    # the never-used and the frozen parameter have no optimizer state (nor in the simulation)
-    assert not {"never", "frozen.weight"} & harness.assemble(results).keys()
+    simulated = simulate(onebit_helpers.order_of(results, STEPS), freeze)
+    onebit_helpers.check(results, simulated, STATE_KEYS)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -131,14 +122,13 @@ def test_onebit_lamb_equals_the_plain_simulation(ranks, world):
     """Across the freeze: losses at every step, then parameters, buffers and optimizer state;
     the coefficients move after the freeze (the factor works); and at 2 and 4 ranks the run
     ends far from an exact one (the compression shows)."""
-    cfg = harness.config(REPLICATE, RECIPE, GLOBAL_BATCH, GLOBAL_BATCH // world)
-    results = ranks(world, _train, cfg, STEPS, FREEZE)
+    results = _run(ranks, world, FREEZE)
     assert all(res["local"] for res in results), "gradients stay local after the freeze"
     _check(results, FREEZE)
     coeffs = results[0]["coeffs"]
     assert coeffs[FREEZE] != coeffs[-1], "the frozen coefficients are scaled by a moving factor"
     if world > 1:
-        order = [[res["ids"][s] for res in results] for s in range(STEPS)]
+        order = onebit_helpers.order_of(results, STEPS)
         _, exact, _ = simulate(order, STEPS)  # never frozen: LAMB all along
         assert reference.max_rel_diff(results[0]["state"], exact) > 100 * TOL
 
@@ -147,8 +137,7 @@ def test_warm_up_is_lamb_with_deepspeeds_rule(ranks):
     """Before the freeze, against the plain loop at 2 ranks (gradients exactly averaged); and
     the first step worked by hand: DeepSpeed's rule (no bias correction, the coefficient
     clamped, its running average starting from 0) is neither torch's AdamW nor FusedLamb's."""
-    cfg = harness.config(REPLICATE, RECIPE, GLOBAL_BATCH, GLOBAL_BATCH // 2)
-    results = ranks(2, _train, cfg, STEPS, STEPS + 1)
+    results = _run(ranks, 2, STEPS + 1)
     assert not any(res["local"] for res in results)
     _check(results, STEPS + 1)
 
@@ -175,61 +164,12 @@ def test_warm_up_is_lamb_with_deepspeeds_rule(ranks):
     assert opt2.get_lamb_coeffs() == [2.0]
 
 
-def _resume(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
-    """Train 5 steps (freeze at 3), save; a fresh engine loads it and takes one more step."""
-    model, _, _ = RECIPE.build()
-    engine = longboat.initialize(model, _optimizer(model.parameters(), FREEZE), cfg)
-    for _, *batch in engine.loader(harness.data_for(RECIPE, GLOBAL_BATCH * 5)):
-        engine.backward(reference.forward_loss(engine, batch))
-        engine.step()
-        if engine.global_step == 5:
-            break
-    engine.save_checkpoint(directory, tag="five")
-    saved_state = {
-        name: {k: torch.as_tensor(v).clone() for k, v in engine.optimizer.state[p].items()}
-        for name, p in engine.module.named_parameters()
-        if p in engine.optimizer.state
-    }
-    engine.close()
-
-    model, _, _ = RECIPE.build()
-    opt = _optimizer(model.parameters(), FREEZE)
-    engine = longboat.initialize(model, opt, cfg)
-    engine.load_checkpoint(directory)
-    loaded_state = {
-        name: {k: torch.as_tensor(v).clone() for k, v in opt.state[p].items()}
-        for name, p in engine.module.named_parameters()
-        if p in opt.state
-    }
-    v_loaded = {id(p): s["exp_avg_sq"].clone() for p, s in opt.state.items()}
-    compressed_next = opt.longboat_reduces_gradients()
-    for _, *batch in engine.loader(harness.data_for(RECIPE, GLOBAL_BATCH * 8)):
-        engine.backward(reference.forward_loss(engine, batch))
-        engine.step()
-        break
-    frozen = all(torch.equal(s["exp_avg_sq"], v_loaded[id(p)]) for p, s in opt.state.items())
-    out = {
-        "same": saved_state.keys() == loaded_state.keys()
-        and all(
-            torch.equal(saved_state[n][k], loaded_state[n][k])
-            for n in saved_state
-            for k in saved_state[n]
-        ),
-        "compressed_next": compressed_next,
-        "frozen": frozen,
-        "local": engine.strategy._local,
-        "steps": opt.steps_taken(),
-    }
-    engine.close()
-    return out
-
-
 def test_a_resumed_run_continues_compressed_with_its_frozen_state(ranks, tmp_path):
     """Momentum, both variances, the frozen coefficient and the last factor are optimizer state:
     a run resumed after the freeze goes on compressing with them (its residuals restart from
     zero, as in DeepSpeed)."""
-    cfg = harness.config(REPLICATE, RECIPE, GLOBAL_BATCH, GLOBAL_BATCH // 2)
-    for res in ranks(2, _resume, cfg, str(tmp_path)):
+    cfg = onebit_helpers.config(2)
+    for res in ranks(2, onebit_helpers.resume, cfg, str(tmp_path), _optimizer):
         assert res["same"], "every piece of the optimizer state comes back as saved"
         assert res["compressed_next"] and res["local"] and res["frozen"]
         assert res["steps"] == 6
@@ -246,11 +186,7 @@ def test_a_resumed_run_continues_compressed_with_its_frozen_state(ranks, tmp_pat
     ],
 )
 def test_config_refuses_onebit_lamb_where_it_is_not_built(extra, named):
-    cfg = {"batch": {"train_batch_size": 8}, "optimizer": {"type": "OneBitLamb"}, **extra}
-    with pytest.raises(ConfigError) as e:
-        load_config(cfg)
-    for n in named:
-        assert n in str(e.value), str(e.value)
+    onebit_helpers.check_refused("OneBitLamb", extra, named)
 
 
 def test_bad_arguments_are_refused_by_name():
@@ -294,6 +230,4 @@ def test_digits_converges_with_onebit_lamb(tmp_path):
         'type = "OneBitLamb"\n'
         "params = { lr = 3e-2, weight_decay = 1e-4, freeze_step = 66, eps = 1e-4 }"
     )
-    config = harness.digits_config(optimizer)
-    accuracy, out = harness.digits_accuracy(tmp_path, "digits_onebit_lamb", config)
-    assert accuracy >= 0.95, out[-2000:]
+    onebit_helpers.check_digits_converge(tmp_path, "digits_onebit_lamb", optimizer)
