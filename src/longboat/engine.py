@@ -49,6 +49,7 @@ from longboat.pipeline.schedule import LossFn, Schedule, Sequential, default_inp
 from longboat.precision import Precision, SkippedStep
 from longboat.recompute import apply_activation_checkpointing
 from longboat.strategies import build_service, build_strategy
+from longboat.strategies.base import cannot_shadow
 from longboat.tensor import TensorParallel
 from longboat.tensor.strategy import wrap as tensor_parallel_over
 from longboat.topology import DoorwayOptions, Topology
@@ -118,9 +119,7 @@ class Engine:
             self.tensor,
             topology.rank,
         )
-        if any(p.is_meta for p in model.parameters()) and not getattr(
-            self.strategy, "deferred_init", False
-        ):
+        if any(p.is_meta for p in model.parameters()) and not self.strategy.deferred_init:
             raise ConfigError(
                 f"the model's parameters are on the meta device, which strategy "
                 f"{self.strategy.name!r} cannot make: build the model on a device, or use "
@@ -130,7 +129,7 @@ class Engine:
         check_bound(optimizer, self.strategy.name, config)
         self.precision = Precision(config.precision, device_for(world))
         # Gradients a strategy keeps out of memory ([Note: parameter offload]).
-        self._held = getattr(self.strategy, "held_gradients", lambda: None)()
+        self._held = self.strategy.held_gradients()
         if self._held is not None and self.precision.checks_overflow:
             raise ConfigError(
                 "precision fp16 checks every gradient for overflow, which "
@@ -160,8 +159,8 @@ class Engine:
                 self.precision.loss_scale if self.precision.checks_overflow else None
             ),
             # What a strategy reports besides (parameter servers: per-worker staleness).
-            extra=getattr(self.strategy, "monitor_values", None),
-            extra_columns=tuple(getattr(self.strategy, "monitor_columns", ())),
+            extra=self.strategy.monitor_values,
+            extra_columns=tuple(self.strategy.monitor_columns),
         )
         layout = "" if mesh.dp == mesh.world_size else f" (mesh {mesh.describe()})"
         self.log.info(
@@ -181,12 +180,8 @@ class Engine:
         self._join: JoinVote | None = None
         self._turn: Turn | None = None  # the current micro-batch's vote, while joining
         if config.data.remainder == "join":
-            if not callable(getattr(self.strategy, "shadow", None)):
-                raise ConfigError(
-                    f"data.remainder = 'join' with strategy {self.strategy.name!r}: it cannot "
-                    "take part in the others' collectives without a batch; use data.remainder "
-                    "= 'pad' or 'drop'"
-                )
+            if not self.strategy.can_shadow:
+                raise cannot_shadow(self.strategy.name)
             self._join = JoinVote(topology.control("dp"), self.accumulation_steps)
             self.log.info(
                 "uneven inputs: data.remainder='join': a rank that runs out of batches first "
@@ -532,7 +527,7 @@ class Engine:
         Every rank calls it with the same tag, right after ``step()`` returned True. The last
         ``checkpoint.keep_last`` checkpoints are kept (0: all). See :mod:`longboat.checkpoint`.
         """
-        if not getattr(self.strategy, "writes_checkpoints", True):
+        if not self.strategy.writes_checkpoints:
             # A worker of an async or ssp parameter-server job: there is no collective between
             # workers, so worker 0 writes for all ([Note: parameter server roles]).
             return Path(directory) / (
@@ -570,15 +565,17 @@ class Engine:
         k = optimizer_state_bytes_per_param(self.optimizer)
         n = self.topology.mesh.dp_shard
         # A strategy beside the formulas' table gives its own (a parameter server's worker).
-        formula = getattr(self.strategy, "expected_memory", None)
+        formula = self.strategy.expected_memory(a, k)
+        if formula is None:
+            formula = expected_bytes(self.strategy.name, a, n, k)
         return MemoryReport(
             rank=self.world.rank,
             strategy=self.strategy.name,
             trainable_params=a,
             world_size=n,
             measured=measure(self.strategy.memory_tensors(self.optimizer)),
-            expected=formula(a, k) if formula else expected_bytes(self.strategy.name, a, n, k),
-            on_disk=dict(getattr(self.strategy, "on_disk", None) or {}),
+            expected=formula,
+            on_disk=dict(self.strategy.on_disk),
         )
 
     @property

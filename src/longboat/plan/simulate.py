@@ -77,6 +77,7 @@ from longboat.observe.memory import CATEGORIES, measure
 from longboat.plan import stages
 from longboat.plan.target import Target
 from longboat.plan.tracker import LiveBytes
+from longboat.strategies.base import Strategy
 from longboat.topology import Topology
 from longboat.world import World
 
@@ -238,8 +239,8 @@ def _minus(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
-def _offloaded(strategy: Any) -> dict[str, int]:
-    return getattr(strategy, "offloaded", None) or {"disk": 0, "moved": 0}
+def _offloaded(strategy: Strategy) -> dict[str, int]:
+    return strategy.offloaded or {"disk": 0, "moved": 0}
 
 
 def simulate(

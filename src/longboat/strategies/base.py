@@ -1,12 +1,14 @@
 """The small protocol every strategy implements.
 
 The engine drives the step; a strategy decides where parameters, gradients and optimizer state
-live and when they move. Nothing in the engine branches on a strategy's name.
+live and when they move. Nothing in the engine branches on a strategy's name, nor asks whether a
+strategy has a member: what a strategy supports beyond the step is declared in the protocol, and
+:class:`StrategyDefaults` gives what a strategy that supports none of it declares.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -15,7 +17,9 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
+from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
+from longboat.grads import HeldGradients
 from longboat.pieces import PieceSource, RankState
 from longboat.precision import DTYPES
 from longboat.topology import Topology
@@ -80,6 +84,59 @@ class Strategy(Protocol):
 
     name: str
 
+    # -- what it supports (the defaults: StrategyDefaults) -------------------------------------
+
+    @property
+    def can_shadow(self) -> bool:
+        """Whether :meth:`shadow` can stand in for a micro-batch this rank has no batch for
+        (``data.remainder = 'join'``, [Note: joining] in ``join.py``)."""
+        ...
+
+    @property
+    def deferred_init(self) -> bool:
+        """Whether a model whose parameters are on the meta device can be made here
+        ([Note: deferred init] in ``zero/init.py``)."""
+        ...
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this rank takes part in saving checkpoints (False: another rank writes what
+        this one holds, as a parameter server's worker 0 does for the others in async mode)."""
+        ...
+
+    @property
+    def monitor_columns(self) -> Sequence[str]:
+        """The monitor's columns this strategy reports besides the engine's."""
+        ...
+
+    def monitor_values(self) -> dict[str, float]:
+        """The values of :attr:`monitor_columns`, asked for at the monitor's events."""
+        ...
+
+    def held_gradients(self) -> HeldGradients | None:
+        """Gradients kept out of memory ([Note: parameter offload] in ``zero/shard_swap.py``),
+        which clipping asks for their sum of squares; None when every gradient is in memory."""
+        ...
+
+    def expected_memory(self, a: int, k: int) -> dict[str, int] | None:
+        """Model-state bytes per category for ``a`` trainable parameters and an optimizer of
+        ``k`` bytes per parameter, when the formulas' table (``observe.memory``) does not know
+        this strategy's; else None."""
+        ...
+
+    @property
+    def on_disk(self) -> dict[str, int]:
+        """Bytes of model state this rank keeps on disk, per category."""
+        ...
+
+    @property
+    def offloaded(self) -> dict[str, int] | None:
+        """With state offloaded to disk: bytes on disk (``disk``) and read and written so far
+        (``moved``); None without."""
+        ...
+
+    # -- the step ------------------------------------------------------------------------------
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         """Prepare the model (sync initial state, install hooks); return the module to call."""
         ...
@@ -100,7 +157,8 @@ class Strategy(Protocol):
         """Between ``before_backward`` and ``after_backward`` on a rank without a batch for
         this micro-batch ([Note: joining] in ``join.py``): issue what the others' forward and
         backward issue, contributing nothing. With ``after_backward`` (which launches what a
-        backward left, with zeros) and the step, this rank stays in step with the others."""
+        backward left, with zeros) and the step, this rank stays in step with the others.
+        Called only where :attr:`can_shadow`."""
         ...
 
     def buffers_from(self, rank: int) -> None:
@@ -184,3 +242,59 @@ class Strategy(Protocol):
     def close(self) -> None:
         """Remove hooks and free buffers."""
         ...
+
+
+def cannot_shadow(name: str) -> ConfigError:
+    """The refusal of ``data.remainder = 'join'`` by strategy ``name``, which cannot shadow."""
+    return ConfigError(
+        f"data.remainder = 'join' with strategy {name!r}: it cannot take part in the others' "
+        "collectives without a batch; use data.remainder = 'pad' or 'drop'"
+    )
+
+
+class StrategyDefaults:
+    """What a strategy supports unless it says otherwise (the protocol's first members): no
+    joining, no meta-device model, checkpoints written by every rank, nothing for the monitor,
+    every gradient in memory, the formulas' table for its memory, nothing on disk.
+
+    A strategy inherits these and overrides what it supports.
+    """
+
+    name: str
+    # An attribute, not a property: a strategy may decide it per rank, at construction.
+    writes_checkpoints: bool = True
+
+    @property
+    def can_shadow(self) -> bool:
+        return False
+
+    @property
+    def deferred_init(self) -> bool:
+        return False
+
+    @property
+    def monitor_columns(self) -> Sequence[str]:
+        return ()
+
+    def monitor_values(self) -> dict[str, float]:
+        return {}
+
+    def held_gradients(self) -> HeldGradients | None:
+        return None
+
+    def expected_memory(self, a: int, k: int) -> dict[str, int] | None:
+        return None
+
+    @property
+    def on_disk(self) -> dict[str, int]:
+        return {}
+
+    @property
+    def offloaded(self) -> dict[str, int] | None:
+        return None
+
+    def shadow(self) -> None:
+        raise cannot_shadow(self.name)
+
+    def buffers_from(self, rank: int) -> None:
+        pass  # it cannot shadow, so every rank has a batch and rank 0's buffers count

@@ -58,17 +58,18 @@ from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim import has_step_hooks, is_elementwise
 from longboat.optim.self_reducing import ReducesItself
 from longboat.pieces import PieceSource, RankState, members
-from longboat.strategies.base import StrategyContext, full_gradient
+from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.whole_state import load_whole_state, whole_state
 
 _MIB = 1024 * 1024
 
 
-class Replicate:
+class Replicate(StrategyDefaults):
     """DDP-style replication with bucketed all-reduce overlapped with backward."""
 
     name = "replicate"
+    can_shadow = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

@@ -13,14 +13,15 @@ from longboat.comm.protocol import Comm
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim.self_reducing import ReducesItself
 from longboat.pieces import PieceSource, RankState
-from longboat.strategies.base import StrategyContext, full_gradient
+from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
 from longboat.strategies.whole_state import load_whole_state, whole_state
 
 
-class Single:
+class Single(StrategyDefaults):
     """Plain single-process training."""
 
     name = "single"
+    can_shadow = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

@@ -23,7 +23,7 @@ from torch import nn
 
 from longboat.comm.protocol import Comm
 from longboat.pieces import PieceSource, RankState, Slices
-from longboat.strategies.base import Strategy
+from longboat.strategies.base import Strategy, StrategyDefaults
 from longboat.tensor.parallel import TensorParallel
 
 
@@ -33,8 +33,13 @@ def wrap(strategy: Strategy, tensor: TensorParallel, global_rank: int) -> Strate
     return TensorParallelStrategy(strategy, tensor, global_rank) if tensor.active else strategy
 
 
-class TensorParallelStrategy:
-    """``inner`` (replicate, ZeRO, ...) over the ``dp`` axis of a tensor-parallel model."""
+class TensorParallelStrategy(StrategyDefaults):
+    """``inner`` (replicate, ZeRO, ...) over the ``dp`` axis of a tensor-parallel model.
+
+    Of what a strategy may support (:class:`StrategyDefaults`), it declares the defaults: the
+    inner strategy's offload, monitor columns and memory formula are not yet in the full
+    model's terms, and joining is refused.
+    """
 
     def __init__(self, inner: Strategy, tensor: TensorParallel, global_rank: int) -> None:
         self.inner = inner
@@ -80,6 +85,9 @@ class TensorParallelStrategy:
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         return self.inner.memory_tensors(optimizer)
+
+    def buffers_from(self, rank: int) -> None:
+        self.inner.buffers_from(rank)
 
     def gathered_parameters(self) -> AbstractContextManager[None]:
         # Whole over dp; still this rank's tensor-parallel part, whose forward needs its peers.
