@@ -1,5 +1,5 @@
 """ZeRO-3's gathers: a unit's parameters are gathered just before its module runs, forward and
-backward, and freed right after (see [Note: stage-3 order] in ``zero.py``).
+backward, and freed right after (see [Note: stage-3 order] in ``strategy.py``).
 
 Each unit is in one :class:`~longboat.strategies.zero.flat.UnitState`: ``SHARDED`` (only this rank's
 shard; its parameters point at empty tensors), ``GATHERING`` (an all-gather of the full flat
@@ -38,6 +38,15 @@ class Removable(Protocol):
     def remove(self) -> None: ...
 
 
+class ParamHome(Protocol):
+    """Where stage 3's parameter shards live between gathers (the part of a
+    :class:`~longboat.strategies.zero.homes.Home` gathers see)."""
+
+    def bring_param(self, u: FlatUnit) -> None: ...
+
+    def drop_param(self, u: FlatUnit) -> None: ...
+
+
 class Gathering:
     """Gathers and frees stage-3 units around their modules' forward and backward.
 
@@ -54,14 +63,15 @@ class Gathering:
         root: nn.Module,
         prefetch: bool,
         on_unit_done: Callable[[], None],
-        shards: Any = None,
+        home: ParamHome,
         record: Callable[[tuple[str, int]], None] | None = None,
     ) -> None:
         self.units = units
-        # Told of each gather put on the wire ([Note: stage-3 shadow] in zero.py)
+        # Told of each gather put on the wire ([Note: stage-3 shadow] in ``shadow.py``)
         self.record = record
-        # [Note: parameter offload]: shards read before their gather, dropped after it
-        self.shards = shards
+        # Where the parameter shards live ([Note: homes] in ``homes.py``): on disk, read
+        # before their gather and dropped after it ([Note: parameter offload])
+        self.home = home
         self.comm = comm
         self.root = root
         self.prefetch = prefetch
@@ -103,8 +113,7 @@ class Gathering:
         if u.state is not UnitState.SHARDED:
             return
         assert u.shard is not None
-        if self.shards is not None:
-            self.shards.bring_param(u)
+        self.home.bring_param(u)
         if self.comm.world_size == 1:  # the shard is the whole unit: nothing to copy
             u.flat_param, u.state = u.shard, UnitState.UNSHARDED
             return
@@ -126,8 +135,7 @@ class Gathering:
             u.gather_handle.wait()  # type: ignore[union-attr]
             u.gather_handle = None
             u.state = UnitState.UNSHARDED
-            if self.shards is not None:
-                self.shards.drop_param(u)
+            self.home.drop_param(u)
         assert u.flat_param is not None
         u.point_params_at(u.flat_param)
 
@@ -138,13 +146,12 @@ class Gathering:
         if u.state is UnitState.GATHERING:  # a prefetch in flight must land before its buffer goes
             u.gather_handle.wait()  # type: ignore[union-attr]
             u.gather_handle = None
-            if self.shards is not None:
-                self.shards.drop_param(u)
+            self.home.drop_param(u)
         u.release_params()
         if u.flat_param is not u.shard:
             free_storage(u.flat_param)  # type: ignore[arg-type]
-        elif self.shards is not None:  # one rank: the shard itself was the gathered unit
-            self.shards.drop_param(u)
+        else:  # one rank: the shard itself was the gathered unit
+            self.home.drop_param(u)
         u.flat_param, u.state = None, UnitState.SHARDED
 
     def free_all(self) -> None:

@@ -189,7 +189,9 @@ class SwapFiles:
 
 
 class UnitHome(Protocol):
-    """Where part of a unit's state lives between steps (see :func:`step_units`)."""
+    """One part of a unit's state on disk (its optimizer state, its shards) as the
+    :class:`UnitStream` moves it; the disk home ([Note: homes] in ``homes.py``) holds one per
+    part."""
 
     def bring(self, u: FlatUnit) -> Any:
         """On the I/O thread, ahead of ``u``'s step: read what the step needs."""

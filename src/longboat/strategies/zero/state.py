@@ -41,7 +41,7 @@ def rank_state(
 ) -> RankState:
     """This rank's pieces of every unit, with the optimizer state of each. Buffers and frozen
     parameters are alike on every rank of ``dp``; shard pieces on the ranks of ``replicas``
-    ([Note: hybrid sharding] in ``zero.py``; just this rank without replicas)."""
+    ([Note: hybrid sharding] in ``strategy.py``; just this rank without replicas)."""
     names = canonical_names(model)
     in_units = {id(p) for u in units for p in u.params}
     state = RankState(pieces=model_pieces(model, in_units, members(dp)))

@@ -15,7 +15,7 @@ units has nothing left to hold and is not one either. By default the units are t
 blocks a model declares (transformers' ``_no_split_modules``, as Accelerate uses them), else
 modules by size. A chosen module whose forward did not run in the first training forward (its
 parameters read directly by another module, say) is named in an error at that forward
-(``zero_gather``), rather than failing deep in torch on a parameter of shape [0].
+(``gather.py``), rather than failing deep in torch on a parameter of shape [0].
 
 [Note: shared parameters] A parameter used by modules of two different units (tied weights) is
 given to the root unit, which stays gathered for the whole forward and backward, so every user of
@@ -24,12 +24,18 @@ the parameter sees its full value.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
+import torch
 from torch import nn
 
 from longboat.comm.buckets import group_params
+from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
+from longboat.strategies.zero.flat import FlatUnit, UnitState
+from longboat.strategies.zero.init import DeferredInit
+from longboat.strategies.zero.policy import ZeroPolicy
 
 _MIB = 1024 * 1024
 
@@ -141,3 +147,99 @@ def module_units(
     for pid, u in owner.items():
         groups[u].append(params[pid])
     return [(m, g) for m, g in zip([*modules, model], groups, strict=True) if g]
+
+
+def plan_units(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    group_of: dict[int, int],
+    cfg: Any,
+    by_module: bool,
+    isolated: frozenset[int],
+) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
+    """(module, parameters) per unit, in launch order: stage 3's module units (``by_module``)
+    or stages 1-2's buckets (module None), every isolated parameter in a unit of its own."""
+    if by_module:
+        pieces: list[tuple[nn.Module | None, list[nn.Parameter]]] = []
+        # A size the user set wins over the blocks a model declares ([Note: units run
+        # forward]); the default size is only the fallback.
+        by_size = "unit_min_params" in cfg.model_fields_set
+        trainable = {id(p) for p in params}
+        for module, ps in module_units(
+            model, trainable, cfg.unit_classes, cfg.unit_min_params, by_size
+        ):
+            for chunk in _split(ps, group_of):
+                pieces.append((module, chunk))
+        # Launch order approximates backward order: blocks in reverse, but the root unit
+        # (embeddings, head) last, since its embedding's gradient is the last to arrive and
+        # every later unit would otherwise wait for it ([Note: launch order]).
+        root = [pc for pc in pieces if pc[0] is model]
+        pieces = [pc for pc in reversed(pieces) if pc[0] is not model] + root
+    else:
+        pieces = [(None, ps) for ps in bucket_units(params, group_of, cfg.bucket_mb)]
+    # [Note: tied weights] in tied.py: a weight tied across pipeline stages gets a unit of
+    # its own, so its shards line up rank for rank on every stage that holds it.
+    return [(m, chunk) for m, ps in pieces for chunk in _isolate(ps, isolated)]
+
+
+def _isolate(params: list[nn.Parameter], isolated: frozenset[int]) -> list[list[nn.Parameter]]:
+    """``params`` as units: each isolated parameter alone, then the others together."""
+    rest = [p for p in params if id(p) not in isolated]
+    return [[p] for p in params if id(p) in isolated] + ([rest] if rest else [])
+
+
+def _split(params: list[nn.Parameter], group_of: dict[int, int]) -> list[list[nn.Parameter]]:
+    """``params`` by optimizer group, dtype and device: a flat unit holds one of each."""
+    out: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        out.setdefault((group_of[id(p)], p.dtype, p.device), []).append(p)
+    return list(out.values())
+
+
+def make_units(
+    model: nn.Module,
+    pieces: list[tuple[nn.Module | None, list[nn.Parameter]]],
+    group_of: dict[int, int],
+    comm: Comm,
+    policy: ZeroPolicy,
+    made: DeferredInit,
+    adopt: Callable[[FlatUnit], None],
+) -> list[FlatUnit]:
+    """The flat units of :func:`plan_units`' ``pieces``, sharded over ``comm`` and laid out for
+    ``policy``'s stage; each handed to ``adopt`` once built (one at a time, so that setup stays
+    within what one unit needs)."""
+    module_names = {id(m): n or "root" for n, m in model.named_modules()}
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    whole: dict[int, list[nn.Parameter]] = {}  # a unit's pieces are made at its first
+    for module, ps in pieces:
+        whole.setdefault(id(module), []).extend(ps)
+    units: list[FlatUnit] = []
+    for module, ps in pieces:
+        made.unit(whole[id(module)])
+        g = group_of[id(ps[0])]
+        u = FlatUnit(len(units), ps, g, comm.world_size, comm.rank, module=module)
+        # Named in desync and hang reports: two units' tensors may have the same shape.
+        what = module_names[id(module)] if module is not None else f"{param_names[id(ps[0])]}, ..."
+        u.tag = f"unit {u.index}: {what}"
+        _lay_out(u, policy)
+        units.append(u)
+        adopt(u)
+    return units
+
+
+def _lay_out(u: FlatUnit, policy: ZeroPolicy) -> None:
+    """``u``'s flat buffers as ``policy``'s stage keeps them between steps."""
+    if policy.shard_params:
+        u.shard = u.flatten(u.lo, u.hi)  # only the shard: the rest is never materialised
+        u.release_params()
+        u.state = UnitState.SHARDED
+    else:
+        flat = u.flatten()
+        u.flat_param = flat
+        u.point_params_at(flat)
+        u.shard = flat[u.lo : u.hi]  # a view: the step updates flat in place
+    u.make_pieces(u.shard)
+    if policy.shard_grads:
+        u.grad_shard = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device)
+    else:  # accumulates over the step's micro-batches
+        u.flat_grad = torch.zeros(u.padded, dtype=u.dtype, device=u.device)

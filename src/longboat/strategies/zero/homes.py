@@ -1,0 +1,416 @@
+"""Where a rank's ZeRO units keep their state between uses: one home, built once from the config.
+
+[Note: homes] A unit's optimizer state, parameter shard and gradient shard live in one home,
+chosen from ``zero.offload_optimizer`` and ``zero.offload_param`` when the strategy is set up:
+
+- :class:`InMemory`: with the parameters (``device = "none"``, or ``"cpu"`` where the compute
+  device is the CPU, where that is so already);
+- :class:`OnDisk`: the optimizer state in swap files ([Note: optimizer state offload] in
+  ``offload.py``), stage 3's parameter and gradient shards too with ``offload_param`` ([Note:
+  parameter offload] in ``shard_swap.py``); units step one by one through a
+  :class:`~longboat.strategies.zero.offload.UnitStream` that reads each ahead and writes it behind.
+
+The strategy asks a home the same questions whichever it is (:class:`Home`): where a reduction
+lands and how it joins the gradient shard, which gradients the optimizer sees, how units step,
+what a checkpoint reads and writes, what is on disk. Keeping state in CPU memory beside an
+accelerator (ZeRO-Offload) would be a third home; until it exists the config is refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from longboat.config.errors import ConfigError
+from longboat.observe.memory import optimizer_state_bytes_per_param
+from longboat.optim import has_step_hooks
+from longboat.pieces import RankState
+from longboat.strategies.base import StrategyContext
+from longboat.strategies.zero.flat import FlatUnit
+from longboat.strategies.zero.offload import StateSwap, UnitHome, UnitStream, check_room
+from longboat.strategies.zero.policy import ZeroPolicy
+from longboat.strategies.zero.shard_swap import ShardSwap
+
+StepUnit = Callable[[FlatUnit], None]
+
+
+class Home(Protocol):
+    """Where a rank's units keep their state between uses ([Note: homes])."""
+
+    #: Gradient shards keep their memory between reductions: a reduction may land in one, and
+    #: on one data-parallel rank gradients accumulate in it directly.
+    grads_in_memory: bool
+    #: Units step one by one, each with its state brought in around its step.
+    steps_by_unit: bool
+
+    def adopt(self, u: FlatUnit) -> None:
+        """Take a unit just built (setup goes one unit at a time)."""
+
+    def start(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every unit built and the optimizer re-targeted at their pieces."""
+
+    def bring_param(self, u: FlatUnit) -> None:
+        """Stage 3: ``u``'s parameter shard into memory before its gather."""
+
+    def drop_param(self, u: FlatUnit) -> None:
+        """Stage 3: out again once the gather is over."""
+
+    def landing(self, u: FlatUnit, send: torch.Tensor) -> torch.Tensor:
+        """The shard-size tensor ``u``'s reduction of ``send`` lands in."""
+
+    def launched(self, units: list[FlatUnit], index: int) -> None:
+        """Unit ``index``'s reduction is on the wire."""
+
+    def land(self, u: FlatUnit) -> None:
+        """Wait for ``u``'s reduction; its result joins the gradient shard (stages 2-3, which
+        then drop the full-size buffer) or becomes it (stage 1)."""
+
+    def grad_pieces(self, u: FlatUnit) -> list[torch.Tensor]:
+        """The optimizer's gradient views, one per piece of ``u``'s shard."""
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """The gradient shards in memory, for the norm."""
+
+    def step(self, optimizer: torch.optim.Optimizer, step_unit: StepUnit) -> None:
+        """``step_unit(u)`` for every unit, in order, its state brought in around it."""
+
+    def step_over(self) -> None:
+        """Every unit stepped: the gradient shards start the next step from zero."""
+
+    def reading(
+        self, optimizer: torch.optim.Optimizer
+    ) -> contextlib.AbstractContextManager[Callable[[RankState], RankState]]:
+        """Every unit's state where a checkpoint reads it; yields what makes the state read
+        inside outlive the context."""
+
+    def loading(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
+        """Every unit's state where a checkpoint loads it, and home again after."""
+
+    def held_gradients(self) -> ShardSwap | None:
+        """Gradients kept out of memory, for the engine's clipping."""
+
+    @property
+    def on_disk(self) -> dict[str, int]:
+        """Bytes of model state on disk, per category."""
+
+    @property
+    def offloaded(self) -> dict[str, int] | None:
+        """Bytes on disk, read and written so far; None without a disk."""
+
+    def close(self) -> None:
+        """Give back what the home holds (files, threads)."""
+
+
+def build(
+    ctx: StrategyContext, policy: ZeroPolicy, model: nn.Module, params: list[nn.Parameter]
+) -> Home:
+    """The home ``ctx.section`` asks for ([Note: homes])."""
+    cfg = ctx.section
+    if "disk" in (cfg.offload_optimizer.device, cfg.offload_param.device):
+        return OnDisk(ctx, policy, model, params)
+    return InMemory(ctx, policy)
+
+
+class InMemory:
+    """Every unit's state beside its parameters ([Note: homes])."""
+
+    grads_in_memory = True
+    steps_by_unit = False
+
+    def __init__(self, ctx: StrategyContext, policy: ZeroPolicy) -> None:
+        self.cfg = ctx.section
+        self.policy = policy
+        self.units: list[FlatUnit] = []
+
+    def adopt(self, u: FlatUnit) -> None:
+        self.units.append(u)
+
+    def start(self, optimizer: torch.optim.Optimizer) -> None:
+        cfg = self.cfg
+        for key, c in (
+            ("offload_optimizer", cfg.offload_optimizer),
+            ("offload_param", cfg.offload_param),
+        ):
+            if c.device == "cpu" and any(u.device.type != "cpu" for u in self.units):
+                raise ConfigError(
+                    f"zero.{key}.device = 'cpu' with parameters on an accelerator: keeping "
+                    "state in CPU memory beside an accelerator is not implemented yet; remove "
+                    "the key"
+                )
+
+    def bring_param(self, u: FlatUnit) -> None:
+        pass
+
+    def drop_param(self, u: FlatUnit) -> None:
+        pass
+
+    def landing(self, u: FlatUnit, send: torch.Tensor) -> torch.Tensor:
+        if self.policy.shard_grads and u.shard_empty and send.dtype == u.dtype:
+            # [Note: reduce in place] The shard holds nothing yet this step: the reduction
+            # lands in it directly, and no shard-size buffer per unit in flight is needed
+            # (with every unit in flight at the end of a backward, 2 bytes per parameter in fp32
+            # at two ranks, the whole difference to DeepSpeed's peak in zero_vs_peers).
+            assert u.grad_shard is not None
+            return u.grad_shard
+        return torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
+
+    def launched(self, units: list[FlatUnit], index: int) -> None:
+        pass
+
+    def land(self, u: FlatUnit) -> None:
+        reduced = _wait(u)
+        if self.policy.shard_grads:
+            assert u.grad_shard is not None
+            if reduced is not u.grad_shard:  # [Note: reduce in place]
+                u.grad_shard.add_(reduced)
+            u.flat_grad = None
+        else:
+            assert u.flat_grad is not None
+            u.flat_grad[u.lo : u.hi].copy_(reduced)
+
+    def grad_pieces(self, u: FlatUnit) -> list[torch.Tensor]:
+        grad = u.grad_view()
+        return [grad[a:b] for _, a, b, _ in u.pieces]
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return [u.grad_view() for u in self.units]
+
+    def step(self, optimizer: torch.optim.Optimizer, step_unit: StepUnit) -> None:
+        for u in self.units:
+            step_unit(u)
+
+    def step_over(self) -> None:
+        for u in self.units:
+            u.grad_view().zero_()
+
+    @contextlib.contextmanager
+    def reading(
+        self, optimizer: torch.optim.Optimizer
+    ) -> Iterator[Callable[[RankState], RankState]]:
+        yield lambda state: state
+
+    @contextlib.contextmanager
+    def loading(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        yield
+
+    def held_gradients(self) -> ShardSwap | None:
+        return None
+
+    @property
+    def on_disk(self) -> dict[str, int]:
+        return {}
+
+    @property
+    def offloaded(self) -> dict[str, int] | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class OnDisk(InMemory):
+    """The optimizer state on disk, and with ``offload_param`` stage 3's shards too ([Note:
+    homes]); what stays in memory is handled as :class:`InMemory` does."""
+
+    def __init__(
+        self,
+        ctx: StrategyContext,
+        policy: ZeroPolicy,
+        model: nn.Module,
+        params: list[nn.Parameter],
+    ) -> None:
+        super().__init__(ctx, policy)
+        self.rank = ctx.world.rank
+        self.swap: StateSwap | None = None  # [Note: optimizer state offload]
+        self.shards: ShardSwap | None = None  # [Note: parameter offload]
+        self.stream: UnitStream | None = None  # steps units with their offloaded parts
+        if self.cfg.offload_param.device == "disk":  # each unit's shards out once built
+            _check_params_offload(ctx, model)
+            dry = any(isinstance(p, FakeTensor) for p in params)
+            self.shards = ShardSwap(self.cfg.offload_param, self.rank, dry)
+        # On disk the gradient shard has no memory to land in, even on one rank.
+        self.grads_in_memory = self.shards is None
+        self.steps_by_unit = True
+
+    def adopt(self, u: FlatUnit) -> None:
+        super().adopt(u)
+        if self.shards is not None:
+            self.shards.adopt(u)
+
+    def start(self, optimizer: torch.optim.Optimizer) -> None:
+        """The swap files of [Note: optimizer state offload], when the config asks for disk,
+        and the stream that steps units through them."""
+        super().start(optimizer)
+        cfg = self.cfg.offload_optimizer
+        if not self.units:
+            return
+        if has_step_hooks(optimizer):
+            raise ConfigError(
+                "zero offload to disk steps the optimizer unit by unit, which step hooks would "
+                "see several times per step; remove the hooks or the offload keys"
+            )
+        dry = any(isinstance(u.shard, FakeTensor) for u in self.units)
+        parts: list[UnitHome] = []
+        if cfg.device == "disk":
+            self.swap = StateSwap(cfg, self.units, self.rank)
+            if not dry:
+                with contextlib.suppress(ValueError):  # an optimizer without a known formula
+                    k = optimizer_state_bytes_per_param(optimizer)
+                    check_room(self.swap.dir, k * sum(u.shard_numel for u in self.units))
+            parts.append(self.swap)
+        ahead = cfg.buffer_count if cfg.device == "disk" else self.cfg.offload_param.buffer_count
+        self.stream = UnitStream(parts, self.units, ahead, dry)
+        if self.shards is not None:
+            self.shards.submit = self.stream.submit
+            parts.insert(0, self.shards)  # parameters and gradients before the state
+
+    def bring_param(self, u: FlatUnit) -> None:
+        if self.shards is not None:
+            self.shards.bring_param(u)
+
+    def drop_param(self, u: FlatUnit) -> None:
+        if self.shards is not None:
+            self.shards.drop_param(u)
+
+    def landing(self, u: FlatUnit, send: torch.Tensor) -> torch.Tensor:
+        if self.shards is None:
+            return super().landing(u, send)
+        return torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
+
+    def launched(self, units: list[FlatUnit], index: int) -> None:
+        if self.shards is None:
+            return
+        # [Note: parameter offload]: memory is what offload is for, so at most buffer_count
+        # reductions (each a full-size gradient buffer and a shard) are in flight; without a
+        # bound, a backward that outruns the wire holds every unit's.
+        flying = [v for v in units[: index + 1] if v.reduced is not None]
+        for v in flying[: max(len(flying) - self.shards.limit, 0)]:
+            self.land(v)
+
+    def land(self, u: FlatUnit) -> None:
+        if self.shards is None:
+            return super().land(u)
+        self.shards.land(u, _wait(u))  # [Note: parameter offload]: to the unit's file
+        u.flat_grad = None
+
+    def grad_pieces(self, u: FlatUnit) -> list[torch.Tensor]:
+        if self.shards is None:
+            return super().grad_pieces(u)
+        return self.shards.grad_pieces[u.index]
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return super().local_gradients() if self.shards is None else []  # see held_gradients
+
+    def step(self, optimizer: torch.optim.Optimizer, step_unit: StepUnit) -> None:
+        if self.stream is not None:
+            self.stream.step(optimizer, step_unit)
+
+    def step_over(self) -> None:
+        if self.shards is None:
+            return super().step_over()
+        self.shards.step_over()  # the next step's first reduction overwrites each file
+
+    @contextlib.contextmanager
+    def reading(
+        self, optimizer: torch.optim.Optimizer
+    ) -> Iterator[Callable[[RankState], RankState]]:
+        # The pieces copy what they hold; then out again.
+        if self.shards is not None:
+            self.shards.bring_all_params()
+        if self.swap is not None:
+            self.swap.bring_all(optimizer)
+        try:
+            yield self._own
+        finally:
+            if self.swap is not None:
+                self.swap.drop_all(optimizer)
+            if self.shards is not None:
+                self.shards.drop_all_params()
+
+    def _own(self, state: RankState) -> RankState:
+        """``state`` with its pieces that are views of shards about to be dropped copied."""
+        if self.shards is None:
+            return state
+        shards = {u.shard.untyped_storage().data_ptr() for u in self.units}  # type: ignore[union-attr]
+        for pc in state.pieces:
+            if pc.tensor.untyped_storage().data_ptr() in shards:
+                pc.tensor = pc.tensor.clone()
+        return state
+
+    @contextlib.contextmanager
+    def loading(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        if self.shards is not None:
+            self.shards.bring_all_params()
+        yield
+        if self.swap is not None:
+            self.swap.store_all(optimizer)
+        if self.shards is not None:
+            self.shards.store_all_params()
+
+    def held_gradients(self) -> ShardSwap | None:
+        """[Note: parameter offload]: the engine's clipping asks them for their sum of squares
+        and hands them its factor."""
+        return self.shards
+
+    @property
+    def on_disk(self) -> dict[str, int]:
+        out = dict(self.shards.disk_bytes) if self.shards is not None else {}
+        if self.swap is not None:
+            out["optimizer_state"] = self.swap.disk_bytes
+        return out
+
+    @property
+    def offloaded(self) -> dict[str, int] | None:
+        if self.stream is None:
+            return None
+        parts = [h for h in (self.swap, self.shards) if h is not None]
+        return {
+            "disk": sum(self.on_disk.values()),
+            "moved": sum(h.moved for h in parts),
+            "read": sum(h.read_bytes for h in parts),
+            "written": sum(h.written_bytes for h in parts),
+        }
+
+    def close(self) -> None:
+        """After the strategy's last gathers, which read the shards' files."""
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+        if self.shards is not None:
+            self.shards.close()
+            self.shards = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+
+def _wait(u: FlatUnit) -> torch.Tensor:
+    """``u``'s reduction, over."""
+    u.reduce_handle.wait()  # type: ignore[union-attr]
+    u.reduce_handle = None
+    reduced, u.reduced = u.reduced, None
+    assert reduced is not None
+    return reduced
+
+
+def _check_params_offload(ctx: StrategyContext, model: nn.Module) -> None:
+    """What [Note: parameter offload] does not combine with yet, refused by name."""
+    mesh = ctx.topology.mesh
+    for axis, size in (("pp", mesh.pp), ("tp", mesh.tp), ("dp_replicate", mesh.dp_replicate)):
+        if size > 1:
+            raise ConfigError(
+                f"zero.offload_param.device = 'disk' with mesh.{axis} = {size}: parameter "
+                f"offload is implemented for plain ZeRO-3 (mesh.{axis} = 1) so far; remove "
+                "the key or the axis"
+            )
+    device = next(model.parameters()).device
+    if device.type not in ("cpu", "meta"):
+        raise ConfigError(
+            f"zero.offload_param.device = 'disk' with parameters on {device}: offload to "
+            "disk is implemented for CPU training only so far; remove the key"
+        )
