@@ -4,13 +4,12 @@ parameters and the optimizer state after 10 steps; and the properties that make 
 
 from __future__ import annotations
 
+import dp_helpers
 import harness
 import pytest
 import reference
 import torch
-
-STEPS = 10
-GLOBAL_BATCH = 16
+from dp_helpers import GLOBAL_BATCH
 
 
 def _cfg(bucket_mb: float = 0.001, overlap: bool = True) -> dict:
@@ -38,9 +37,7 @@ def _cfg(bucket_mb: float = 0.001, overlap: bool = True) -> dict:
 )
 def test_replicate_equals_plain_pytorch(ranks, world, accum, clip, optimizer):
     recipe = reference.Recipe(model="tiny", optimizer=optimizer, clip=clip)
-    results, plain = harness.run_and_compare(
-        ranks, world, _cfg(), recipe, STEPS, accum, GLOBAL_BATCH, tol=1e-5
-    )
+    results, plain = dp_helpers.equals_plain_pytorch(ranks, world, _cfg(), recipe, accum)
     for r, res in enumerate(results):  # every replica holds bit-identical parameters
         for k, v in res["state"].items():
             assert torch.equal(v, results[0]["state"][k]), f"rank {r} diverged from rank 0 at {k}"
@@ -50,22 +47,10 @@ def test_replicate_equals_plain_pytorch(ranks, world, accum, clip, optimizer):
 
 
 def _grads_after_one_backward(world: int):
-    import longboat
-
-    torch.manual_seed(0)
-    model = reference.TinyNet()
-    engine = longboat.initialize(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        {
-            "strategy": "replicate",
-            "batch": {"micro_batch_size": 8},
-            "log": {"progress": False, "level": "WARNING"},
-        },
-    )
-    rank = torch.distributed.get_rank()
-    x, y = reference.dataset(8 * world)[rank::world]  # rank r takes rows r, r+world, ...
-    engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+    cfg = {"strategy": "replicate", "batch": {"micro_batch_size": 8}}
+    model, _, engine = dp_helpers.tiny_engine(cfg, lr=0.1)
+    x, y = dp_helpers.rank_batch(8, world)  # rank r takes rows r, r+world, ...
+    dp_helpers.backward(engine, x, y)
     engine.strategy.finish_gradients()
     engine.strategy.wait_gradients()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -76,10 +61,7 @@ def _grads_after_one_backward(world: int):
 @pytest.mark.parametrize("world", [2, 4])
 def test_gradients_are_averaged_not_summed(ranks, world):
     got = ranks(world, _grads_after_one_backward, world)[0]
-    torch.manual_seed(0)
-    model = reference.TinyNet()
-    x, y = reference.dataset(8 * world)[:]
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    model = dp_helpers.plain_backward(8 * world)
     for n, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
@@ -87,26 +69,15 @@ def test_gradients_are_averaged_not_summed(ranks, world):
 
 
 def _no_comm_between_boundaries():
-    import longboat
-
-    torch.manual_seed(0)
-    model = reference.TinyNet()
-    engine = longboat.initialize(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        {
-            "strategy": "replicate",
-            "batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 3},
-            "log": {"progress": False, "level": "WARNING"},
-        },
-    )
+    batch = {"micro_batch_size": 4, "gradient_accumulation_steps": 3}
+    _, _, engine = dp_helpers.tiny_engine({"strategy": "replicate", "batch": batch}, lr=0.1)
     calls = []
     real = engine.comm.all_reduce
     engine.comm.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
     x, y = reference.dataset(4)[:]
     counts = []
     for _ in range(3):
-        engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+        dp_helpers.backward(engine, x, y)
         counts.append(len(calls))
         engine.step()
     engine.close()

@@ -4,15 +4,13 @@ kept, the communication dtype, the optimizers it accepts)."""
 
 from __future__ import annotations
 
+import dp_helpers
 import harness
 import pytest
 import reference
 import torch
 
 import longboat
-
-STEPS = 10
-GLOBAL_BATCH = 16
 
 # Small buckets and per-module units give many units whose sizes do not divide the world size.
 UNITS = {
@@ -37,9 +35,7 @@ def _zero(stage: int, **units) -> dict:
 )
 def test_zero_equals_plain_pytorch(ranks, stage, world, accum, clip, optimizer):
     recipe = reference.Recipe(model="tiny", optimizer=optimizer, clip=clip)
-    harness.run_and_compare(
-        ranks, world, _zero(stage), recipe, STEPS, accum, GLOBAL_BATCH, tol=1e-5
-    )
+    dp_helpers.equals_plain_pytorch(ranks, world, _zero(stage), recipe, accum)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -47,34 +43,19 @@ def test_zero_tied_parameters_and_odd_sizes(ranks, stage):
     # stage 3: proj and head are different units sharing a weight
     units = {"unit_classes": ["Linear"]} if stage == 3 else {}
     recipe = reference.Recipe(model="tied", optimizer="adamw", clip=0.5)
-    harness.run_and_compare(
-        ranks, 4, _zero(stage, **units), recipe, STEPS, 1, GLOBAL_BATCH, tol=1e-5
-    )
+    dp_helpers.equals_plain_pytorch(ranks, 4, _zero(stage, **units), recipe, 1)
 
 
 def test_zero3_default_units_by_size(ranks):
     recipe = reference.Recipe(model="tiny", optimizer="adamw")
-    harness.run_and_compare(
-        ranks, 2, _zero(3, unit_min_params=300), recipe, STEPS, 1, GLOBAL_BATCH, tol=1e-5
-    )
+    dp_helpers.equals_plain_pytorch(ranks, 2, _zero(3, unit_min_params=300), recipe, 1)
 
 
 def _shard_sizes(stage):
-    torch.manual_seed(0)
-    model = reference.TinyNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = longboat.initialize(
-        model,
-        opt,
-        {
-            "strategy": "zero",
-            "zero": {"stage": stage},
-            "batch": {"micro_batch_size": 4},
-            "log": {"progress": False, "level": "WARNING"},
-        },
-    )
+    cfg = {"strategy": "zero", "zero": {"stage": stage}, "batch": {"micro_batch_size": 4}}
+    model, opt, engine = dp_helpers.tiny_engine(cfg, torch.optim.AdamW, lr=1e-3)
     x, y = reference.dataset(4)[:]
-    engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+    dp_helpers.backward(engine, x, y)
     engine.step()
     sizes = [p.numel() for g in opt.param_groups for p in g["params"]]
     states = sum(t.numel() for s in opt.state.values() for t in s.values() if t.dim())
@@ -96,24 +77,18 @@ def test_optimizer_state_is_sharded_and_names_stay(ranks, stage):
 
 
 def _wire_dtypes(stage):
-    torch.manual_seed(0)
-    model = reference.TinyNet()
-    engine = longboat.initialize(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        {
-            "strategy": "zero",
-            "zero": {"stage": stage},
-            "precision": {"communication_data_type": "bf16"},
-            "batch": {"micro_batch_size": 8},
-            "log": {"progress": False, "level": "WARNING"},
-        },
-    )
+    cfg = {
+        "strategy": "zero",
+        "zero": {"stage": stage},
+        "precision": {"communication_data_type": "bf16"},
+        "batch": {"micro_batch_size": 8},
+    }
+    _, _, engine = dp_helpers.tiny_engine(cfg, lr=0.1)
     seen = []
     real = engine.comm.reduce_scatter
     engine.comm.reduce_scatter = lambda out, inp, **k: seen.append(inp.dtype) or real(out, inp, **k)
-    x, y = reference.dataset(8 * 2)[torch.distributed.get_rank() :: 2]
-    engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+    x, y = dp_helpers.rank_batch(8, 2)
+    dp_helpers.backward(engine, x, y)
     engine.step()
     state = {k: v.clone() for k, v in engine.state_dict().items()}
     engine.close()
@@ -124,10 +99,7 @@ def _wire_dtypes(stage):
 def test_gradients_travel_in_the_communication_dtype(ranks, stage):
     (seen, state), _ = ranks(2, _wire_dtypes, stage)
     assert seen and set(seen) == {torch.bfloat16}
-    torch.manual_seed(0)
-    model = reference.TinyNet()
-    x, y = reference.dataset(16)[:]
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    model = dp_helpers.plain_backward(16)
     updates = {}
     with torch.no_grad():
         for n, p in model.named_parameters():
