@@ -63,11 +63,13 @@ def check(results: list[dict[str, Any]], simulated: Simulated, keys: tuple[str, 
     assert not {"never", "frozen.weight"} & harness.assemble(results).keys()
 
 
-def _optimizer_state(engine: longboat.Engine) -> dict[str, dict[str, torch.Tensor]]:
-    opt = engine.optimizer
+def _optimizer_state(
+    module: torch.nn.Module, opt: torch.optim.Optimizer
+) -> dict[str, dict[str, torch.Tensor]]:
+    """A copy of ``opt``'s state by the name of its parameter in ``module``."""
     return {
         name: {k: torch.as_tensor(v).clone() for k, v in opt.state[p].items()}
-        for name, p in engine.module.named_parameters()
+        for name, p in module.named_parameters()
         if p in opt.state
     }
 
@@ -86,7 +88,7 @@ def resume(cfg: dict[str, Any], directory: str, make: Make) -> dict[str, Any]:
             break
     engine.save_checkpoint(directory, tag="five")
     saved = {k: v.detach().clone() for k, v in engine.state_dict().items()}
-    saved_state = _optimizer_state(engine)
+    saved_state = _optimizer_state(engine.module, engine.optimizer)
     engine.close()
 
     model, _, _ = RECIPE.build()
@@ -94,7 +96,7 @@ def resume(cfg: dict[str, Any], directory: str, make: Make) -> dict[str, Any]:
     engine = longboat.initialize(model, opt, cfg)
     engine.load_checkpoint(directory)
     loaded = {k: v.detach().clone() for k, v in engine.state_dict().items()}
-    loaded_state = _optimizer_state(engine)
+    loaded_state = _optimizer_state(engine.module, opt)
     v_loaded = {id(p): s["exp_avg_sq"].clone() for p, s in opt.state.items()}
     compressed_next = opt.longboat_reduces_gradients()
     for _, *batch in engine.loader(harness.data_for(RECIPE, GLOBAL_BATCH * 8)):
