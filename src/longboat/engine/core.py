@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-import random
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -20,45 +17,33 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
-from longboat import checkpoint, sync_batchnorm
+from longboat import checkpoint
 from longboat.checkpoint.exchange import gather_json
-from longboat.checkpoint.layout import default_tag
 from longboat.comm.hang import CollectiveTimeout, PeerLost
-from longboat.compile import Compiler, unwrap
+from longboat.compile import Compiler
 from longboat.config.batch import ResolvedBatch, resolve_batch
 from longboat.config.errors import ConfigError
-from longboat.config.loading import load_config
 from longboat.config.sections import Config
 from longboat.data import Loader, build_loader
-from longboat.evaluation import EvalLoader, reduce_metrics
+from longboat.engine.state import StateMethods
 from longboat.grads import clip_by_global_norm_
 from longboat.join import UNEVEN_HINT, JoinVote, Turn
-from longboat.mesh import Mesh, MeshError
-from longboat.observe.log import setup_logging
-from longboat.observe.memory import (
-    MemoryReport,
-    expected_bytes,
-    measure,
-    optimizer_state_bytes_per_param,
-)
 from longboat.observe.monitor import Monitor
-from longboat.optim import build_optimizer, build_scheduler, check_parameters
+from longboat.optim import check_parameters
 from longboat.optim.self_reducing import check_bound
-from longboat.pipeline import build_schedule
 from longboat.pipeline.schedule import LossFn, Schedule, Sequential, default_inputs, split
 from longboat.precision import Precision, SkippedStep
-from longboat.recompute import apply_activation_checkpointing
-from longboat.strategies import build_service, build_strategy
+from longboat.strategies import build_strategy
 from longboat.strategies.base import cannot_shadow
 from longboat.tensor import TensorParallel
 from longboat.tensor.strategy import wrap as tensor_parallel_over
-from longboat.topology import DoorwayOptions, Topology
-from longboat.world import World, destroy_process_group, device_for, init_process_group
+from longboat.topology import Topology
+from longboat.world import World, destroy_process_group, device_for
 
 T = TypeVar("T")
 
 
-class Engine:
+class Engine(StateMethods):
     """A model trained by a strategy. Create it with :func:`longboat.initialize`."""
 
     def __init__(
@@ -463,120 +448,7 @@ class Engine:
         self._backward(self.strategy.shadow)
         self.step()
 
-    # -- state ---------------------------------------------------------------------------------
-
-    def eval_loader(
-        self,
-        dataset: Dataset,
-        *,
-        batch_size: int | None = None,
-        collate_fn: Callable[..., Any] | None = None,
-    ) -> EvalLoader:
-        """This rank's disjoint share of ``dataset`` for evaluation, in order, every sample on
-        exactly one data-parallel rank and every rank yielding as many batches (a rank whose
-        share ended gets empty ones); sum metrics over the ranks with :meth:`reduce_metrics`.
-        ``batch_size`` defaults to the micro-batch size. See [Note: exact evaluation] in
-        ``longboat/evaluation.py``."""
-        return EvalLoader(
-            dataset,
-            self.topology.coords["dp"],
-            self.topology.mesh.dp,
-            batch_size or self.batch.micro_batch_size,
-            collate_fn,
-            None if self.device.type == "cpu" else self.device,
-        )
-
-    def reduce_metrics(self, values: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
-        """``values`` (sums: correct answers, summed losses, counts) summed over the
-        data-parallel ranks, the same on every rank; every rank calls it."""
-        return reduce_metrics(values, self.topology.control("dp"))
-
-    def gathered_parameters(self) -> AbstractContextManager[None]:
-        """A context inside which every parameter is whole on every rank, so that one rank may
-        evaluate alone::
-
-            with engine.gathered_parameters():      # every rank enters and leaves it
-                if engine.world.rank == 0:
-                    with torch.no_grad():
-                        engine.eval()(x)
-
-        Only ZeRO-3 needs it (its parameters are sharded between forwards); under the other
-        strategies a forward under ``torch.no_grad()`` or in ``eval()`` mode communicates nothing
-        and can run on one rank anywhere. Read-only: parameter changes inside are not kept.
-        """
-        return self.strategy.gathered_parameters()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The model's ``state_dict`` with the user's own keys and whole tensors."""
-        return self.strategy.full_state_dict(self.model)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load whole tensors (as :meth:`state_dict` gives them, every key) into the model,
-        whatever the layout: each rank keeps its share (ZeRO-3 its shards, tensor parallelism
-        its slices). The optimizer state stays as it was. Every rank calls it, between steps."""
-        current = self.strategy.checkpoint_state(self.model, self.optimizer)
-        source = checkpoint.StateDictSource(state, current)
-        self.strategy.load_checkpoint_state(self.model, self.optimizer, source)
-
-    def save_checkpoint(
-        self, directory: str | Path, tag: str | None = None, client_state: Any = None
-    ) -> Path:
-        """Save model, optimizer, scheduler, loader positions, RNG states and ``client_state``
-        (JSON-able) under ``directory/tag`` (default tag: ``step-<global step>``), atomically.
-
-        Every rank calls it with the same tag, right after ``step()`` returned True. The last
-        ``checkpoint.keep_last`` checkpoints are kept (0: all). See :mod:`longboat.checkpoint`.
-        """
-        if not self.strategy.writes_checkpoints:
-            # A worker of an async or ssp parameter-server job: there is no collective between
-            # workers, so worker 0 writes for all ([Note: parameter server roles]).
-            return Path(directory) / (
-                str(tag) if tag is not None else default_tag(self.global_step)
-            )
-        with self.monitor.phase("checkpoint"):
-            return checkpoint.save(self, directory, tag, client_state)
-
-    def load_checkpoint(
-        self, directory: str | Path, tag: str | None = None, *, allow_missing: bool = False
-    ) -> checkpoint.LoadedCheckpoint | None:
-        """Load a checkpoint written by any strategy at any world size, after verifying its
-        checksums and model fingerprint; every rank calls it.
-
-        ``tag=None`` loads the latest. A missing checkpoint raises
-        :class:`~longboat.checkpoint.CheckpointNotFoundError`, unless ``allow_missing`` (to resume
-        if there is something to resume): then it returns None. Loaders created before or after
-        this call continue where the saved ones stood.
-        """
-        with self.monitor.phase("checkpoint"):
-            return checkpoint.load(self, directory, tag, allow_missing=allow_missing)
-
-    def should_stop(self) -> bool:
-        """True on every rank, at the same call, once any rank received SIGTERM or SIGINT
-        (``longboat run`` being stopped, a scheduler preempting the job): save a checkpoint and
-        leave the training loop. Call it at the same point on every rank, e.g. after each
-        ``step()`` (it is one small all-reduce); the first call starts listening for the signals.
-        """
-        return self.checkpointing.stop.agreed(self.control)
-
-    def memory_report(self) -> MemoryReport:
-        """Model-state bytes on this rank, counted from storages, beside the strategy's formula
-        (see ``longboat.observe.memory``)."""
-        a = self.trainable_params
-        k = optimizer_state_bytes_per_param(self.optimizer)
-        n = self.topology.mesh.dp_shard
-        # A strategy beside the formulas' table gives its own (a parameter server's worker).
-        formula = self.strategy.expected_memory(a, k)
-        if formula is None:
-            formula = expected_bytes(self.strategy.name, a, n, k)
-        return MemoryReport(
-            rank=self.world.rank,
-            strategy=self.strategy.name,
-            trainable_params=a,
-            world_size=n,
-            measured=measure(self.strategy.memory_tensors(self.optimizer)),
-            expected=formula,
-            on_disk=dict(self.strategy.on_disk),
-        )
+    # -- as a module; closing ------------------------------------------------------------------
 
     @property
     def device(self) -> torch.device:
@@ -617,198 +489,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, torch (and numpy if present) the same way on every rank."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-
-
-def initialize(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    config: Config | Mapping[str, Any] | str | Path | None = None,
-    *,
-    scheduler: LRScheduler | None = None,
-    world: World | None = None,
-    param_init_fn: Callable[[nn.Module], object] | None = None,
-) -> Engine:
-    """Make ``model`` train under the strategy the config asks for.
-
-    The process group is joined if the environment describes one (``longboat run``, torchrun,
-    Slurm, Open MPI) and none exists yet; plain ``python script.py`` is a world of one.
-    ``optimizer`` and ``scheduler`` may come from the config's ``optimizer``/``scheduler``
-    sections instead.
-
-    ``param_init_fn(module)`` (FSDP's name) initialises, in place, the parameters and buffers
-    of each module of a model built on the meta device, as ZeRO-3 makes them real; without it
-    the model's own initialiser does (``zero.init_method``, found by itself for transformers
-    models and :class:`longboat.models.GPT`), else each module's ``reset_parameters()``
-    ([Note: deferred init] in ``longboat/strategies/zero/init.py``).
-    """
-    cfg, world, owns, service, mesh, options = _join(config, world)
-    if service is None:
-        topology = Topology.build(mesh, options, device_for(world))
-    else:
-        service.start(cfg.comm.timeout_s)
-        if service.serves(world.rank):  # serves, then ends the process (ServerExit)
-            service.serve(_optimizer_of(model, optimizer, cfg), mesh, options)
-        topology = service.topology(mesh, options, device_for(world))
-    return assemble(
-        model,
-        optimizer,
-        cfg,
-        world,
-        topology,
-        scheduler,
-        owns_group=owns,
-        service=service,
-        param_init_fn=param_init_fn,
-    )
-
-
-def _join(
-    config: Config | Mapping[str, Any] | str | Path | None, world: World | None
-) -> tuple[Config, World, bool, Any, Mesh, DoorwayOptions]:
-    """The config, the world (joined), the ranks that serve beside the mesh, the mesh and the
-    doorways' options."""
-    cfg = load_config(config)
-    world = world or World.from_env()
-    setup_logging(world, cfg.log.level)
-    owns = init_process_group(world, backend=cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
-    # Ranks that serve the strategy instead of training ([Note: parameter server roles] in
-    # ps/service.py): the mesh covers the others.
-    service = build_service(cfg, world.world_size)
-    mesh = resolve_mesh(cfg, world.world_size - cfg.service_ranks())
-    c = cfg.comm
-    options = DoorwayOptions(
-        desync_check=c.desync_check,
-        log=c.log,
-        log_verbose=c.log_verbose,
-        timeout_s=c.timeout_s,
-        groups=c.groups,
-        hierarchical=c.hierarchical,
-        ranks_per_node=c.ranks_per_node or world.local_world_size,
-    )
-    return cfg, world, owns, service, mesh, options
-
-
-def serve_beside(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    config: Config | Mapping[str, Any] | str | Path | None = None,
-) -> Any:
-    """On a server rank of a parameter-server job, what :func:`initialize` does there, but the
-    serving runs in a thread of its own and this returns it (its ``summary`` is set when the
-    workers have left), so that the process goes on with other work: ``longboat bench`` runs
-    that rank's share of the other sides meanwhile. Every other rank calls :func:`initialize`.
-    """
-    cfg, world, _, service, mesh, options = _join(config, None)
-    if service is None or not service.serves(world.rank):
-        raise ConfigError(
-            f"serve_beside on rank {world.rank}: the config's strategy is {cfg.strategy!r}, "
-            "and only a parameter server's server ranks serve; call longboat.initialize"
-        )
-    service.start(cfg.comm.timeout_s)
-    return service.serve_beside(_optimizer_of(model, optimizer, cfg), mesh, options)
-
-
-def _optimizer_of(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: Config
-) -> torch.optim.Optimizer:
-    """The user's optimizer, or the one the config describes."""
-    if optimizer is not None:
-        return optimizer
-    if cfg.optimizer is None:
-        raise ConfigError(
-            "no optimizer: pass one to longboat.initialize, or set the "
-            "config's 'optimizer' section, e.g. {type='AdamW', params={lr=1e-3}}"
-        )
-    return build_optimizer(model.parameters(), cfg.optimizer)
-
-
-def assemble(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    cfg: Config,
-    world: World,
-    topology: Topology,
-    scheduler: LRScheduler | None = None,
-    owns_group: bool = False,
-    device: torch.device | None = None,
-    service: Any = None,
-    param_init_fn: Callable[[nn.Module], object] | None = None,
-) -> Engine:
-    """The engine of ``model`` on ``topology``: this rank's pipeline stages, activation
-    checkpointing, the optimizer (the user's restricted to the stages held, or the config's)
-    and the strategy, on ``device`` (default: this rank's). :func:`initialize` after joining
-    the group; ``longboat plan`` on its simulated topology, on CPU fake tensors, so a plan is
-    of exactly what a run builds."""
-    device = device or device_for(world)
-    # [Note: compiling under a strategy] in compile.py: a compiled model is set up as
-    # itself (names and checkpoints stay the user's), and compiled once the strategy's hooks
-    # are in place; bad settings are refused now, before anything else is built.
-    model, compiled = unwrap(model)
-    compiler = Compiler.plan(cfg.compile, compiled)
-    schedule = build_schedule(cfg.pipeline, topology, device)
-    # With pipeline stages, this rank's stages only, from here on (specs built here).
-    model = schedule.prepare(model)
-    # Then tensor parallelism divides the layers the plan names (before the optimizer is built
-    # from the parameters, which keep their objects: a user's optimizer stays valid).
-    tensor = TensorParallel(
-        cfg.tensor_parallel, topology.data("tp"), check_unused=topology.mesh.pp == 1
-    )
-    tensor.apply(model, device)
-    if cfg.sync_batchnorm:  # [Note: sync batchnorm]: before the strategy sees the modules
-        n = sync_batchnorm.convert(model, topology.data("dp"))
-        logging.getLogger("longboat").log(
-            logging.INFO if n else logging.WARNING,
-            "sync_batchnorm: %d batch norm layer(s) synchronised over the data-parallel ranks",
-            n,
-        )
-    apply_activation_checkpointing(model, cfg.activation_checkpointing, device)
-    if device.type != "cpu":
-        model.to(device)
-    if optimizer is None:
-        optimizer = _optimizer_of(model, None, cfg)
-    else:
-        schedule.restrict(optimizer, model)
-    if scheduler is None and cfg.scheduler is not None:
-        scheduler = build_scheduler(optimizer, cfg.scheduler)
-    engine = Engine(
-        model,
-        optimizer,
-        cfg,
-        world,
-        topology,
-        scheduler,
-        owns_group=owns_group,
-        schedule=schedule,
-        tensor=tensor,
-        service=service,
-        param_init_fn=param_init_fn,
-    )
-    if compiler is not None:
-        hooked = engine.strategy.hooked_modules()
-        compiler.apply(engine.module, hooked, engine.tensor.active)
-        engine.compiler = compiler
-    return engine
-
-
-def resolve_mesh(cfg: Config, world_size: int) -> Mesh:
-    """The config's ``[mesh]`` at ``world_size`` ranks."""
-    m = cfg.mesh
-    try:
-        mesh = Mesh.resolve(
-            world_size, pp=m.pp, tp=m.tp, dp=m.dp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard
-        )
-    except MeshError as e:
-        raise ConfigError(str(e)) from None
-    return mesh
