@@ -18,8 +18,7 @@ import torch
 from longboat.comm.commlog import CommLog
 from longboat.comm.trace import CallRecord
 from longboat.ps.layout import KeyLayout, Planner
-from longboat.ps.server import CONTROL_KEY
-from longboat.ps.wire import PAYLOAD, Header, Link, Op, decode_json, encode_json
+from longboat.ps.wire import CONTROL_KEY, PAYLOAD, Header, Link, Op, decode_json, encode_json
 
 
 class ServerAbort(RuntimeError):

@@ -25,7 +25,10 @@ for it; in ``sync`` nothing can go on, so every waiting worker gets an abort nam
 receive-from-any cannot time out and be posted again (gloo drops it), so the server only looks
 at the clocks when a message wakes it: the live workers' heartbeats guarantee one comes. With
 none left to send one (every worker died), a watch thread ends the server with status 1
-(:meth:`Server._watch`).
+(:meth:`Server._watch`). Every message goes through the comm doorway (``wire.py``), which logs
+it and reports a receive that times out; the receive-from-any it leaves to this watch
+([Note: receives from any rank] in ``comm/messages.py``): a server waiting between requests is
+idle, not hung, and a worker lost mid-message is dropped or named here, not by the doorway.
 """
 
 from __future__ import annotations
@@ -34,15 +37,23 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from longboat.observe.memory import optimizer_state_tensors
-from longboat.ps.layout import KeyLayout, Planner, Segment
+from longboat.ps.layout import Planner
+from longboat.ps.records import (
+    Held,
+    OptimizerFactory,
+    Settings,
+    WorkerRecord,
+    held_pushes,
+    restore,
+    state_of,
+)
 from longboat.ps.wire import (
+    CONTROL_KEY,
     PAYLOAD,
     Header,
     Link,
@@ -55,68 +66,15 @@ from longboat.ps.wire import (
 
 log = logging.getLogger("longboat")
 
-#: Replies that answer no key (barrier, goodbye) come on this key's tag.
-CONTROL_KEY = 1 << 20
-
-#: ``(key, group, tensors) -> optimizer`` over a key's segments on this server; ``group`` is
-#: what the worker declared with the key (the engine: its parameter group's index).
-OptimizerFactory = Callable[[int, int, list[torch.Tensor]], "torch.optim.Optimizer | None"]
-
-
-@dataclass
-class _Held:
-    """One key's range on this server."""
-
-    layout: KeyLayout
-    segments: list[Segment]
-    values: list[torch.Tensor]
-    optimizer: torch.optim.Optimizer | None = None
-    initialized: bool = False
-    version: int = 0  # clocks applied (sync, ssp) or pushes applied (async)
-    acc: dict[int, torch.Tensor] = field(default_factory=dict)  # clock -> summed push
-    who: dict[int, set[int]] = field(default_factory=dict)  # clock -> workers that pushed it
-    mean: torch.Tensor | None = None  # without update_on_server: the last mean gradient
-    lr: float | None = None  # the learning rate the last push carried
-
-    @property
-    def span(self) -> int:
-        return sum(s.numel for s in self.segments)
-
-
-@dataclass
-class WorkerRecord:
-    """What a server knows of one worker."""
-
-    rank: int
-    pushes: int = 0
-    pulls: int = 0
-    clock: int = 0  # pushes of the most pushed key (a worker pushes every key each step)
-    last_seen: float = 0.0
-    finished: bool = False
-    dead: bool = False
-    max_staleness: int = 0
-
-    def live(self) -> bool:
-        return not (self.finished or self.dead)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How a server behaves (from ``[parameter_server]``)."""
-
-    mode: str = "sync"
-    staleness: int = 0
-    update_on_server: bool = True
-    dead_after_s: float = 10.0
-
-
-def held_pushes(settings: Settings) -> int:
-    """How many summed pushes of one key a server may hold at once, each its range of the key
-    and a flag per segment (see [Note: parameter server modes]): none in ``async`` (each is
-    applied as it comes), the clock being summed in ``sync``, up to ``staleness + 1`` clocks in
-    ``ssp``; and without ``update_on_server`` the last mean gradient besides."""
-    waiting = {"async": 0, "sync": 1, "ssp": settings.staleness + 1}[settings.mode]
-    return waiting + (0 if settings.update_on_server else 1)
+__all__ = [
+    "CONTROL_KEY",
+    "Held",
+    "OptimizerFactory",
+    "Server",
+    "Settings",
+    "WorkerRecord",
+    "held_pushes",
+]
 
 
 class Server:
@@ -137,7 +95,7 @@ class Server:
         now = time.monotonic()
         self.workers = [WorkerRecord(rank=r, last_seen=now) for r in workers]
         self.planner = Planner(servers)
-        self.held: dict[int, _Held] = {}
+        self.held: dict[int, Held] = {}
         self._make_optimizer = make_optimizer
         self._pulls: list[Header] = []
         self._barrier: set[int] = set()
@@ -273,7 +231,7 @@ class Server:
                     if self.settings.update_on_server
                     else None
                 )
-                self.held[h.key] = _Held(lay, segs, values, optimizer)
+                self.held[h.key] = Held(lay, segs, values, optimizer)
         elif h.key > len(self.planner.layouts):
             raise RuntimeError(
                 f"parameter server {self.index}: key {h.key} declared before key "
@@ -313,7 +271,7 @@ class Server:
         held.lr = lr
         self._advance(held)
 
-    def _advance(self, held: _Held) -> None:
+    def _advance(self, held: Held) -> None:
         """Apply every complete clock, in order (sync and ssp)."""
         while held.version in held.acc:
             c = held.version
@@ -322,7 +280,7 @@ class Server:
                 return
             self._apply(held, held.acc.pop(c), len(held.who.pop(c)), held.lr)
 
-    def _apply(self, held: _Held, payload: torch.Tensor, n: int, lr: float | None) -> None:
+    def _apply(self, held: Held, payload: torch.Tensor, n: int, lr: float | None) -> None:
         """Apply the mean of ``n`` summed pushes: an optimizer step, or kept for the pulls."""
         if n > 1:
             payload /= n
@@ -440,70 +398,21 @@ class Server:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def _send_state(self, held: _Held, rank: int) -> None:
-        tensors: list[torch.Tensor] = list(held.values)
-        segments: list[dict[str, Any]] = []
-        for seg, v in zip(held.segments, held.values, strict=True):
-            state: dict[str, Any] = {}
-            opt_state = held.optimizer.state.get(v, {}) if held.optimizer is not None else {}
-            for name, x in opt_state.items():
-                if isinstance(x, torch.Tensor) and x.dim() > 0:
-                    state[name] = {"numel": x.numel(), "dtype": str(x.dtype).removeprefix("torch.")}
-                    tensors.append(x.reshape(-1).to(held.values[0].dtype))
-                elif isinstance(x, torch.Tensor):
-                    state[name] = {"scalar": x.item(), "dtype": str(x.dtype).removeprefix("torch.")}
-                else:
-                    state[name] = {"value": x}
-            segments.append(
-                {"index": seg.index, "start": seg.start, "end": seg.end, "state": state}
-            )
-        meta = encode_json(
-            {
-                "version": held.version,
-                "clocks": [w.clock for w in self.workers],
-                "segments": segments,
-            }
-        )
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        self.link.reply(Header(Op.REPLY, held.layout.key, a=meta.numel(), b=flat.numel()), rank)
-        self.link.send(meta, rank, reply_tag(held.layout.key) + 1)
+    def _send_state(self, held: Held, rank: int) -> None:
+        meta, flat = state_of(held, [w.clock for w in self.workers])
+        m = encode_json(meta)
+        self.link.reply(Header(Op.REPLY, held.layout.key, a=m.numel(), b=flat.numel()), rank)
+        self.link.send(m, rank, reply_tag(held.layout.key) + 1)
         self.link.send(flat, rank, reply_tag(held.layout.key) + 1)
 
-    def _set_state(self, held: _Held, h: Header, rank: int) -> None:
+    def _set_state(self, held: Held, h: Header, rank: int) -> None:
         meta_t = torch.empty(int(h.a), dtype=torch.uint8)
         self.link.recv(meta_t, rank, PAYLOAD)
         flat = torch.empty(int(h.b), dtype=held.values[0].dtype)
         self.link.recv(flat, rank, PAYLOAD)
-        meta = decode_json(meta_t)
-        offset = 0
-        for v in held.values:
-            v.copy_(flat[offset : offset + v.numel()])
-            offset += v.numel()
-        held.initialized = True
-        held.version = int(meta["version"])
-        held.acc.clear()
-        held.who.clear()
-        for w, c in zip(self.workers, meta["clocks"], strict=True):
-            w.clock = int(c)
-        if held.optimizer is None:
-            return
-        for seg_meta, v in zip(meta["segments"], held.values, strict=True):
-            state: dict[str, Any] = {}
-            for name, spec in seg_meta["state"].items():
-                if "numel" in spec:
-                    n = int(spec["numel"])
-                    state[name] = (
-                        flat[offset : offset + n].to(getattr(torch, spec["dtype"])).clone()
-                    )
-                    offset += n
-                elif "scalar" in spec:
-                    state[name] = torch.tensor(spec["scalar"], dtype=getattr(torch, spec["dtype"]))
-                else:
-                    state[name] = spec["value"]
-            if state:
-                held.optimizer.state[v] = state
-            else:
-                held.optimizer.state.pop(v, None)
+        clocks = restore(held, decode_json(meta_t), flat)
+        for w, c in zip(self.workers, clocks, strict=True):
+            w.clock = c
 
     # -- the end -------------------------------------------------------------------------------
 
@@ -529,6 +438,7 @@ class Server:
                 for w in self.workers
             ],
             "traffic": {k: {"messages": c, "bytes": b} for k, (c, b) in self.link.counts.items()},
+            "comm_log": self.link.comm.log_summary(),  # each message (comm.log)
             "memory": self.memory(),
         }
 

@@ -93,6 +93,10 @@ class ParameterServerService:
         self.servers = list(range(world_size - cfg.servers, world_size))
         self.link: Link | None = None
         self._setup_group: Any = None
+        self._setup_comm: Collectives | None = None
+        #: The doorway every parameter-server message goes through (after :meth:`start`); its
+        #: comm log stays readable once closed.
+        self.comm: Collectives | None = None
         self.serving: Server | None = None  # this rank's server, while it serves
 
     @property
@@ -106,13 +110,37 @@ class ParameterServerService:
         """Make the servers' group and the workers' start group (collective, every rank)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         everyone = self.workers + self.servers
-        self.link = Link(dist.new_group(everyone, backend="gloo", timeout=timeout))
+        group = dist.new_group(everyone, backend="gloo", timeout=timeout)
+        c = self.config.comm
+        # Messages only: a desync check would need every rank in each one, which the servers'
+        # receive-from-any never is.
+        comm = Collectives(
+            group,
+            log=c.log,
+            log_verbose=c.log_verbose,
+            timeout_s=timeout_s,
+            name="parameter servers",
+        )
+        self.comm = comm
+        self.link = Link(group, comm)
         self._setup_group = (
             dist.new_group(self.workers, backend="gloo", timeout=timeout)
             if len(self.workers) > 1
             else None
         )
         rank = dist.get_rank()
+        if self._setup_group is not None and not self.serves(rank):
+            # The workers' doorway for the start's broadcast; its desync check runs on the
+            # group itself (gloo), so that no group is made by the workers alone.
+            self._setup_comm = Collectives(
+                self._setup_group,
+                desync_check=c.desync_check,
+                check_group=self._setup_group,
+                log=c.log,
+                log_verbose=c.log_verbose,
+                timeout_s=timeout_s,
+                name="parameter-server workers",
+            )
         if self.serves(rank):
             roles.announce(rank, roles.Role(f"parameter server {self.servers.index(rank)}"))
         else:  # async and ssp go on without a worker that dies: the launcher may too
@@ -133,6 +161,11 @@ class ParameterServerService:
     def setup_group(self) -> Any:
         """A gloo group of the workers (None with one worker): the start's broadcast."""
         return self._setup_group
+
+    def setup_comm(self) -> Collectives | None:
+        """The doorway of :meth:`setup_group` on a worker (None with one worker): the start's
+        broadcast of worker 0's (group rank 0's) parameters and buffers."""
+        return self._setup_comm
 
     def connect(self, worker: int) -> Connection:
         assert self.link is not None, "start() first"
@@ -191,6 +224,8 @@ class ParameterServerService:
             summary = server.run()
         finally:
             group, self.link = self.link.group, None
+            if self.comm is not None:
+                self.comm.close()
             if self._setup_group is not None:
                 dist.destroy_process_group(self._setup_group)
             dist.destroy_process_group(group)
@@ -200,8 +235,13 @@ class ParameterServerService:
     def close(self) -> None:
         """Release the groups (a worker, after saying goodbye)."""
         if self.link is not None:
+            assert self.comm is not None
+            self.comm.close()
             dist.destroy_process_group(self.link.group)
             self.link = None
+        if self._setup_comm is not None:
+            self._setup_comm.close()
+            self._setup_comm = None
         if self._setup_group is not None:
             dist.destroy_process_group(self._setup_group)
             self._setup_group = None

@@ -1,5 +1,8 @@
-"""What travels between workers and servers: a fixed-size header, then a payload, over
-``torch.distributed`` point-to-point on a gloo group of the parameter server's own.
+"""What travels between workers and servers: a fixed-size header, then a payload, as messages
+through the comm doorway (:class:`~longboat.comm.protocol.Mailbox`) on a gloo group of the
+parameter server's own, so that each appears in the comm log and a receive that hangs in the
+hang report. A lost peer is the parameter server's to name ([Note: parameter server liveness]
+in ``server.py``), not the doorway's.
 
 [Note: parameter server wire] Every request is a header of :data:`HEADER_LEN` float64 numbers
 (exact for integers below 2**53) sent on tag :data:`REQUEST`; a server takes them with a
@@ -24,12 +27,15 @@ from enum import IntEnum
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from longboat.comm.protocol import Mailbox
 
 HEADER_LEN = 8
 REQUEST = 0  # headers, worker -> server
 PAYLOAD = 1  # tensors after a header, worker -> server
 _REPLY_BASE = 16  # server -> worker: header on 16 + 2k, payload on 17 + 2k (key k)
+#: Replies that answer no key (barrier, goodbye) come on this key's tag.
+CONTROL_KEY = 1 << 20
 
 
 class Op(IntEnum):
@@ -76,22 +82,35 @@ def reply_tag(key: int) -> int:
     return _REPLY_BASE + 2 * key
 
 
+def describe(tag: int) -> str:
+    """What a message on ``tag`` is, as logs and hang reports name it."""
+    if tag == REQUEST:
+        return "parameter-server request"
+    if tag == PAYLOAD:
+        return "parameter-server request payload"
+    key, payload = divmod(tag - _REPLY_BASE, 2)
+    what = "control" if key == CONTROL_KEY else f"key {key}"
+    return f"parameter-server reply{' payload' if payload else ''} ({what})"
+
+
 def empty_header() -> torch.Tensor:
     return torch.zeros(HEADER_LEN, dtype=torch.float64)
 
 
 @dataclass
 class Link:
-    """Point-to-point on the parameter server's group, counting messages and bytes by kind
-    (the comm log's pushes and pulls)."""
+    """Messages on the parameter server's group, through its doorway ``comm``, between global
+    ranks; counts messages and bytes by kind (the servers' summary of pushes and pulls)."""
 
     group: Any
+    comm: Mailbox
     #: Turns a failed send to or receive from a named peer (its global rank) into the error
-    #: to raise (a worker's: the server it lost); None keeps torch's error.
+    #: to raise (a worker's: the server it lost); None keeps the doorway's error.
     peer_error: Callable[[int, RuntimeError], Exception] | None = None
 
     def __post_init__(self) -> None:
         self.counts: dict[str, list[int]] = {}
+        self._ranks = [self.comm.global_rank(r) for r in range(self.comm.world_size)]
 
     def count(self, kind: str, nbytes: int) -> None:
         c = self.counts.setdefault(kind, [0, 0])
@@ -100,19 +119,23 @@ class Link:
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         try:
-            dist.send(t, dst=dst, group=self.group, tag=tag)
+            self.comm.send_message(
+                t, self._ranks.index(dst), tag, describe(tag), loss_reported=False
+            )
         except RuntimeError as e:
             self._raise_for(dst, e)
             raise
 
     def recv(self, t: torch.Tensor, src: int | None, tag: int) -> int:
         """Receive into ``t`` from ``src`` (None: from any); returns the sender's global rank."""
+        peer = None if src is None else self._ranks.index(src)
         try:
-            return int(dist.recv(t, src=src, group=self.group, tag=tag))
+            got = self.comm.recv_message(t, peer, tag, describe(tag), loss_reported=False)
         except RuntimeError as e:
             if src is not None:
                 self._raise_for(src, e)
             raise
+        return self._ranks[got]
 
     def _raise_for(self, peer: int, e: RuntimeError) -> None:
         err = None if self.peer_error is None else self.peer_error(peer, e)
