@@ -1,4 +1,5 @@
-"""Sharded loading: the union of rank shards is the single-process batch (see data.py's note)."""
+"""Sharded loading: the union of rank shards is the single-process batch ([Note: shards] in
+``data/sharded.py``)."""
 
 import pytest
 import torch

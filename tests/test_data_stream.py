@@ -1,4 +1,4 @@
-"""Data as scripts bring it ([Note: streams] and [Note: your DataLoader] in longboat/data.py): a
+"""Data as scripts bring it ([Note: streams] and [Note: your DataLoader] in longboat/data/): a
 stream (``IterableDataset``) split by rank and worker so that every sample of an epoch is read
 by exactly one rank, ``set_epoch`` reaching every reader, training equal to the plain loop of
 ``reference.py`` on the samples each rank should have had (computed here from the stream, not
