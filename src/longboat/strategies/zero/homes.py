@@ -10,10 +10,10 @@ chosen from ``zero.offload_optimizer`` and ``zero.offload_param`` when the strat
   parameter offload] in ``shard_swap.py``); units step one by one through a
   :class:`~longboat.strategies.zero.offload.UnitStream` that reads each ahead and writes it behind.
 
-The strategy asks a home the same questions whichever it is (:class:`Home`): where a reduction
-lands and how it joins the gradient shard, which gradients the optimizer sees, how units step,
-what a checkpoint reads and writes, what is on disk. Keeping state in CPU memory beside an
-accelerator (ZeRO-Offload) would be a third home; until it exists the config is refused by name.
+The strategy asks a home the same questions whichever it is (:class:`Home`): how a reduction
+joins the gradient shard, which gradients the optimizer sees, how units step, what a checkpoint
+reads and writes, what is on disk. Keeping state in CPU memory beside an accelerator
+(ZeRO-Offload) would be a third home; until it exists the config is refused by name.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ StepUnit = Callable[[FlatUnit], None]
 class Home(Protocol):
     """Where a rank's units keep their state between uses ([Note: homes])."""
 
-    #: Gradient shards keep their memory between reductions: a reduction may land in one, and
-    #: on one data-parallel rank gradients accumulate in it directly.
+    #: Gradient shards keep their memory between reductions: a reduction may land in one
+    #: ([Note: reduce in place] in ``reduce.py``), and on one data-parallel rank gradients
+    #: accumulate in it directly.
     grads_in_memory: bool
     #: Units step one by one, each with its state brought in around its step.
     steps_by_unit: bool
@@ -59,9 +60,6 @@ class Home(Protocol):
 
     def drop_param(self, u: FlatUnit) -> None:
         """Stage 3: out again once the gather is over."""
-
-    def landing(self, u: FlatUnit, send: torch.Tensor) -> torch.Tensor:
-        """The shard-size tensor ``u``'s reduction of ``send`` lands in."""
 
     def launched(self, units: list[FlatUnit], index: int) -> None:
         """Unit ``index``'s reduction is on the wire."""
@@ -149,16 +147,6 @@ class InMemory:
     def drop_param(self, u: FlatUnit) -> None:
         pass
 
-    def landing(self, u: FlatUnit, send: torch.Tensor) -> torch.Tensor:
-        if self.policy.shard_grads and u.shard_empty and send.dtype == u.dtype:
-            # [Note: reduce in place] The shard holds nothing yet this step: the reduction
-            # lands in it directly, and no shard-size buffer per unit in flight is needed
-            # (with every unit in flight at the end of a backward, 2 bytes per parameter in fp32
-            # at two ranks, the whole difference to DeepSpeed's peak in zero_vs_peers).
-            assert u.grad_shard is not None
-            return u.grad_shard
-        return torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
-
     def launched(self, units: list[FlatUnit], index: int) -> None:
         pass
 
@@ -166,7 +154,7 @@ class InMemory:
         reduced = _wait(u)
         if self.policy.shard_grads:
             assert u.grad_shard is not None
-            if reduced is not u.grad_shard:  # [Note: reduce in place]
+            if reduced is not u.grad_shard:  # [Note: reduce in place] in ``reduce.py``
                 u.grad_shard.add_(reduced)
             u.flat_grad = None
         else:
@@ -276,11 +264,6 @@ class OnDisk(InMemory):
     def drop_param(self, u: FlatUnit) -> None:
         if self.shards is not None:
             self.shards.drop_param(u)
-
-    def landing(self, u: FlatUnit, send: torch.Tensor) -> torch.Tensor:
-        if self.shards is None:
-            return super().landing(u, send)
-        return torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
 
     def launched(self, units: list[FlatUnit], index: int) -> None:
         if self.shards is None:
