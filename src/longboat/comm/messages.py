@@ -147,9 +147,14 @@ class PointToPoint:
             self.rules.check("recv", (tensor,), self._group_name)
         rec = self._record("recv", tensor, None, "", f"{tag}, from any rank" if tag else "any")
         t0 = time.perf_counter()
-        # Blocking, bounded by the group's own timeout: gloo drops a receive from any rank
-        # whose wait timed out, so it cannot be waited for again in shorter slices.
-        sender = dist.recv(tensor, src=None, group=self._live(), tag=channel)
+        staged = self._gloo_device(tensor)  # [Note: gloo point-to-point on accelerators]
+        wire = torch.empty_like(tensor, device="cpu") if staged else tensor
+        # Blocking, bounded by the group's own timeout, and never waited for in shorter
+        # slices: after a receive from any rank timed out on gloo, the next message sent to
+        # this rank did not arrive (measured with two ranks and a 2 s timeout).
+        sender = dist.recv(wire, src=None, group=self._live(), tag=channel)
+        if staged:
+            tensor.copy_(wire)
         t1 = time.perf_counter()
         self.blocked_seconds += t1 - t0
         if self.log and self.commlog is not None:
