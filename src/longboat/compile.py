@@ -159,7 +159,8 @@ class Compiler:
             if limit is None:
                 return torch.compile(fn, **kwargs)
             if _TAKES_LIMIT:
-                return torch.compile(fn, **kwargs, recompile_limit=limit)
+                # in the keywords: torch's overloads of compile do not list it
+                return torch.compile(fn, **{**kwargs, "recompile_limit": limit})
             # Older torch (2.11 on a lent GPU machine refused the keyword) has only the global
             # limit: raised, never lowered, which every compiled function then shares.
             setattr(torch._dynamo.config, _LIMIT, max(getattr(torch._dynamo.config, _LIMIT), limit))

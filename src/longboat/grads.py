@@ -27,13 +27,16 @@ _BLOCK = 1 << 15
 
 def _norm(g: torch.Tensor) -> torch.Tensor:
     """``g``'s 2-norm in fp32, its rounding that of a block ([Note: long norms])."""
+    norm: torch.Tensor
     if g.numel() <= _BLOCK:
-        return torch.linalg.vector_norm(g, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        return norm
     flat = g.reshape(-1)
     cut = flat.numel() - flat.numel() % _BLOCK
     blocks = torch.linalg.vector_norm(flat[:cut].view(-1, _BLOCK), dim=1, dtype=torch.float32)
     tail = torch.linalg.vector_norm(flat[cut:], dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.cat([blocks, tail.view(1)]))
+    norm = torch.linalg.vector_norm(torch.cat([blocks, tail.view(1)]))
+    return norm
 
 
 def _squares(grads: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:

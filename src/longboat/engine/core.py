@@ -10,7 +10,7 @@ import atexit
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -135,7 +135,7 @@ class Engine(StateMethods):
         self.monitor = Monitor(
             config,
             self.control,
-            topology,
+            topology,  # type: ignore[arg-type]  # Blocked's attribute is read-only here
             is_main=world.is_main,
             train_batch_size=self.batch.train_batch_size,
             optimizer=optimizer,
@@ -176,7 +176,13 @@ class Engine(StateMethods):
         # Leave the process group at exit even if the script never calls close(); a weak
         # reference so that an engine dropped early is not kept alive by the registry.
         ref = weakref.ref(self)
-        self._atexit = lambda: (e := ref()) is not None and e.close()
+
+        def leave() -> None:
+            engine = ref()
+            if engine is not None:
+                engine.close()
+
+        self._atexit = leave
         atexit.register(self._atexit)
 
     # -- the step ------------------------------------------------------------------------------
@@ -205,7 +211,8 @@ class Engine(StateMethods):
         """Backward of ``loss`` (scaled for accumulation, and by the fp16 loss scale);
         synchronises at the boundary."""
         share = self._share()
-        self._backward(lambda: self.precision.scale(loss / share).backward())
+        # torch's Tensor.backward is unannotated
+        self._backward(lambda: self.precision.scale(loss / share).backward())  # type: ignore[no-untyped-call]
         self._loss_sum += float(loss.detach())
         self._loss_count += 1
 
@@ -290,7 +297,9 @@ class Engine(StateMethods):
                     held=self._held,
                 )
         # A skipped step still runs the strategy's step bookkeeping ([Note: skipped step]).
-        self.strategy.optimizer_step(SkippedStep(self.optimizer) if skip else self.optimizer)
+        # SkippedStep stands in for the optimizer, passing every other attribute through.
+        skipped = cast(torch.optim.Optimizer, SkippedStep(self.optimizer))
+        self.strategy.optimizer_step(skipped if skip else self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += skip
         if self.scheduler is not None and not skip:
@@ -335,7 +344,7 @@ class Engine(StateMethods):
 
     def loader(
         self,
-        dataset: Dataset | DataLoader,
+        dataset: Dataset[Any] | DataLoader[Any],
         *,
         shuffle: bool | None = None,
         collate_fn: Callable[..., Any] | None = None,
@@ -447,8 +456,6 @@ class Engine(StateMethods):
         self._turn = None
         self._backward(self.strategy.shadow)
         self.step()
-
-    # -- as a module; closing ------------------------------------------------------------------
 
     @property
     def device(self) -> torch.device:

@@ -43,7 +43,7 @@ class StateMethods:
 
     def eval_loader(
         self: _Engine,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         *,
         batch_size: int | None = None,
         collate_fn: Callable[..., Any] | None = None,

@@ -143,5 +143,5 @@ def split(
             x = fn(x)
         return x
 
-    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+    model.forward = types.MethodType(forward, model)
     return model, out

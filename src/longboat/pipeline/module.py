@@ -323,6 +323,7 @@ class PipelineModule(nn.Module):
 
 def _run(layers: Sequence[Layer], x: Any) -> Any:
     for layer in layers:
+        assert not isinstance(layer, LayerSpec)  # forward() refuses unbuilt layers
         x = layer(x)
     return x
 

@@ -128,10 +128,10 @@ def split(batch: Any, size: int, count: int) -> list[Any]:
                 f"train_step got a batch of {batch.shape[0]} samples; a step on "
                 f"this rank takes {count} micro-batches of {size} = {size * count}"
             )
-        return list(batch.split(size))
+        return list(torch.split(batch, size))
     if isinstance(batch, dict):
-        parts = {k: split(v, size, count) for k, v in batch.items()}
-        return [{k: v[i] for k, v in parts.items()} for i in range(count)]
+        by_key = {k: split(v, size, count) for k, v in batch.items()}
+        return [{k: v[i] for k, v in by_key.items()} for i in range(count)]
     if isinstance(batch, (tuple, list)):
         parts = [split(v, size, count) for v in batch]
         return [type(batch)(p[i] for p in parts) for i in range(count)]

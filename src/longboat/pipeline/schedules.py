@@ -107,7 +107,7 @@ class PipelineSchedule:
         exactly once through every stage, on the rank that holds it, and the ranks' orders
         cannot deadlock."""
         expected = {
-            Action(op, mb, s)  # type: ignore[arg-type]
+            Action(op, mb, s)
             for op in ("F", "B")
             for mb in range(self.micro_batches)
             for s in range(self.stages)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -86,25 +86,26 @@ def _layer_kind(config: Any, i: int) -> str:
 
 def _gpt2(model: nn.Module) -> list[Entry]:
     """``GPT2LMHeadModel``: wte + wpe and dropout, each block, ln_f with the (tied) head."""
-    config = model.config
+    hf: Any = model  # its submodules are attributes of transformers' classes, untyped here
+    config = hf.config
     if getattr(config, "add_cross_attention", False):
         raise TypeError(
             "pipeline stages of a GPT2LMHeadModel with add_cross_attention are not built in: "
             "its blocks need the encoder's states; give the model a pipeline_layers() method"
         )
-    t = model.transformer
+    t = hf.transformer
 
     def embed(input_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
-        return t.drop(t.wte(input_ids) + t.wpe(positions))
+        return cast(torch.Tensor, t.drop(t.wte(input_ids) + t.wpe(positions)))
 
     def block(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         positions = _position_ids(hidden)
         mask = _mask(config, "full_attention", hidden, positions)
-        return module(hidden, attention_mask=mask, position_ids=positions)
+        return cast(torch.Tensor, module(hidden, attention_mask=mask, position_ids=positions))
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
-        return model.lm_head(t.ln_f(hidden))
+        return cast(torch.Tensor, hf.lm_head(t.ln_f(hidden)))
 
     return [
         (("transformer.wte", "transformer.wpe", "transformer.drop"), embed),
@@ -120,23 +121,25 @@ def _llama(model: nn.Module) -> list[Entry]:
     """``LlamaForCausalLM`` and the models of the same code (Mistral, Qwen2): the token
     embedding, each decoder layer (with the rotary embedding every stage keeps), the final
     norm with the head."""
-    config = model.config
-    inner = model.model
+    hf: Any = model  # its submodules are attributes of transformers' classes, untyped here
+    config = hf.config
+    inner = hf.model
 
     def embed(input_ids: torch.Tensor) -> torch.Tensor:
-        return inner.embed_tokens(input_ids)
+        return cast(torch.Tensor, inner.embed_tokens(input_ids))
 
     def layer(module: nn.Module, kind: str, hidden: torch.Tensor) -> torch.Tensor:
         positions = _position_ids(hidden)
-        return module(
+        out = module(
             hidden,
             attention_mask=_mask(config, kind, hidden, positions),
             position_ids=positions,
             position_embeddings=inner.rotary_emb(hidden, positions),
         )
+        return cast(torch.Tensor, out)
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
-        return model.lm_head(inner.norm(hidden))
+        return cast(torch.Tensor, hf.lm_head(inner.norm(hidden)))
 
     layers = list(inner.layers)[: config.num_hidden_layers]
     return [

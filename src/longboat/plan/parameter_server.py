@@ -113,7 +113,8 @@ class MetaService:
 
     @property
     def sync(self) -> bool:
-        return self.cfg.mode == "sync"
+        mode: str = self.cfg.mode
+        return mode == "sync"
 
     def connect(self, worker: int) -> MetaConnection:
         self.connection = MetaConnection(self.cfg.servers, self.sent)
@@ -155,7 +156,7 @@ def _server_row(
             for lay, segs, values, opt, _kept in held:
                 payload = torch.empty(lay.span(index) + len(segs), dtype=values[0].dtype)
                 if opt is not None:
-                    grads = payload[: lay.span(index)].split([g.numel for g in segs])
+                    grads = torch.split(payload[: lay.span(index)], [g.numel for g in segs])
                     for v, g in zip(values, grads, strict=True):
                         v.grad = g
                     opt.step()

@@ -97,9 +97,9 @@ def run_plan(
     if any(v is not None for v in overrides.values()):
         # Through validation again: fp16-only keys must still agree, schedules be known.
         data = base.model_dump(exclude_unset=True)
-        for (section, key), value in overrides.items():
-            if value is not None:
-                data.setdefault(section, {})[key] = value
+        for (section, key), given in overrides.items():
+            if given is not None:
+                data.setdefault(section, {})[key] = given
         base = lb_config.load_config(data)
     if micro_batch is None:
         micro_batch = base.batch.micro_batch_size or DEFAULT_MICRO_BATCH

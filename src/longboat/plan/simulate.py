@@ -71,7 +71,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from longboat.comm.collectives import _Done
+from longboat.comm.trace import CallRecord
+from longboat.comm.works import Done
 from longboat.config.sections import Config
 from longboat.observe.memory import CATEGORIES, measure
 from longboat.plan import stages
@@ -93,7 +94,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class _InFlight(_Done):
+class _InFlight(Done):
     """An asynchronous operation of the meta run: in flight until waited. A strategy that
     frees a buffer as soon as its reduction is over (ZeRO's reaping during backward) keeps it
     until it waits, as on a link too slow to finish early: the plan's peak is the upper one."""
@@ -126,7 +127,7 @@ class MetaCollectives:
     timeout_s: float = 600.0
     blocked_seconds: float = 0.0
     seq: int = 0
-    last: None = None
+    last: CallRecord | None = None  # none recorded: nothing runs
     # No observation: the planner counts bytes itself, in ``sent``.
     desync_check: bool = False
     log: bool = False
@@ -160,7 +161,7 @@ class MetaCollectives:
 
     def all_reduce(
         self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, tag: str = ""
-    ) -> _Done:
+    ) -> Done:
         n = self.world_size
         return self._count("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tag)
 
@@ -171,7 +172,7 @@ class MetaCollectives:
         async_op: bool = False,
         tag: str = "",
         scratch: bool = False,
-    ) -> _Done:
+    ) -> Done:
         n = self.world_size
         done = self._count("reduce_scatter", (n - 1) / n * _nbytes(input), tag)
         # [Note: gloo staging]; a scratch input is reduced in place, with no copy
@@ -181,13 +182,13 @@ class MetaCollectives:
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
-    ) -> _Done:
+    ) -> Done:
         n = self.world_size
         return self._count("all_gather", (n - 1) / n * _nbytes(output), tag)
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
-    ) -> _Done:
+    ) -> Done:
         n = self.world_size
         return self._count("all_to_all", (n - 1) / n * _nbytes(input), tag)
 
@@ -200,11 +201,11 @@ class MetaCollectives:
     def barrier(self) -> None:
         pass
 
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: str = "") -> _Done:
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False, tag: str = "") -> Done:
         return self._count("send", _nbytes(tensor))
 
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: str = "") -> _Done:
-        return _Done()
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False, tag: str = "") -> Done:
+        return Done()
 
     def close(self) -> None:
         pass

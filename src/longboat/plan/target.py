@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,11 +54,11 @@ def _as_args(x: Any) -> tuple[Any, ...]:
 
 def _gpt_input(seq_len: int | None) -> Callable[[nn.Module, int], tuple[Any, ...]]:
     def make(model: nn.Module, b: int) -> tuple[Any, ...]:
-        t = seq_len or model.seq_len  # type: ignore[attr-defined]
-        if t > model.seq_len:  # type: ignore[attr-defined]
+        most = cast(int, model.seq_len)  # a longboat.models.GPT's
+        t = seq_len or most
+        if t > most:
             raise PlanInputError(
-                f"--seq-len {t} exceeds the model's seq_len "
-                f"{model.seq_len}; give --seq-len {model.seq_len} or less"
+                f"--seq-len {t} exceeds the model's seq_len {most}; give --seq-len {most} or less"
             )
         return (torch.zeros(b, t, dtype=torch.long),)
 
@@ -118,7 +118,8 @@ def _user(spec: str, kwargs: dict[str, Any]) -> Target:
 
     def loss(out: Any, _args: tuple[Any, ...]) -> torch.Tensor:
         if callable(user_loss):
-            return user_loss(out)
+            value: torch.Tensor = user_loss(out)
+            return value
         first = first_float(out)
         if first is None:
             raise TypeError(

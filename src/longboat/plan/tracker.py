@@ -24,11 +24,11 @@ _RESIZE = getattr(
 )
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's is unannotated
     """Track the bytes of live tensor storages created while the mode is active."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's is unannotated
         self.live = 0
         self.peak = 0  # since the last reset_peak()
         self.max_peak = 0  # since the mode was created

@@ -128,7 +128,9 @@ class Replicate(StrategyDefaults):
         self._order = InOrder(len(self.plan.buckets), self._launch)
         self._used = [[False] * len(b.params) for b in self.plan.buckets]
         for p in self.params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            # torch's register_post_accumulate_grad_hook is unannotated
+            hook = p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            self._hooks.append(hook)
         return model
 
     # -- the step ------------------------------------------------------------------------------
@@ -152,7 +154,7 @@ class Replicate(StrategyDefaults):
         assert self.plan is not None, "setup() first"
         return self.plan.buckets
 
-    def _on_grad(self, p: torch.Tensor) -> None:
+    def _on_grad(self, p: nn.Parameter) -> None:
         if not self._sync or self._local or p.grad is None:
             return  # between boundaries gradients accumulate in p.grad, as in plain PyTorch
         bucket, i = self.plan.locate(p)  # type: ignore[union-attr]

@@ -23,7 +23,7 @@ transfer like any other.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -78,15 +78,25 @@ class _Region(torch.autograd.Function):
         return ctx.move_back(g, ctx.comm, ctx.dim, ctx.tag), None, None, None, None, None
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _between_graphs(fn: _F) -> _F:
+    """``torch.compiler.disable(fn)``, keeping ``fn``'s type (torch's is unannotated)."""
+    return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+
+
 # Under torch.compile each move runs as Python between graphs: the doorway counts, checks and
 # logs every transfer ([Note: compiling under a strategy] in longboat/compile.py).
-@torch.compiler.disable
+@_between_graphs
 def _region(
     x: torch.Tensor, comm: Comm, dim: int, tag: str, forward: Move, backward: Move
 ) -> torch.Tensor:
     if comm.world_size == 1:
         return x
-    return _Region.apply(x, comm, dim, tag, forward, backward)
+    # torch's Function.apply is unannotated; _Region.forward returns a tensor
+    out: torch.Tensor = _Region.apply(x, comm, dim, tag, forward, backward)  # type: ignore[no-untyped-call]
+    return out
 
 
 def copy_to(x: torch.Tensor, comm: Comm, tag: str = "") -> torch.Tensor:

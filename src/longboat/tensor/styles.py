@@ -38,7 +38,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +88,9 @@ def _affine(module: nn.Module, name: str, style: str) -> _Affine:
         return _Affine(0, 1, F.linear)
     # Hugging Face's GPT-2 ``Conv1D``: a linear layer whose weight is stored [in, out]. Known
     # by its shape rather than imported, so transformers stays optional.
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2:
+    weight = module.weight
+    conv1d = type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    if conv1d and isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return _Affine(1, 0, _conv1d)
     raise LayoutError(
         f"tensor_parallel.plan: {name!r} is a {type(module).__name__}; {style!r} applies to "
@@ -96,11 +98,20 @@ def _affine(module: nn.Module, name: str, style: str) -> _Affine:
     )
 
 
+# A module's parameter, which nn.Module's attribute lookup types as a tensor or a module.
+def _tensor(t: torch.Tensor | nn.Module) -> torch.Tensor:
+    return cast(torch.Tensor, t)
+
+
+def _optional(t: torch.Tensor | nn.Module | None) -> torch.Tensor | None:
+    return cast("torch.Tensor | None", t)
+
+
 def _sum_gradient_over(p: nn.Parameter, comm: Comm, tag: str) -> None:
     """Each rank saw its part of the sequence: ``p``'s gradient is the sum of theirs, made
     before the data-parallel strategy sees it (tensor hooks run before the gradient is
     accumulated, hence before a strategy's accumulation hooks)."""
-    p.register_hook(lambda g: regions.reduce_from(g, comm, tag))
+    p.register_hook(lambda g: regions.reduce_from(g, comm, tag))  # type: ignore[no-untyped-call]
 
 
 def _replace_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
@@ -137,7 +148,7 @@ class Colwise:
                 x = regions.gather_scattered(x, comm, dim, name)
             else:
                 x = regions.copy_to(x, comm, name)
-            y = aff.run(x, mod.weight, mod.bias)
+            y = aff.run(x, _tensor(mod.weight), _optional(mod.bias))
             return regions.gather(y, comm, -1, name) if gather_output else y
 
         _replace_forward(module, forward)
@@ -154,7 +165,7 @@ class Rowwise:
         aff = _affine(module, name, "rowwise")
         at.shard(module, name, "weight", Split(aff.in_dim))
         comm, seq, dim = at.comm, at.sequence_parallel, at.sequence_dim
-        width = module.weight.shape[aff.in_dim]
+        width = _tensor(module.weight).shape[aff.in_dim]
         bias = getattr(module, "bias", None)
         if seq and bias is not None and bias.requires_grad:
             # Added to this rank's part of the sequence only: its gradient is a part too.
@@ -167,13 +178,14 @@ class Rowwise:
                     f"(a colwise layer's output), not {x.shape[-1]}; make the layer before it "
                     "colwise, or this one replicate"
                 )
-            y = aff.run(x, mod.weight, None)
+            y = aff.run(x, _tensor(mod.weight), None)
             if seq:
                 y = regions.reduce_scatter(y, comm, dim, name)
             else:
                 y = regions.reduce_from(y, comm, name)
             # The bias is whole on every rank: added once, after the sum.
-            return y if mod.bias is None else y + mod.bias
+            bias = _optional(mod.bias)
+            return y if bias is None else y + bias
 
         _replace_forward(module, forward)
 
@@ -194,7 +206,7 @@ class Rowwise:
         def forward(mod: nn.Module, ids: torch.Tensor) -> torch.Tensor:
             outside = (ids < first) | (ids >= first + rows)
             local = (ids - first).masked_fill(outside, 0)
-            out = F.embedding(local, mod.weight, local_pad)
+            out = F.embedding(local, _tensor(mod.weight), local_pad)
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
             # Whole on every rank (all-reduced, also with sequence parallelism): what follows an
             # embedding (a position embedding added, masks built from its shape) expects the
