@@ -19,13 +19,15 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/longboat run -n 2 examples/digits.py
 
-# The suite starts with the linter and the formatter's check: a change that fails either fails CI.
+# The suite starts with the linter, the formatter's check and the type checker (strict on
+# src/longboat, as pyproject.toml's [tool.mypy] says): a change that fails any fails CI.
 test: lint
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/mypy
 
 bench-replicate: $(VENV)/.installed
 	$(BIN)/python benchmarks/replicate_vs_ddp.py
