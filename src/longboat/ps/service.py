@@ -31,7 +31,7 @@ from longboat.comm.commlog import CommLog
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.mesh import Mesh
-from longboat.optim import describe_elementwise, is_elementwise
+from longboat.optim.checks import describe_elementwise, is_elementwise
 from longboat.ps.client import Connection
 from longboat.ps.server import Server, Settings
 from longboat.ps.wire import Link

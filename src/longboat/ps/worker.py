@@ -30,7 +30,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from longboat.comm.protocol import Comm
@@ -39,7 +38,7 @@ from longboat.observe.memory import optimizer_state_tensors
 from longboat.pieces import PieceSource, RankState, members
 from longboat.ps.client import Connection
 from longboat.ps.service import check_optimizer
-from longboat.strategies.base import StrategyContext, full_gradient
+from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.whole_state import load_whole_state, whole_state
 
@@ -76,7 +75,7 @@ class _Key:
         ]
 
 
-class ParameterServer:
+class ParameterServer(StrategyDefaults):
     """Workers of a parameter-server job (``strategy = "parameter_server"``)."""
 
     name = "parameter_server"
@@ -128,14 +127,14 @@ class ParameterServer:
 
     @torch.no_grad()
     def _broadcast_start(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
-        """Every worker starts from worker 0's parameters and buffers (on the workers' gloo
-        group, so on the CPU)."""
-        group = self.service.setup_group()
-        if group is None:
+        """Every worker starts from worker 0's parameters and buffers (through the doorway over
+        the workers' gloo group, so on the CPU, checked and logged as any collective)."""
+        comm = self.service.setup_comm()
+        if comm is None:
             return
         for t in [*params, *buffers]:
             cpu = t.data.cpu()
-            dist.broadcast(cpu, src=self.service.workers[0], group=group)
+            comm.broadcast(cpu, src=0)  # worker 0 is group rank 0 of the workers' group
             t.data.copy_(cpu)
 
     @torch.no_grad()
