@@ -42,7 +42,7 @@ def test_offloaded_zero_equals_plain_pytorch(ranks, tmp_path, stage, world):
 def _offloaded_run(cfg: dict, steps: int) -> dict:
     """Train ``steps`` steps; what the swap directory and the engine hold before close()."""
     engine = offload_helpers.train_zoo(cfg, steps)
-    swap = engine.strategy._swap
+    swap = engine.strategy.home.swap
     path = Path(cfg["zero"]["offload_optimizer"]["path"])
     out = {
         "files": sorted(f.name for f in offload_helpers.swap_files(path)),

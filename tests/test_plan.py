@@ -172,7 +172,7 @@ def _reductions_held_to_their_wait() -> Iterator[None]:
     as soon as it is over (``_reap`` during backward), which depends on how fast the peers are:
     the plan is then the peak; with reaping, an upper bound of it
     (:func:`test_a_real_peak_with_early_landings_stays_under_the_plan`)."""
-    from longboat.strategies.zero import strategy as zero
+    from longboat.strategies.zero import reduce as zero
 
     completed = zero._completed
     zero._completed = lambda handle: False

@@ -32,7 +32,7 @@ cures for DDP alone). Here, under every data-parallel strategy that can shadow:
     real contributions); the usage flags and vote say it used nothing, so a parameter only it
     would have used stays ``grad = None`` as in plain PyTorch.
   - ZeRO-3: replays the gathers and reduce-scatters of its last real micro-batch ([Note: stage-3
-    shadow] in ``strategies/zero/strategy.py``).
+    shadow] in ``strategies/zero/shadow.py``).
   - every strategy: the buffers' broadcast after the backward ([Note: buffers]) happens on the
     joined rank too, and its source is the lowest rank that had a batch in this micro-batch (rank
     0's, as always, while rank 0 has batches): a rank without a forward has nothing to give.

@@ -45,7 +45,7 @@ config = {
 engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 if args.crash and first_attempt and engine.world.rank == 1:
-    stream = engine.strategy._stream
+    stream = engine.strategy.home.stream
     units = stream.units
     step_of = stream.step
 

@@ -12,7 +12,7 @@ from longboat.bench.models import resolve_model
 from longboat.bench.runner import BenchSettings, run_bench
 from longboat.bench.sides import LONGBOAT_SIDES, PEERS
 from longboat.observe.progress import task_progress
-from longboat.strategies import zero_stage
+from longboat.strategies.registry import zero_stage
 
 
 class BenchUsageError(ValueError):

@@ -24,7 +24,7 @@ from longboat.observe.log import setup_logging
 from longboat.optim import build_optimizer, build_scheduler
 from longboat.pipeline import build_schedule
 from longboat.recompute import apply_activation_checkpointing
-from longboat.strategies import build_service
+from longboat.strategies.registry import build_service
 from longboat.tensor import TensorParallel
 from longboat.topology import DoorwayOptions, Topology
 from longboat.world import World, device_for, init_process_group

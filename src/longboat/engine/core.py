@@ -29,12 +29,12 @@ from longboat.engine.state import StateMethods
 from longboat.grads import clip_by_global_norm_
 from longboat.join import UNEVEN_HINT, JoinVote, Turn
 from longboat.observe.monitor import Monitor
-from longboat.optim import check_parameters
+from longboat.optim.checks import check_parameters
 from longboat.optim.self_reducing import check_bound
 from longboat.pipeline.schedule import LossFn, Schedule, Sequential, default_inputs, split
 from longboat.precision import Precision, SkippedStep
-from longboat.strategies import build_strategy
 from longboat.strategies.base import cannot_shadow
+from longboat.strategies.registry import build_strategy
 from longboat.tensor import TensorParallel
 from longboat.tensor.strategy import wrap as tensor_parallel_over
 from longboat.topology import Topology
@@ -135,7 +135,7 @@ class Engine(StateMethods):
         self.monitor = Monitor(
             config,
             self.control,
-            topology,  # type: ignore[arg-type]  # Blocked's attribute is read-only here
+            topology,
             is_main=world.is_main,
             train_batch_size=self.batch.train_batch_size,
             optimizer=optimizer,

@@ -27,7 +27,8 @@ COLUMNS = (*PHASES, "other")
 class Blocked(Protocol):
     """Anything with a running count of seconds blocked in communication (the doorway)."""
 
-    blocked_seconds: float
+    @property
+    def blocked_seconds(self) -> float: ...
 
 
 class Breakdown:

@@ -10,7 +10,7 @@ from longboat import config as lb_config
 from longboat.plan.planner import ROLES, STRATEGIES, make_plan, one_line
 from longboat.plan.render import parse_bytes, render
 from longboat.plan.target import PlanInputError, Target, resolve, whole_model_params
-from longboat.strategies import zero_stage
+from longboat.strategies.registry import zero_stage
 
 DEFAULT_MICRO_BATCH = 8  # as longboat bench's
 

@@ -36,7 +36,7 @@ def connect(
     mean gradient, sync only) and end their process when the workers leave; the others get
     a :class:`KVStore`. Joins the process group from the environment if needed."""
     from longboat.config.loading import load_config
-    from longboat.strategies import build_service
+    from longboat.strategies.registry import build_service
     from longboat.world import World, init_process_group
 
     mode = KVSTORE_TYPES.get(kind, kind)

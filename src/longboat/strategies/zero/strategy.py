@@ -56,14 +56,15 @@ from longboat.comm import compression
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
 from longboat.observe.memory import expected_bytes, optimizer_state_tensors
-from longboat.optim import describe_elementwise, is_elementwise, why_not_elementwise
+from longboat.optim.checks import describe_elementwise, is_elementwise, why_not_elementwise
 from longboat.pieces import PieceSource, RankState
-from longboat.strategies.base import StrategyContext
+from longboat.strategies.base import StrategyContext, StrategyDefaults
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.zero import homes
 from longboat.strategies.zero import state as zero_state
 from longboat.strategies.zero.flat import FlatUnit, UnitState
 from longboat.strategies.zero.gather import Gathering, Removable
+from longboat.strategies.zero.home import Home
 from longboat.strategies.zero.init import DeferredInit
 from longboat.strategies.zero.policy import ZeroPolicy
 from longboat.strategies.zero.reduce import Reduction
@@ -74,10 +75,11 @@ from longboat.strategies.zero.storage import free_storage
 from longboat.strategies.zero.units import make_units, plan_units
 
 
-class Zero:
+class Zero(StrategyDefaults):
     """ZeRO stages 1-3 behind the :class:`~longboat.strategies.base.Strategy` protocol."""
 
     name = "zero"
+    can_shadow = True  # [Note: stage-3 shadow] in shadow.py
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -98,7 +100,7 @@ class Zero:
         self._buffers: BufferSync | None = None
         self._shadow = Shadow(self.policy.shard_params)  # [Note: stage-3 shadow]
         self.compressor = compression.build(ctx.compression)  # [Note: compressed ZeRO]
-        self.home: homes.Home = homes.InMemory(ctx, self.policy)  # [Note: homes], set up below
+        self.home: Home = homes.InMemory(ctx, self.policy)  # [Note: homes], set up below
         self._reduction = self._reducing()
 
     def _reducing(self) -> Reduction:
@@ -339,12 +341,3 @@ class Zero:
                 if u.full is not None:
                     free_storage(u.full)
         self.home.close()  # after the gathers above, which read its files
-
-    # The disk home's parts, which tests reach for.
-    @property
-    def _swap(self) -> object:
-        return getattr(self.home, "swap", None)
-
-    @property
-    def _stream(self) -> object:
-        return getattr(self.home, "stream", None)
