@@ -40,7 +40,7 @@ from longboat.deepspeed.distributed import _backend as _backend  # importable wh
 from longboat.deepspeed.distributed import init_distributed
 from longboat.deepspeed.engine import DeepSpeedEngine
 from longboat.deepspeed.pipe import PipelineModule
-from longboat.engine import initialize as _initialize
+from longboat.engine.assembly import initialize as _initialize
 from longboat.world import World
 
 

@@ -55,7 +55,7 @@ from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
 from longboat.observe.memory import optimizer_state_tensors
-from longboat.optim import has_step_hooks, is_elementwise
+from longboat.optim.checks import has_step_hooks, is_elementwise
 from longboat.optim.self_reducing import ReducesItself
 from longboat.pieces import PieceSource, RankState, members
 from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient

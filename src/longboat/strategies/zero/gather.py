@@ -40,7 +40,7 @@ class Removable(Protocol):
 
 class ParamHome(Protocol):
     """Where stage 3's parameter shards live between gathers (the part of a
-    :class:`~longboat.strategies.zero.homes.Home` gathers see)."""
+    :class:`~longboat.strategies.zero.home.Home` gathers see)."""
 
     def bring_param(self, u: FlatUnit) -> None: ...
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,80 +27,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from longboat.config.errors import ConfigError
 from longboat.observe.memory import optimizer_state_bytes_per_param
-from longboat.optim import has_step_hooks
+from longboat.optim.checks import has_step_hooks
 from longboat.pieces import RankState
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.zero.flat import FlatUnit
+from longboat.strategies.zero.home import Home, StepUnit
 from longboat.strategies.zero.offload import StateSwap, UnitHome, UnitStream, check_room
 from longboat.strategies.zero.policy import ZeroPolicy
 from longboat.strategies.zero.shard_swap import ShardSwap
-
-StepUnit = Callable[[FlatUnit], None]
-
-
-class Home(Protocol):
-    """Where a rank's units keep their state between uses ([Note: homes])."""
-
-    #: Gradient shards keep their memory between reductions: a reduction may land in one
-    #: ([Note: reduce in place] in ``reduce.py``), and on one data-parallel rank gradients
-    #: accumulate in it directly.
-    grads_in_memory: bool
-    #: Units step one by one, each with its state brought in around its step.
-    steps_by_unit: bool
-
-    def adopt(self, u: FlatUnit) -> None:
-        """Take a unit just built (setup goes one unit at a time)."""
-
-    def start(self, optimizer: torch.optim.Optimizer) -> None:
-        """Every unit built and the optimizer re-targeted at their pieces."""
-
-    def bring_param(self, u: FlatUnit) -> None:
-        """Stage 3: ``u``'s parameter shard into memory before its gather."""
-
-    def drop_param(self, u: FlatUnit) -> None:
-        """Stage 3: out again once the gather is over."""
-
-    def launched(self, units: list[FlatUnit], index: int) -> None:
-        """Unit ``index``'s reduction is on the wire."""
-
-    def land(self, u: FlatUnit) -> None:
-        """Wait for ``u``'s reduction; its result joins the gradient shard (stages 2-3, which
-        then drop the full-size buffer) or becomes it (stage 1)."""
-
-    def grad_pieces(self, u: FlatUnit) -> list[torch.Tensor]:
-        """The optimizer's gradient views, one per piece of ``u``'s shard."""
-
-    def local_gradients(self) -> list[torch.Tensor]:
-        """The gradient shards in memory, for the norm."""
-
-    def step(self, optimizer: torch.optim.Optimizer, step_unit: StepUnit) -> None:
-        """``step_unit(u)`` for every unit, in order, its state brought in around it."""
-
-    def step_over(self) -> None:
-        """Every unit stepped: the gradient shards start the next step from zero."""
-
-    def reading(
-        self, optimizer: torch.optim.Optimizer
-    ) -> contextlib.AbstractContextManager[Callable[[RankState], RankState]]:
-        """Every unit's state where a checkpoint reads it; yields what makes the state read
-        inside outlive the context."""
-
-    def loading(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
-        """Every unit's state where a checkpoint loads it, and home again after."""
-
-    def held_gradients(self) -> ShardSwap | None:
-        """Gradients kept out of memory, for the engine's clipping."""
-
-    @property
-    def on_disk(self) -> dict[str, int]:
-        """Bytes of model state on disk, per category."""
-
-    @property
-    def offloaded(self) -> dict[str, int] | None:
-        """Bytes on disk, read and written so far; None without a disk."""
-
-    def close(self) -> None:
-        """Give back what the home holds (files, threads)."""
 
 
 def build(

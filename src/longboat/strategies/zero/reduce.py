@@ -31,7 +31,7 @@ from longboat.config.errors import ConfigError
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.zero.flat import FlatUnit
 from longboat.strategies.zero.gather import UNIT_FIX
-from longboat.strategies.zero.homes import Home
+from longboat.strategies.zero.home import Home
 from longboat.strategies.zero.policy import ZeroPolicy
 
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import torch
 
 from longboat.comm.protocol import Comm
-from longboat.optim import has_step_hooks, is_elementwise
+from longboat.optim.checks import has_step_hooks, is_elementwise
 from longboat.strategies.zero.flat import FlatUnit
-from longboat.strategies.zero.homes import Home
+from longboat.strategies.zero.home import Home
 
 
 def step_units(
