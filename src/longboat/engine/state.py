@@ -17,7 +17,6 @@ from longboat.checkpoint.protocol import Trained
 from longboat.evaluation import EvalLoader, reduce_metrics
 from longboat.observe.memory import (
     MemoryReport,
-    expected_bytes,
     measure,
     optimizer_state_bytes_per_param,
 )
@@ -142,10 +141,7 @@ class StateMethods:
         a = self.trainable_params
         k = optimizer_state_bytes_per_param(self.optimizer)
         n = self.topology.mesh.dp_shard
-        # A strategy beside the formulas' table gives its own (a parameter server's worker).
-        formula = self.strategy.expected_memory(a, k)
-        if formula is None:
-            formula = expected_bytes(self.strategy.name, a, n, k)
+        formula = self.strategy.expected_memory(a, k)  # each strategy owns its formula
         return MemoryReport(
             rank=self.world.rank,
             strategy=self.strategy.name,

@@ -17,7 +17,10 @@ zero stage 2    4a                  4a/n            ka/n
 zero stage 3    4a/n                4a/n            ka/n
 ==============  ==================  ==============  ==================
 
-so with Adam: replicate 16a, ZeRO-1 4a + 4a + 8a/n, ZeRO-2 4a + 12a/n, ZeRO-3 16a/n. bf16 and
+Each strategy owns its row (its ``expected_memory``: the whole model's, ``whole_model_state``
+in ``strategies/whole_state.py``, for single, replicate and a parameter server's worker;
+``ZeroPolicy.model_state`` for a ZeRO stage), so with Adam: replicate 16a, ZeRO-1
+4a + 4a + 8a/n, ZeRO-2 4a + 12a/n, ZeRO-3 16a/n. bf16 and
 fp16 (autocast) keep fp32 master weights and create their low-precision copies only for the
 duration of an operation, so the persistent figures are the same; a ``communication_data_type``
 of 2 bytes adds only transient buffers. Shards are padded to a multiple of ``n`` per unit: at
@@ -54,22 +57,13 @@ def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer) -> int:
     raise ValueError(f"no memory formula for {type(optimizer).__name__}")
 
 
-def expected_bytes(strategy: str, a: int, n: int, k: int) -> dict[str, int]:
-    """The formula of [Note: memory formulas] for one rank, in bytes."""
-    table = {
-        "single": (4 * a, 4 * a, k * a),
-        "replicate": (4 * a, 4 * a, k * a),
-        "zero-1": (4 * a, 4 * a, k * a / n),
-        "zero-2": (4 * a, 4 * a / n, k * a / n),
-        "zero-3": (4 * a / n, 4 * a / n, k * a / n),
-    }
-    if strategy not in table:
-        raise ValueError(f"no memory formula for strategy {strategy!r}")
-    p, g, o = table[strategy]
+def model_state(parameters: float, gradients: float, optimizer_state: float) -> dict[str, int]:
+    """One rank's row of [Note: memory formulas], in bytes per category: each strategy computes
+    its own (``expected_memory``) and gives it here."""
     return {
-        "parameters": int(p),
-        "gradients": int(g),
-        "optimizer_state": int(o),
+        "parameters": int(parameters),
+        "gradients": int(gradients),
+        "optimizer_state": int(optimizer_state),
         "communication_buffers": 0,
     }
 

@@ -120,7 +120,7 @@ class MetaService:
         self.connection = MetaConnection(self.cfg.servers, self.sent)
         return self.connection
 
-    def setup_group(self) -> None:
+    def setup_comm(self) -> None:
         return None  # the start's broadcast: counted nowhere (once per run, not per step)
 
     def close(self) -> None:

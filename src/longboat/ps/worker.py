@@ -40,7 +40,7 @@ from longboat.ps.client import Connection
 from longboat.ps.service import check_optimizer
 from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
 from longboat.strategies.buffers import BufferSync
-from longboat.strategies.whole_state import load_whole_state, whole_state
+from longboat.strategies.whole_state import load_whole_state, whole_model_state, whole_state
 
 
 class _Key:
@@ -241,12 +241,7 @@ class ParameterServer(StrategyDefaults):
         """[Note: memory formulas] for a worker of ``a`` fp32 parameters and an optimizer of
         ``k`` bytes per parameter: the whole model and its gradients; the optimizer state only
         where the worker steps (without ``update_on_server``)."""
-        return {
-            "parameters": 4 * a,
-            "gradients": 4 * a,
-            "optimizer_state": 0 if self.cfg.update_on_server else k * a,
-            "communication_buffers": 0,
-        }
+        return whole_model_state(a, k, optimizer_here=not self.cfg.update_on_server)
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         return {

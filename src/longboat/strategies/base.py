@@ -118,10 +118,10 @@ class Strategy(Protocol):
         which clipping asks for their sum of squares; None when every gradient is in memory."""
         ...
 
-    def expected_memory(self, a: int, k: int) -> dict[str, int] | None:
+    def expected_memory(self, a: int, k: int) -> dict[str, int]:
         """Model-state bytes per category for ``a`` trainable parameters and an optimizer of
-        ``k`` bytes per parameter, when the formulas' table (``observe.memory``) does not know
-        this strategy's; else None."""
+        ``k`` bytes per parameter: this strategy's row of [Note: memory formulas]
+        (``observe/memory.py``), what the memory report sets beside what it measures."""
         ...
 
     @property
@@ -280,9 +280,6 @@ class StrategyDefaults:
         return {}
 
     def held_gradients(self) -> HeldGradients | None:
-        return None
-
-    def expected_memory(self, a: int, k: int) -> dict[str, int] | None:
         return None
 
     @property

@@ -60,7 +60,7 @@ from longboat.optim.self_reducing import ReducesItself
 from longboat.pieces import PieceSource, RankState, members
 from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
 from longboat.strategies.buffers import BufferSync
-from longboat.strategies.whole_state import load_whole_state, whole_state
+from longboat.strategies.whole_state import load_whole_state, whole_model_state, whole_state
 
 _MIB = 1024 * 1024
 
@@ -297,6 +297,10 @@ class Replicate(StrategyDefaults):
     def _stepped(self) -> None:
         if self.compressor is not None:
             self.compressor.step_done()  # the warm-up counts optimizer steps
+
+    def expected_memory(self, a: int, k: int) -> dict[str, int]:
+        """[Note: memory formulas]: the whole model, its gradients and its optimizer state."""
+        return whole_model_state(a, k)
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         # The buckets are where averaged gradients live (p.grad are views into them).

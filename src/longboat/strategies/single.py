@@ -14,7 +14,7 @@ from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim.self_reducing import ReducesItself
 from longboat.pieces import PieceSource, RankState
 from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
-from longboat.strategies.whole_state import load_whole_state, whole_state
+from longboat.strategies.whole_state import load_whole_state, whole_model_state, whole_state
 
 
 class Single(StrategyDefaults):
@@ -71,6 +71,10 @@ class Single(StrategyDefaults):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
+
+    def expected_memory(self, a: int, k: int) -> dict[str, int]:
+        """[Note: memory formulas]: the whole model, its gradients and its optimizer state."""
+        return whole_model_state(a, k)
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         return {

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from longboat.observe.memory import model_state
 from longboat.pieces import (
     MODEL,
     OPTIM,
@@ -119,3 +120,10 @@ def _name(names: dict[int, str], p: torch.Tensor) -> str:
             "parameter name, so build the optimizer from model.parameters()"
         )
     return names[id(p)]
+
+
+def whole_model_state(a: int, k: int, optimizer_here: bool = True) -> dict[str, int]:
+    """[Note: memory formulas] (``observe/memory.py``) for a rank that holds the whole model:
+    ``a`` fp32 parameters, their gradients, and ``k`` bytes of optimizer state per parameter
+    where this rank steps the optimizer."""
+    return model_state(4 * a, 4 * a, k * a if optimizer_here else 0)

@@ -36,9 +36,10 @@ def wrap(strategy: Strategy, tensor: TensorParallel, global_rank: int) -> Strate
 class TensorParallelStrategy(StrategyDefaults):
     """``inner`` (replicate, ZeRO, ...) over the ``dp`` axis of a tensor-parallel model.
 
-    Of what a strategy may support (:class:`StrategyDefaults`), it declares the defaults: the
-    inner strategy's offload, monitor columns and memory formula are not yet in the full
-    model's terms, and joining is refused.
+    Of what a strategy may support (:class:`StrategyDefaults`), it passes on the inner
+    strategy's memory formula and what it keeps on disk (per rank, over the rank's slices);
+    the inner strategy's monitor columns are not yet in the full model's terms, and joining is
+    refused.
     """
 
     def __init__(self, inner: Strategy, tensor: TensorParallel, global_rank: int) -> None:
@@ -82,6 +83,19 @@ class TensorParallelStrategy(StrategyDefaults):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.inner.optimizer_step(optimizer)
+
+    def expected_memory(self, a: int, k: int) -> dict[str, int]:
+        """The inner strategy's formula over this rank's parameters (its slices of the divided
+        layers), and what it keeps on disk: the memory report and the plan see the strategy."""
+        return self.inner.expected_memory(a, k)
+
+    @property
+    def on_disk(self) -> dict[str, int]:
+        return self.inner.on_disk
+
+    @property
+    def offloaded(self) -> dict[str, int] | None:
+        return self.inner.offloaded
 
     def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         return self.inner.memory_tensors(optimizer)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from longboat.observe.memory import model_state
+
 
 @dataclass(frozen=True)
 class ZeroPolicy:
@@ -45,6 +47,15 @@ class ZeroPolicy:
     def gather_after_step(self) -> bool:
         """The full flat parameters persist and take every rank's updated shard after a step."""
         return not self.shard_params
+
+    def model_state(self, a: int, n: int, k: int) -> dict[str, int]:
+        """This stage's row of [Note: memory formulas] (``observe/memory.py``): what it shards
+        is divided among the ``n`` ranks of the shard group."""
+        return model_state(
+            4 * a / n if self.shard_params else 4 * a,
+            4 * a / n if self.shard_grads else 4 * a,
+            k * a / n,
+        )
 
     def reduces_now(self, boundary: bool) -> bool:
         """Whether this micro-batch's gradients are reduced (stage 1 only at the boundary)."""

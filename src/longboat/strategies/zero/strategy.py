@@ -55,7 +55,7 @@ from torch import nn
 from longboat.comm import compression
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
-from longboat.observe.memory import expected_bytes, optimizer_state_tensors
+from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim.checks import describe_elementwise, is_elementwise, why_not_elementwise
 from longboat.pieces import PieceSource, RankState
 from longboat.strategies.base import StrategyContext, StrategyDefaults
@@ -321,7 +321,7 @@ class Zero(StrategyDefaults):
 
     def expected_memory(self, a: int, k: int) -> dict[str, int]:
         """[Note: memory formulas] for this stage; offloaded optimizer state is on disk."""
-        out = expected_bytes(self.name, a, self.comm.world_size, k)
+        out = self.policy.model_state(a, self.comm.world_size, k)
         for category in self.on_disk:
             out[category] = 0
         return out
