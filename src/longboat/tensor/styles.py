@@ -88,9 +88,10 @@ def _affine(module: nn.Module, name: str, style: str) -> _Affine:
         return _Affine(0, 1, F.linear)
     # Hugging Face's GPT-2 ``Conv1D``: a linear layer whose weight is stored [in, out]. Known
     # by its shape rather than imported, so transformers stays optional.
-    weight = module.weight
+    # Read ``weight`` only once the class says Conv1D: any other module may have none.
     conv1d = type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-    if conv1d and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+    weight = getattr(module, "weight", None) if conv1d else None
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return _Affine(1, 0, _conv1d)
     raise LayoutError(
         f"tensor_parallel.plan: {name!r} is a {type(module).__name__}; {style!r} applies to "
