@@ -1,6 +1,6 @@
 """What a GPU run showed and a CPU can still check: gloo's point-to-point messages of CUDA
 tensors go through a host copy ([Note: gloo point-to-point on accelerators] in
-``longboat/comm/collectives.py``), and NCCL with more ranks than GPUs on a node is refused
+``longboat/comm/messages.py``), and NCCL with more ranks than GPUs on a node is refused
 before the first collective. ``benchmarks/gpu_check.py`` runs both on a GPU (pipeline stages
 over gloo with CUDA tensors; ``longboat run -n 2`` on one GPU)."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longboat.comm.collectives import _Staged
+from longboat.comm.messages import Staged
 from longboat.config import ConfigError
 from longboat.world import World, init_process_group
 
@@ -29,14 +29,14 @@ class _Work:
 def test_a_staged_recv_lands_on_its_tensor_once_and_a_send_keeps_its_copy():
     host, target = torch.arange(4.0), torch.zeros(4)
     work = _Work()
-    recv = _Staged(work, host, target)
+    recv = Staged(work, host, target)
     assert not recv.is_completed() and target.sum() == 0  # nothing lands before the wait
     assert recv.wait()
     assert torch.equal(target, host)
     host.fill_(9.0)
     recv.wait()  # a second wait copies nothing again
     assert torch.equal(target, torch.arange(4.0)) and work.waited == 2
-    send = _Staged(_Work(), torch.ones(2), None)
+    send = Staged(_Work(), torch.ones(2), None)
     assert send.wait() and send._host is not None  # the copy lives as long as the handle
 
 

@@ -55,7 +55,7 @@ from longboat.comm.hang import (
     namespace,
     raise_report,
 )
-from longboat.comm.messages import PointToPoint, Staged
+from longboat.comm.messages import PointToPoint
 from longboat.comm.protocol import Comm, Handle, Mailbox
 from longboat.comm.rules import NCCL_RULES_VAR, Rules, RulesError
 from longboat.comm.trace import CallRecord, dtype_name, where_called
@@ -73,10 +73,6 @@ __all__ = [
     "Rules",
     "RulesError",
 ]
-
-# The names these had here before they moved beside their kin; still importable from here.
-_Done = Done
-_Staged = Staged
 
 # torch 2.13 renamed the tensor forms and deprecated the old names; torch>=2.4 has the old ones.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
