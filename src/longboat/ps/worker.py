@@ -25,8 +25,6 @@ between workers) and checkpoints hold worker 0's.
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -34,13 +32,17 @@ from torch import nn
 
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
-from longboat.observe.memory import optimizer_state_tensors
 from longboat.pieces import PieceSource, RankState, members
 from longboat.ps.client import Connection
 from longboat.ps.service import check_optimizer
 from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
 from longboat.strategies.buffers import BufferSync
-from longboat.strategies.whole_state import load_whole_state, whole_model_state, whole_state
+from longboat.strategies.whole_state import (
+    WholeModel,
+    load_whole_state,
+    whole_model_state,
+    whole_state,
+)
 
 
 class _Key:
@@ -75,7 +77,7 @@ class _Key:
         ]
 
 
-class ParameterServer(StrategyDefaults):
+class ParameterServer(WholeModel, StrategyDefaults):
     """Workers of a parameter-server job (``strategy = "parameter_server"``)."""
 
     name = "parameter_server"
@@ -242,19 +244,6 @@ class ParameterServer(StrategyDefaults):
         ``k`` bytes per parameter: the whole model and its gradients; the optimizer state only
         where the worker steps (without ``update_on_server``)."""
         return whole_model_state(a, k, optimizer_here=not self.cfg.update_on_server)
-
-    def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        return {
-            "parameters": list(self.params),
-            "gradients": [p.grad for p in self.params if p.grad is not None],
-            "optimizer_state": optimizer_state_tensors(optimizer),
-        }
-
-    def gathered_parameters(self) -> AbstractContextManager[None]:
-        return contextlib.nullcontext()  # every worker holds the whole model
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return model.state_dict()
 
     # -- checkpoints ---------------------------------------------------------------------------
 

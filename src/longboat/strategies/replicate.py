@@ -42,9 +42,6 @@ asks for local gradients, no bucket is filled or launched: ``p.grad`` stays this
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import AbstractContextManager
-
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -60,12 +57,17 @@ from longboat.optim.self_reducing import ReducesItself
 from longboat.pieces import PieceSource, RankState, members
 from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
 from longboat.strategies.buffers import BufferSync
-from longboat.strategies.whole_state import load_whole_state, whole_model_state, whole_state
+from longboat.strategies.whole_state import (
+    WholeModel,
+    load_whole_state,
+    whole_model_state,
+    whole_state,
+)
 
 _MIB = 1024 * 1024
 
 
-class Replicate(StrategyDefaults):
+class Replicate(WholeModel, StrategyDefaults):
     """DDP-style replication with bucketed all-reduce overlapped with backward."""
 
     name = "replicate"
@@ -310,12 +312,6 @@ class Replicate(StrategyDefaults):
             + [p.grad for p in self.params if p.grad is not None],
             "optimizer_state": optimizer_state_tensors(optimizer),
         }
-
-    def gathered_parameters(self) -> AbstractContextManager[None]:
-        return contextlib.nullcontext()  # parameters are whole on every rank
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return model.state_dict()
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
         # Every rank of the axis holds the same state: each tensor is written once, by one rank.

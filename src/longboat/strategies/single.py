@@ -3,21 +3,22 @@ this one."""
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import AbstractContextManager
-
 import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
-from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim.self_reducing import ReducesItself
 from longboat.pieces import PieceSource, RankState
 from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
-from longboat.strategies.whole_state import load_whole_state, whole_model_state, whole_state
+from longboat.strategies.whole_state import (
+    WholeModel,
+    load_whole_state,
+    whole_model_state,
+    whole_state,
+)
 
 
-class Single(StrategyDefaults):
+class Single(WholeModel, StrategyDefaults):
     """Plain single-process training."""
 
     name = "single"
@@ -75,19 +76,6 @@ class Single(StrategyDefaults):
     def expected_memory(self, a: int, k: int) -> dict[str, int]:
         """[Note: memory formulas]: the whole model, its gradients and its optimizer state."""
         return whole_model_state(a, k)
-
-    def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        return {
-            "parameters": list(self.params),
-            "gradients": [p.grad for p in self.params if p.grad is not None],
-            "optimizer_state": optimizer_state_tensors(optimizer),
-        }
-
-    def gathered_parameters(self) -> AbstractContextManager[None]:
-        return contextlib.nullcontext()  # parameters are whole on every rank
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return model.state_dict()
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
         return whole_state(model, optimizer)

@@ -6,12 +6,14 @@ and uses :func:`model_pieces`/:func:`load_model` for those.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 
-from longboat.observe.memory import model_state
+from longboat.observe.memory import model_state, optimizer_state_tensors
 from longboat.pieces import (
     MODEL,
     OPTIM,
@@ -127,3 +129,23 @@ def whole_model_state(a: int, k: int, optimizer_here: bool = True) -> dict[str, 
     ``a`` fp32 parameters, their gradients, and ``k`` bytes of optimizer state per parameter
     where this rank steps the optimizer."""
     return model_state(4 * a, 4 * a, k * a if optimizer_here else 0)
+
+
+class WholeModel:
+    """What a strategy whose every rank holds the whole model (single, replicate, a parameter
+    server's worker) answers alike; ``params`` are its trainable parameters."""
+
+    params: list[nn.Parameter]
+
+    def memory_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        return {
+            "parameters": list(self.params),
+            "gradients": [p.grad for p in self.params if p.grad is not None],
+            "optimizer_state": optimizer_state_tensors(optimizer),
+        }
+
+    def gathered_parameters(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # parameters are whole on every rank
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return model.state_dict()
