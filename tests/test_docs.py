@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from longboat.config.compositions import page as compositions_page
 from longboat.config.reference import COMMAND, render
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +23,16 @@ def test_config_reference_is_current() -> None:
     assert page.exists(), f"docs/config.md is missing; generate it with `{COMMAND}`"
     assert page.read_text() == render(), (
         f"docs/config.md differs from the config schema; regenerate it with `{COMMAND}`"
+    )
+
+
+def test_compositions_page_is_current() -> None:
+    page = ROOT / "docs" / "compositions.md"
+    command = compositions_page.COMMAND
+    assert page.exists(), f"docs/compositions.md is missing; generate it with `{command}`"
+    assert page.read_text() == compositions_page.render(), (
+        f"docs/compositions.md differs from the table of compositions; regenerate it with "
+        f"`{command}`"
     )
 
 

@@ -180,6 +180,8 @@ class Hierarchical:
         tag: str = "",
         scratch: bool = False,
     ) -> Handle:
+        # A config asking for it is refused on loading (rule 'hierarchical-zero' of [Note:
+        # compositions]); this guards a strategy that would reduce-scatter through it anyway.
         raise ConfigError(
             "comm.hierarchical = true makes data-parallel all-reduces hierarchical, but this "
             "strategy reduces gradients by reduce-scatter (ZeRO), which has no hierarchical "

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from longboat.config import deepspeed
 from longboat.config.batch import resolve_batch
+from longboat.config.compositions import refusal
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 
@@ -115,6 +116,7 @@ def load(
     ``"auto"`` values resolve from ``trainer_args`` (Hugging Face ``TrainingArguments`` names).
     """
     if isinstance(source, Config):
+        _refuse_compositions(source, "")
         return LoadedConfig(source, {k: "given as Config" for k in source.model_fields_set})
     origin = ""
     if source is None:
@@ -137,7 +139,15 @@ def load(
         cfg = Config.model_validate(dict(data))
     except ValidationError as err:
         raise _explain(err, origin) from None
+    _refuse_compositions(cfg, origin)
     return LoadedConfig(cfg, sources)
+
+
+def _refuse_compositions(cfg: Config, origin: str) -> None:
+    """What the config alone decides does not combine ([Note: compositions])."""
+    why = refusal(cfg)
+    if why is not None:
+        raise ConfigError(f"invalid config{origin}:\n  {why}")
 
 
 def load_config(

@@ -109,16 +109,6 @@ class ZeroConfig(_Section):
         "(DeepSpeed's offload_param)",
     )
 
-    @model_validator(mode="after")
-    def _param_offload_needs_stage_3(self) -> ZeroConfig:
-        if self.offload_param.device != "none" and self.stage != 3:
-            raise ValueError(
-                f"zero.offload_param.device = {self.offload_param.device!r} needs zero.stage = 3 "
-                f"(got {self.stage}): only stage 3 shards the parameters; set stage = 3 or "
-                "remove the key"
-            )
-        return self
-
 
 class MeshConfig(_Section):
     """How the ranks are laid out ([Note: mesh] in ``mesh.py``): pipeline stages x data
@@ -233,14 +223,7 @@ class ParameterServerConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _async_updates_on_server(self) -> ParameterServerConfig:
-        if self.mode != "sync" and not self.update_on_server:
-            raise ValueError(
-                f"parameter_server.update_on_server = false with mode = {self.mode!r}: without "
-                "a step that waits for every worker there is no mean gradient to hand back, so "
-                "the servers must run the optimizer (MXNet's rule); set it to true or use "
-                "mode = 'sync'"
-            )
+    def _dead_after_a_heartbeat(self) -> ParameterServerConfig:
         if self.dead_after_s <= self.heartbeat_s:
             raise ValueError(
                 f"parameter_server.dead_after_s = {self.dead_after_s} must exceed heartbeat_s = "

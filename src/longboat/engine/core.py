@@ -22,6 +22,7 @@ from longboat.checkpoint.exchange import gather_json
 from longboat.comm.hang import CollectiveTimeout, PeerLost
 from longboat.compile import Compiler
 from longboat.config.batch import ResolvedBatch, resolve_batch
+from longboat.config.compositions import refuse_built
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.data import Loader, build_loader
@@ -29,7 +30,7 @@ from longboat.engine.state import StateMethods
 from longboat.grads import clip_by_global_norm_
 from longboat.join import UNEVEN_HINT, JoinVote, Turn
 from longboat.observe.monitor import Monitor
-from longboat.optim.checks import check_parameters
+from longboat.optim.checks import check_parameters, facts_of
 from longboat.optim.self_reducing import check_bound
 from longboat.pipeline.schedule import LossFn, Schedule, Sequential, default_inputs, split
 from longboat.precision import Precision, SkippedStep
@@ -104,23 +105,21 @@ class Engine(StateMethods):
             self.tensor,
             topology.rank,
         )
-        if any(p.is_meta for p in model.parameters()) and not self.strategy.deferred_init:
-            raise ConfigError(
-                f"the model's parameters are on the meta device, which strategy "
-                f"{self.strategy.name!r} cannot make: build the model on a device, or use "
-                "strategy 'zero' with zero.stage = 3 (it makes them unit by unit)"
-            )
+        # What does not combine with this model and optimizer ([Note: compositions]).
+        first = next(model.parameters(), None)
+        on = device_for(world).type if first is None or first.is_meta else first.device.type
+        meta = any(p.is_meta for p in model.parameters())
+        strategy = config.resolved_strategy(mesh.dp)
+        deferred = self.strategy.deferred_init
+        refuse_built(
+            config,
+            facts_of(optimizer, strategy=strategy, device=on, meta=meta, deferred_init=deferred),
+        )
         self.module = self.strategy.setup(model, optimizer)
-        check_bound(optimizer, self.strategy.name, config)
+        check_bound(optimizer, self.strategy.name)
         self.precision = Precision(config.precision, device_for(world))
         # Gradients a strategy keeps out of memory ([Note: parameter offload]).
         self._held = self.strategy.held_gradients()
-        if self._held is not None and self.precision.checks_overflow:
-            raise ConfigError(
-                "precision fp16 checks every gradient for overflow, which "
-                "zero.offload_param.device = 'disk' keeps on disk: use bf16 or fp32, or remove "
-                "the key"
-            )
         self.micro_step = 0
         self.global_step = 0  # optimizer steps taken or skipped (as DeepSpeed's global_steps)
         self.skipped_steps = 0  # fp16 steps skipped for a gradient overflow

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from longboat.config.compositions.rule import Facts
 from longboat.config.errors import ConfigError
+from longboat.optim.self_reducing import ReducesItself
 
 # Optimizers whose update of each element depends on that element's own state alone: they can be
 # applied to any slice of a parameter (ZeRO's shards) or to any subset of parameters
@@ -101,3 +103,27 @@ def check_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
             f"model (shapes {shown}); every rank places gradients and optimizer state by the "
             "model's parameters, so build the optimizer from model.parameters()"
         )
+
+
+def facts_of(
+    optimizer: torch.optim.Optimizer,
+    *,
+    strategy: str | None = None,
+    device: str | None = None,
+    meta: bool | None = None,
+    deferred_init: bool | None = None,
+) -> Facts:
+    """What the table of compositions ([Note: compositions] in ``config/compositions.py``)
+    asks of ``optimizer``, with what the caller knows of the strategy and the model."""
+    return Facts(
+        strategy=strategy,
+        device=device,
+        meta=meta,
+        deferred_init=deferred_init,
+        optimizer=type(optimizer).__name__,
+        elementwise=is_elementwise(optimizer),
+        not_elementwise_why=why_not_elementwise(optimizer),
+        elementwise_ones=describe_elementwise(),
+        reduces_itself=isinstance(optimizer, ReducesItself),
+        step_hooks=has_step_hooks(optimizer),
+    )

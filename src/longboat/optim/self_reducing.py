@@ -6,8 +6,8 @@ The protocol between the two is :class:`ReducesItself`:
 
 - at setup, a strategy that supports it hands the optimizer its data-parallel doorway
   (:meth:`ReducesItself.longboat_bind`); ``replicate`` and ``single`` do, ZeRO (whose optimizer
-  sees shards), the parameter server and pipelines do not, and the engine refuses the pairing
-  (:func:`check_bound`);
+  sees shards), the parameter server and pipelines do not, and the table of compositions
+  refuses those pairings ([Note: compositions] in ``config/compositions.py``);
 - before each step's gradients are reduced, the strategy asks
   :meth:`ReducesItself.longboat_reduces_gradients`: when True it leaves every ``p.grad`` as this
   rank's own (accumulated) gradient, ``None`` where this rank did not use the parameter, and
@@ -24,8 +24,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from longboat.comm.protocol import Comm
-from longboat.config.errors import ConfigError
-from longboat.config.sections import Config
 
 
 @runtime_checkable
@@ -46,33 +44,13 @@ class ReducesItself(Protocol):
         ...
 
 
-def _why_not(config: Config) -> str | None:
-    """What in ``config`` an optimizer that reduces itself does not support (yet)."""
-    if config.mesh.pp > 1 or config.mesh.tp > 1:
-        return (
-            f"mesh.pp = {config.mesh.pp}, mesh.tp = {config.mesh.tp}: it is built and tested "
-            "on plain data parallelism only; use mesh.pp = mesh.tp = 1"
+def check_bound(optimizer: torch.optim.Optimizer, strategy: str) -> None:
+    """After setup: an optimizer that reduces itself was bound to a doorway. What does not
+    combine with one is refused before setup ([Note: compositions]); a strategy the table lets
+    through but that did not bind it is a fault of that strategy, named here."""
+    if isinstance(optimizer, ReducesItself) and not optimizer.longboat_bound():
+        raise RuntimeError(
+            f"strategy {strategy!r} did not bind optimizer {type(optimizer).__name__}, which "
+            "reduces itself, to its doorway: the strategy must call longboat_bind in setup, "
+            "or the table of compositions (longboat/config/compositions.py) refuse the pair"
         )
-    if config.data.remainder == "join":
-        return (
-            "data.remainder = 'join': a rank without a batch would still send its momentum's "
-            "residual; use 'pad' or 'drop'"
-        )
-    return None
-
-
-def check_bound(optimizer: torch.optim.Optimizer, strategy: str, config: Config) -> None:
-    """Refuse an optimizer that reduces itself under a strategy that did not bind it, or with a
-    feature of ``config`` it does not support (pipelines, say); a ConfigError naming both."""
-    if not isinstance(optimizer, ReducesItself):
-        return
-    why_not = _why_not(config)
-    name = type(optimizer).__name__
-    if not optimizer.longboat_bound():
-        raise ConfigError(
-            f"optimizer {name} all-reduces its momentum itself after its warm-up, which "
-            f"strategy {strategy!r} does not let it do (DeepSpeed refuses 1-bit Adam with ZeRO "
-            "too): use strategy = 'replicate', or another optimizer"
-        )
-    if why_not is not None:
-        raise ConfigError(f"optimizer {name} with {why_not}: use another optimizer")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from longboat.config.errors import ConfigError
 from longboat.config.sections import PipelineConfig
 from longboat.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from longboat.pipeline.partition import PartitionError, StageInfo
@@ -19,12 +18,7 @@ from longboat.topology import Topology
 def build_schedule(config: PipelineConfig, topology: Topology, device: torch.device) -> Schedule:
     """The engine's schedule: :class:`~.schedule.Sequential` without pipeline stages,
     else a :class:`Pipeline` over the ``pp`` axis. Schedule errors name the config keys."""
-    if topology.mesh.pp == 1:
-        if config.virtual_stages != 1:
-            raise ConfigError(
-                f"key 'pipeline.virtual_stages' = {config.virtual_stages} needs pipeline "
-                "stages: set mesh.pp > 1, or leave it at 1"
-            )
+    if topology.mesh.pp == 1:  # virtual stages without stages are refused by the config
         return Sequential()
     pipe = Pipeline(
         config.schedule,

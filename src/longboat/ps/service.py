@@ -28,10 +28,11 @@ import torch.distributed as dist
 from longboat import roles
 from longboat.comm.collectives import Collectives
 from longboat.comm.commlog import CommLog
+from longboat.config.compositions import refuse_built
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.mesh import Mesh
-from longboat.optim.checks import describe_elementwise, is_elementwise
+from longboat.optim.checks import facts_of
 from longboat.ps.client import Connection
 from longboat.ps.server import Server, Settings
 from longboat.ps.wire import Link
@@ -68,25 +69,6 @@ class ParameterServerService:
             raise ConfigError(
                 f"parameter_server.servers = {cfg.servers} leaves no worker at world size "
                 f"{world_size}; launch at least {cfg.servers + 1} processes, or use fewer servers"
-            )
-        if config.mesh.pp > 1 or config.mesh.tp > 1:
-            raise ConfigError(
-                f"strategy 'parameter_server' with mesh.pp = {config.mesh.pp}, mesh.tp = "
-                f"{config.mesh.tp}: its workers each run the whole model; set both to 1"
-            )
-        if cfg.update_on_server and config.precision.dtype == "fp16":
-            raise ConfigError(
-                "precision.dtype = 'fp16' with parameter_server.update_on_server = true: a "
-                "step the loss scaler skips would still reach the servers; use bf16, or "
-                "update_on_server = false (sync mode)"
-            )
-        if cfg.update_on_server and cfg.mode == "sync" and config.gradient_clipping > 0:
-            raise ConfigError(
-                f"gradient_clipping = {config.gradient_clipping} with parameter_server.mode = "
-                "'sync' and update_on_server = true: clipping must see the mean gradient, which "
-                "only the servers hold; set update_on_server = false (the servers average and "
-                "each worker clips and steps, equal to replicate). In async and ssp each push "
-                "is clipped by its own norm."
             )
         self.ranks = cfg.servers
         self.workers = list(range(world_size - cfg.servers))
@@ -182,7 +164,7 @@ class ParameterServerService:
     ) -> NoReturn:
         """The engine's servers: the user's optimizer class and hyperparameters step each key
         (see :func:`optimizer_factory`); serve, then end the process (ServerExit)."""
-        check_optimizer(optimizer, self.cfg.update_on_server)
+        check_optimizer(optimizer, self.config)
         if self.sync:  # the workers' groups are made by every rank ([Note: group creation])
             Topology.stand_aside(mesh, options, outside=self.ranks)
         self.serve_with(optimizer_factory(optimizer))
@@ -192,7 +174,7 @@ class ParameterServerService:
     ) -> ServingThread:
         """:meth:`serve` from a thread, once the groups every rank makes together are made
         (on this thread, so their order is the other ranks'); the caller goes on."""
-        check_optimizer(optimizer, self.cfg.update_on_server)
+        check_optimizer(optimizer, self.config)
         if self.sync:
             Topology.stand_aside(mesh, options, outside=self.ranks)
         thread = ServingThread(self, optimizer_factory(optimizer))
@@ -282,15 +264,11 @@ def optimizer_factory(optimizer: torch.optim.Optimizer) -> Any:
     return make
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, update_on_server: bool) -> None:
-    """Servers step their ranges of the parameters on their own: the update must be exact
-    per element."""
-    if update_on_server and not is_elementwise(optimizer):
-        raise ConfigError(
-            f"parameter_server.update_on_server = true with {type(optimizer).__name__}: the "
-            "servers step ranges of the parameters, which is exact only for per-element "
-            f"optimizers ({describe_elementwise()}); set update_on_server = false (sync mode)"
-        )
+def check_optimizer(optimizer: torch.optim.Optimizer, config: Config) -> None:
+    """Servers step their ranges of the parameters on their own: what the table of
+    compositions refuses of ``optimizer`` under the parameter server, refused on the servers
+    too ([Note: compositions])."""
+    refuse_built(config, facts_of(optimizer, strategy="parameter_server"))
 
 
 def report(summary: dict[str, Any]) -> None:

@@ -34,7 +34,6 @@ from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
 from longboat.pieces import PieceSource, RankState, members
 from longboat.ps.client import Connection
-from longboat.ps.service import check_optimizer
 from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.whole_state import (
@@ -107,7 +106,6 @@ class ParameterServer(WholeModel, StrategyDefaults):
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        check_optimizer(optimizer, self.cfg.update_on_server)
         all_params = list(dict.fromkeys(model.parameters()))
         self.params = [p for p in all_params if p.requires_grad]
         self._broadcast_start(all_params, list(model.buffers()))

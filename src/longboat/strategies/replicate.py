@@ -50,7 +50,6 @@ from longboat.comm import compression
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
 from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
-from longboat.config.errors import ConfigError
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim.checks import has_step_hooks, is_elementwise
 from longboat.optim.self_reducing import ReducesItself
@@ -107,12 +106,6 @@ class Replicate(WholeModel, StrategyDefaults):
                 self.comm.broadcast(t.data, src=0)
         self._buffers = BufferSync(model, self.comm)
         if isinstance(optimizer, ReducesItself):
-            if self.compressor is not None:
-                raise ConfigError(
-                    f"compression.method = {self.ctx.compression.method!r} with optimizer "
-                    f"{type(optimizer).__name__}, which compresses its own momentum: the "
-                    "gradient would be compressed twice; remove the [compression] section"
-                )
             optimizer.longboat_bind(self.comm)
             self._reducer = optimizer
         self.plan = plan_buckets(

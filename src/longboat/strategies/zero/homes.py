@@ -25,9 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from longboat.config.errors import ConfigError
 from longboat.observe.memory import optimizer_state_bytes_per_param
-from longboat.optim.checks import has_step_hooks
 from longboat.pieces import RankState
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.zero.flat import FlatUnit
@@ -62,17 +60,8 @@ class InMemory:
         self.units.append(u)
 
     def start(self, optimizer: torch.optim.Optimizer) -> None:
-        cfg = self.cfg
-        for key, c in (
-            ("offload_optimizer", cfg.offload_optimizer),
-            ("offload_param", cfg.offload_param),
-        ):
-            if c.device == "cpu" and any(u.device.type != "cpu" for u in self.units):
-                raise ConfigError(
-                    f"zero.{key}.device = 'cpu' with parameters on an accelerator: keeping "
-                    "state in CPU memory beside an accelerator is not implemented yet; remove "
-                    "the key"
-                )
+        # Offload beside an accelerator is refused by the engine ([Note: compositions]).
+        pass
 
     def bring_param(self, u: FlatUnit) -> None:
         pass
@@ -151,7 +140,6 @@ class OnDisk(InMemory):
         self.shards: ShardSwap | None = None  # [Note: parameter offload]
         self.stream: UnitStream | None = None  # steps units with their offloaded parts
         if self.cfg.offload_param.device == "disk":  # each unit's shards out once built
-            _check_params_offload(ctx, model)
             dry = any(isinstance(p, FakeTensor) for p in params)
             self.shards = ShardSwap(self.cfg.offload_param, self.rank, dry)
         # On disk the gradient shard has no memory to land in, even on one rank.
@@ -170,11 +158,6 @@ class OnDisk(InMemory):
         cfg = self.cfg.offload_optimizer
         if not self.units:
             return
-        if has_step_hooks(optimizer):
-            raise ConfigError(
-                "zero offload to disk steps the optimizer unit by unit, which step hooks would "
-                "see several times per step; remove the hooks or the offload keys"
-            )
         dry = any(isinstance(u.shard, FakeTensor) for u in self.units)
         parts: list[UnitHome] = []
         if cfg.device == "disk":
@@ -312,21 +295,3 @@ def _wait(u: FlatUnit) -> torch.Tensor:
     reduced, u.reduced = u.reduced, None
     assert reduced is not None
     return reduced
-
-
-def _check_params_offload(ctx: StrategyContext, model: nn.Module) -> None:
-    """What [Note: parameter offload] does not combine with yet, refused by name."""
-    mesh = ctx.topology.mesh
-    for axis, size in (("pp", mesh.pp), ("tp", mesh.tp), ("dp_replicate", mesh.dp_replicate)):
-        if size > 1:
-            raise ConfigError(
-                f"zero.offload_param.device = 'disk' with mesh.{axis} = {size}: parameter "
-                f"offload is implemented for plain ZeRO-3 (mesh.{axis} = 1) so far; remove "
-                "the key or the axis"
-            )
-    device = next(model.parameters()).device
-    if device.type not in ("cpu", "meta"):
-        raise ConfigError(
-            f"zero.offload_param.device = 'disk' with parameters on {device}: offload to "
-            "disk is implemented for CPU training only so far; remove the key"
-        )

@@ -267,11 +267,6 @@ class StateSwap(SwapFiles):
 
     def __init__(self, cfg: Any, units: list[FlatUnit], rank: int) -> None:
         self.units = units
-        if any(u.device.type != "cpu" for u in units):
-            raise ConfigError(
-                f"{_KEY}.device = 'disk' with parameters on {units[0].device}: offload to disk "
-                "is implemented for CPU training only so far; remove the key"
-            )
         super().__init__(dry=any(isinstance(u.shard, FakeTensor) for u in units))
         self.dir = Path(cfg.path) / SWAP_DIR
         if not self.dry:

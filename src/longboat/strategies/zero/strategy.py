@@ -56,7 +56,6 @@ from longboat.comm import compression
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
 from longboat.observe.memory import optimizer_state_tensors
-from longboat.optim.checks import describe_elementwise, is_elementwise, why_not_elementwise
 from longboat.pieces import PieceSource, RankState
 from longboat.strategies.base import StrategyContext, StrategyDefaults
 from longboat.strategies.buffers import BufferSync
@@ -111,13 +110,7 @@ class Zero(StrategyDefaults):
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        if not is_elementwise(optimizer):
-            raise ConfigError(
-                f"strategy 'zero' steps the optimizer on pieces of flat shards, which is exact "
-                f"only for element-wise optimizers: {describe_elementwise()}; "
-                f"{type(optimizer).__name__} is not one of them ({why_not_elementwise(optimizer)})."
-                " Use strategy 'replicate', or one of those optimizers"
-            )
+        # An optimizer that is not element-wise is refused by the engine ([Note: compositions]).
         if optimizer.state:
             raise ConfigError(
                 "strategy 'zero' needs a fresh optimizer (it re-targets the "

@@ -1,0 +1,273 @@
+"""The compositions of features longboat refuses: optimizers that reduce themselves, gradient
+compression, and what the model, the optimizer and the device decide ([Note: compositions] in
+``config/compositions/__init__.py``)."""
+
+from __future__ import annotations
+
+from longboat.config.compositions.rule import (
+    COMPRESSED,
+    DISK_STATE,
+    Facts,
+    Rule,
+    compressing,
+    compression_with,
+    cpu_keys,
+    disk_key,
+    named,
+    on_disk,
+    reducer,
+    strategy_of,
+    zero,
+)
+
+FEATURES: tuple[Rule, ...] = (
+    # -- optimizers that reduce themselves (1-bit Adam, 1-bit LAMB) -----------------------------
+    Rule(
+        "self-reducing-sharded",
+        "1-bit Adam or 1-bit LAMB",
+        "strategy 'zero' or 'parameter_server'",
+        "by nature",
+        "build",
+        lambda c, f: (
+            reducer(c, f) is not None and strategy_of(c, f) in ("zero", "parameter_server")
+        ),
+        lambda c, f: (
+            f"{named(c, f)} with strategy = {strategy_of(c, f)!r}: {reducer(c, f)} "
+            "all-reduces each rank's whole momentum itself after its warm-up (DeepSpeed "
+            "refuses it with ZeRO too); use strategy = 'replicate', or another optimizer"
+        ),
+        {"strategy": "zero", "optimizer": {"type": "OneBitAdam"}},
+    ),
+    Rule(
+        "self-reducing-compression",
+        "1-bit Adam or 1-bit LAMB",
+        "compression",
+        "by nature",
+        "build",
+        lambda c, f: reducer(c, f) is not None and compressing(c, f),
+        lambda c, f: (
+            f"{named(c, f)} with compression.method = {c.compression.method!r}: "
+            f"{reducer(c, f)} compresses its own momentum, the gradient would be compressed "
+            "twice; remove the [compression] section"
+        ),
+        {"optimizer": {"type": "OneBitAdam"}, **COMPRESSED},
+    ),
+    Rule(
+        "self-reducing-mesh",
+        "1-bit Adam or 1-bit LAMB",
+        "mesh.pp or mesh.tp > 1",
+        "not built yet",
+        "build",
+        lambda c, f: reducer(c, f) is not None and (c.mesh.pp > 1 or c.mesh.tp > 1),
+        lambda c, f: (
+            f"{named(c, f)} with mesh.pp = {c.mesh.pp}, mesh.tp = {c.mesh.tp}: it "
+            "is built and tested on plain data parallelism only; use mesh.pp = mesh.tp = 1, or "
+            "another optimizer"
+        ),
+        {"optimizer": {"type": "OneBitAdam"}, "mesh": {"tp": 2}},
+    ),
+    Rule(
+        "self-reducing-join",
+        "1-bit Adam or 1-bit LAMB",
+        "data.remainder 'join'",
+        "by nature",
+        "build",
+        lambda c, f: reducer(c, f) is not None and c.data.remainder == "join",
+        lambda c, f: (
+            f"{named(c, f)} with data.remainder = 'join': a rank without a batch "
+            "would still send its momentum's residual; use 'pad' or 'drop', or another "
+            "optimizer"
+        ),
+        {"optimizer": {"type": "OneBitAdam"}, "data": {"remainder": "join"}},
+    ),
+    # -- gradient compression -------------------------------------------------------------------
+    Rule(
+        "compression-parameter-server",
+        "compression",
+        "strategy 'parameter_server'",
+        "by nature",
+        "config",
+        lambda c, f: compressing(c, f) and c.strategy == "parameter_server",
+        compression_with(
+            lambda c: "strategy 'parameter_server': its workers push to servers, with no all-reduce"
+        ),
+        {"strategy": "parameter_server", **COMPRESSED},
+    ),
+    Rule(
+        "compression-communication-dtype",
+        "compression",
+        "precision.communication_data_type",
+        "by nature",
+        "config",
+        lambda c, f: (
+            compressing(c, f) and c.precision.communication_data_type not in (None, "fp32")
+        ),
+        compression_with(
+            lambda c: (
+                f"precision.communication_data_type = {c.precision.communication_data_type!r}: "
+                "a compressed method chooses what travels itself; remove one of the two"
+            )
+        ),
+        {**COMPRESSED, "precision": {"communication_data_type": "bf16"}},
+    ),
+    Rule(
+        "compression-fp16",
+        "compression",
+        "precision.dtype 'fp16'",
+        "by nature",
+        "config",
+        lambda c, f: compressing(c, f) and c.precision.dtype == "fp16",
+        compression_with(
+            lambda c: (
+                "precision.dtype = 'fp16': an overflowing step would leave inf in the "
+                "error-feedback residual, which every later step would send; use 'bf16'"
+            )
+        ),
+        {**COMPRESSED, "precision": {"dtype": "fp16"}},
+    ),
+    Rule(
+        "compression-join",
+        "compression",
+        "data.remainder 'join'",
+        "by nature",
+        "config",
+        lambda c, f: compressing(c, f) and c.data.remainder == "join",
+        compression_with(
+            lambda c: (
+                "data.remainder = 'join': a rank without a batch would still send its "
+                "error-feedback residual, which is not a zero contribution; use 'pad' or 'drop'"
+            )
+        ),
+        {**COMPRESSED, "data": {"remainder": "join"}},
+    ),
+    Rule(
+        "compression-mesh",
+        "compression",
+        "mesh.pp or mesh.tp > 1",
+        "not built yet",
+        "config",
+        lambda c, f: compressing(c, f) and (c.mesh.pp > 1 or c.mesh.tp > 1),
+        compression_with(
+            lambda c: (
+                f"mesh.pp = {c.mesh.pp}, mesh.tp = {c.mesh.tp}: compression is built and "
+                "tested on plain data parallelism only so far; use mesh.pp = mesh.tp = 1"
+            )
+        ),
+        {**COMPRESSED, "mesh": {"tp": 2}},
+    ),
+    Rule(
+        "compression-groups",
+        "compression",
+        "comm.groups > 1 or comm.hierarchical",
+        "not built yet",
+        "config",
+        lambda c, f: compressing(c, f) and (c.comm.groups > 1 or c.comm.hierarchical),
+        compression_with(
+            lambda c: (
+                f"comm.groups = {c.comm.groups}, comm.hierarchical = "
+                f"{str(c.comm.hierarchical).lower()}: compressed reductions travel on the "
+                "data-parallel group itself; use comm.groups = 1 and comm.hierarchical = false"
+            )
+        ),
+        {**COMPRESSED, "comm": {"groups": 2}},
+    ),
+    # -- what the model, the optimizer and the device decide -------------------------------------
+    Rule(
+        "meta-device",
+        "a model on the meta device",
+        "any strategy but ZeRO-3",
+        "by nature",
+        "build",
+        lambda c, f: bool(f.meta) and f.deferred_init is False,
+        lambda c, f: (
+            f"the model's parameters are on the meta device, which strategy "
+            f"{strategy_of(c, f)!r} cannot make: build the model on a device, or use "
+            "strategy 'zero' with zero.stage = 3 (it makes them unit by unit)"
+        ),
+        {"strategy": "replicate"},
+        Facts(strategy="replicate", meta=True, deferred_init=False),
+    ),
+    Rule(
+        "zero-elementwise",
+        "an optimizer that is not element-wise",
+        "strategy 'zero'",
+        "by nature",
+        "build",
+        lambda c, f: zero(c, f) and f.elementwise is False,
+        lambda c, f: (
+            "strategy 'zero' steps the optimizer on pieces of flat shards, which is exact "
+            f"only for element-wise optimizers: {f.elementwise_ones}; {f.optimizer} is not one "
+            f"of them ({f.not_elementwise_why}). Use strategy 'replicate', or one of those "
+            "optimizers"
+        ),
+        {"strategy": "zero"},
+        Facts(
+            optimizer="Lamb",
+            elementwise=False,
+            not_elementwise_why="its trust ratio is a norm over the whole tensor",
+            elementwise_ones="SGD, Adam, AdamW, ... (exact classes)",
+        ),
+    ),
+    Rule(
+        "server-elementwise",
+        "an optimizer that is not element-wise",
+        "parameter_server.update_on_server = true",
+        "by nature",
+        "build",
+        lambda c, f: (
+            strategy_of(c, f) == "parameter_server"
+            and c.parameter_server.update_on_server
+            and f.elementwise is False
+        ),
+        lambda c, f: (
+            f"parameter_server.update_on_server = true with {f.optimizer}: the servers step "
+            "ranges of the parameters, which is exact only for per-element optimizers "
+            f"({f.elementwise_ones}); set update_on_server = false (sync mode)"
+        ),
+        {"strategy": "parameter_server"},
+        Facts(optimizer="Lamb", elementwise=False, elementwise_ones="SGD, Adam, AdamW, ..."),
+    ),
+    Rule(
+        "disk-offload-step-hooks",
+        "zero offload to disk",
+        "optimizer step hooks",
+        "by nature",
+        "build",
+        lambda c, f: zero(c, f) and on_disk(c) and bool(f.step_hooks),
+        lambda c, f: (
+            "zero offload to disk steps the optimizer unit by unit, which step hooks would "
+            "see several times per step; remove the hooks or the offload keys"
+        ),
+        DISK_STATE,
+        Facts(step_hooks=True),
+    ),
+    Rule(
+        "disk-offload-accelerator",
+        "zero offload to disk",
+        "parameters on an accelerator",
+        "not built yet",
+        "build",
+        lambda c, f: zero(c, f) and on_disk(c) and f.device not in (None, "cpu", "meta"),
+        lambda c, f: (
+            f"zero.{disk_key(c)}.device = 'disk' with parameters on {f.device}: offload to "
+            "disk is implemented for CPU training only so far; remove the key"
+        ),
+        DISK_STATE,
+        Facts(device="cuda"),
+    ),
+    Rule(
+        "cpu-offload-accelerator",
+        "zero offload to CPU memory",
+        "parameters on an accelerator",
+        "not built yet",
+        "build",
+        lambda c, f: zero(c, f) and bool(cpu_keys(c)) and f.device not in (None, "cpu", "meta"),
+        lambda c, f: (
+            f"zero.{cpu_keys(c)[0]}.device = 'cpu' with parameters on an accelerator: "
+            "keeping state in CPU memory beside an accelerator is not implemented yet; remove "
+            "the key"
+        ),
+        {"strategy": "zero", "zero": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        Facts(device="cuda"),
+    ),
+)
