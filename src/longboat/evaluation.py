@@ -29,7 +29,7 @@ class EvalLoader:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         rank: int,
         world_size: int,
         batch_size: int,

@@ -54,7 +54,7 @@ def limit_arenas(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    done = mallopt(M_ARENA_MAX, 1) == 1
+    done: bool = mallopt(M_ARENA_MAX, 1) == 1  # restype c_int: an int
     if done:
         _log.debug("malloc: one arena for this gloo job (set %s to choose otherwise)", ENV)
     return done

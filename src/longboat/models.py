@@ -58,7 +58,8 @@ class _CausalSelfAttention(nn.Module):
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
         y = y.transpose(1, 2).contiguous().view(b, t, -1)
-        return self.resid_drop(self.proj(y))
+        out: torch.Tensor = self.resid_drop(self.proj(y))
+        return out
 
 
 class _MLP(nn.Module):
@@ -69,7 +70,8 @@ class _MLP(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        out: torch.Tensor = self.drop(self.proj(F.gelu(self.fc(x))))
+        return out
 
 
 class _Block(nn.Module):
@@ -84,7 +86,8 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):
@@ -171,10 +174,12 @@ class GPT(nn.Module):
         if t > self.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len={self.seq_len}")
         pos = torch.arange(t, device=idx.device)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        out: torch.Tensor = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        return out
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+        out: torch.Tensor = self.lm_head(self.ln_f(x))
+        return out
 
     def pipeline_layers(
         self,
@@ -256,4 +261,5 @@ class DigitsCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map images ``[B, 1, 8, 8]`` to class logits ``[B, 10]``."""
-        return self.classifier(self.features(x))
+        out: torch.Tensor = self.classifier(self.features(x))
+        return out

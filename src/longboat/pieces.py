@@ -71,7 +71,7 @@ class Slices:
     def put(self, full: torch.Tensor, local: torch.Tensor) -> None:
         """Write ``local`` (shaped :attr:`shape`) into its places in ``full``."""
         sizes = [b[self.dim][1] for b in self.boxes]
-        for b, part in zip(self.boxes, local.split(sizes, dim=self.dim), strict=True):
+        for b, part in zip(self.boxes, torch.split(local, sizes, dim=self.dim), strict=True):
             full[self._index(b)].copy_(part)
 
     def to_json(self) -> dict[str, Any]:

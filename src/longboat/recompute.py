@@ -96,4 +96,4 @@ def _wrap(module: nn.Module, offload: bool, pin: bool) -> None:
                 return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    module.forward = recomputed  # type: ignore[method-assign]
+    module.forward = recomputed

@@ -28,7 +28,7 @@ from longboat.comm.protocol import Comm
 
 class _SyncBatchNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor | None,
@@ -97,7 +97,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not (self.training and comm is not None and comm.world_size > 1):
             return super().forward(x)
         stats: list[torch.Tensor] = []
-        y = _SyncBatchNormFn.apply(x, self.weight, self.bias, self.eps, comm, stats)
+        # torch's Function.apply is unannotated
+        y: torch.Tensor = _SyncBatchNormFn.apply(  # type: ignore[no-untyped-call]
+            x, self.weight, self.bias, self.eps, comm, stats
+        )
         if self.track_running_stats and self.running_mean is not None:
             mean, var, n = stats
             with torch.no_grad():

@@ -11,6 +11,7 @@ import datetime
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,10 @@ from longboat.heap import limit_arenas
 from longboat.launch.node_env import first_host as first_host
 from longboat.launch.node_env import slurm_master_addr, slurm_master_port
 from longboat.network import bind_listener, master_route_interface
+
+if TYPE_CHECKING:
+    # torch.distributed re-exports TCPStore without marking it public (no ``as``, no __all__).
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 DEFAULT_PORT = 29500
 
@@ -216,7 +221,7 @@ def init_process_group(world: World, backend: str | None = None, timeout_s: floa
     return True
 
 
-def _own_store(world: World, timeout: datetime.timedelta) -> dist.TCPStore:
+def _own_store(world: World, timeout: datetime.timedelta) -> TCPStore:
     """The job's store, served by rank 0 on MASTER_ADDR:MASTER_PORT only.
 
     torch's env:// store listens on every interface whatever MASTER_ADDR says; a socket bound
@@ -237,7 +242,7 @@ def bound_store(
     timeout: datetime.timedelta,
     *,
     strict: bool = True,
-) -> dist.TCPStore:
+) -> TCPStore:
     """A store for ``world_size`` ranks that rank 0 serves on ``addr:port`` and nowhere else.
 
     Every group longboat opens gets its store here (``init_process_group(store=...)``): the
@@ -249,17 +254,17 @@ def bound_store(
     this host (a service name in front of it, see :func:`_own_store`); the tools, which
     always serve on loopback, keep it True, so a failed bind is an error, never a wildcard.
     """
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # see the import above
+
     if rank != 0:
-        return dist.TCPStore(addr, port, world_size, False, timeout, multi_tenant=True)
+        return TCPStore(addr, port, world_size, False, timeout, multi_tenant=True)
     try:
         fd: int | None = bind_listener(addr, port).detach()
     except OSError:
         if strict:
             raise
         fd = None
-    return dist.TCPStore(
-        addr, port, world_size, True, timeout, multi_tenant=True, master_listen_fd=fd
-    )
+    return TCPStore(addr, port, world_size, True, timeout, multi_tenant=True, master_listen_fd=fd)
 
 
 # [Note: dynamo before the group] Importing ``torch._dynamo`` while a default process group

@@ -53,7 +53,7 @@ def _gpt_spec(name: str, make: Callable[[], GPT], seq_len: int) -> ModelSpec:
             f"--seq-len {seq_len} exceeds the model's {probe.seq_len}: use {probe.seq_len} or less"
         )
     vocab = probe.vocab_size
-    info = {
+    info: dict[str, object] = {
         "vocab_size": vocab,
         "d_model": probe.d_model,
         "n_layers": probe.n_layers,

@@ -265,12 +265,16 @@ def chart(result: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
 
     s = result["settings"]
     fig, ax = plt.subplots(figsize=(9, 5), dpi=100)
     sides = list(dict.fromkeys(r["side"] for r in result["rows"]))
     # 20 distinct colours, and one line style per library, so no two sides look alike.
-    colours = plt.get_cmap("tab20").colors
+    tab20 = plt.get_cmap("tab20")
+    assert isinstance(tab20, ListedColormap)  # a qualitative map: its colours are a list
+    colours = tab20.colors
+    assert isinstance(colours, (list, tuple))
     styles = {"longboat": "-", "ddp": "--", "fsdp2": ":", "deepspeed": "-."}
     for i, side in enumerate(sides):
         rows = [r for r in result["rows"] if r["side"] == side]

@@ -46,11 +46,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from longboat.bench.models import Batch, resolve_model
 from longboat.bench.sides import (
     CONFIG_PREFIX,
     LONGBOAT_SIDES,
+    Side,
     build_side,
     exists_at,
     import_deepspeed,
@@ -169,7 +171,7 @@ def _measure(
         if why:
             unavailable.update({x: why for x in names if library(x) == "deepspeed"})
     gb = s.global_batch(n)
-    sides = {}
+    sides: dict[str, Side] = {}
     result["rss_after_import_bytes"] = _peak_rss_bytes()
     with contextlib.ExitStack() as stack:
         tracker = None
@@ -203,7 +205,7 @@ def _steps(
     spec: Any,
     unavailable: dict[str, str],
     gb: int,
-    sides: dict[str, Any],
+    sides: dict[str, Side],
 ) -> None:
     """Build the sides into ``sides``, run the warm-up and the measured rounds."""
     for name in names:
@@ -327,7 +329,8 @@ def _free_port() -> int:
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def launch(
@@ -343,7 +346,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="longboat-bench-") as tmp:
         crash = None
         try:
-            pc = mp.start_processes(
+            pc: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # torch's is unannotated
                 _worker,
                 args=(s, n, _free_port(), phase, names, tmp, q),
                 nprocs=n,

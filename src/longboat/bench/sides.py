@@ -38,12 +38,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from longboat.bench.models import Batch, ModelSpec
+
+if TYPE_CHECKING:
+    from longboat.engine import Engine
+    from longboat.ps.service import ServingThread
 
 LONGBOAT_SIDES = (
     "single",
@@ -151,6 +155,8 @@ class _EngineSide:
 
 class LongboatSide(_EngineSide):
     """A longboat strategy through ``longboat.initialize``."""
+
+    engine: Engine
 
     def __init__(
         self, name: str, spec: ModelSpec, model: nn.Module, lr: float, micro_batch: int
@@ -262,6 +268,7 @@ class TensorParallelSide(_EngineSide):
     """longboat's tensor parallelism over ``mesh.tp`` = the world size, the model's built-in
     plan; every rank runs the whole global batch."""
 
+    engine: Engine
     shares_batch = True
 
     def __init__(
@@ -310,8 +317,8 @@ class ParameterServerSide:
             "log": {"progress": False, "level": "WARNING"},
         }
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        self.engine: Any = None
-        self.server: Any = None
+        self.engine: Engine | None = None
+        self.server: ServingThread | None = None
         if self.rank == self.workers:
             self.server = serve_beside(model, opt, config)
         else:
@@ -329,6 +336,7 @@ class ParameterServerSide:
 
     def state_bytes(self) -> int | None:
         if self.engine is None:  # the server: its range of the values and optimizer state
+            assert self.server is not None
             return sum(self.server.memory().values())
         return self.engine.memory_report().total
 
@@ -354,7 +362,7 @@ class _PlainSide:
 
     def step(self, batch: Batch) -> torch.Tensor:
         loss = self.spec.loss(self.wrapped(*batch[:-1]), batch[-1])
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's is unannotated
         self.opt.step()
         self.opt.zero_grad()
         return loss.detach()

@@ -92,7 +92,7 @@ def is_complete(root: Path, tag: str) -> bool:
 
 def complete_checkpoints(root: Path) -> list[tuple[int, float, str]]:
     """(step, mtime, tag) of every complete checkpoint under ``root``, oldest first."""
-    out = []
+    out: list[tuple[int, float, str]] = []
     if not root.is_dir():
         return out
     for d in root.iterdir():

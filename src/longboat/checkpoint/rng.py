@@ -17,7 +17,8 @@ def capture() -> dict[str, Any]:
         "torch": torch.get_rng_state().tolist(),
         "cuda": (
             [s.tolist() for s in torch.cuda.get_rng_state_all()]
-            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            # torch.cuda.is_initialized is unannotated
+            if torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
             else None
         ),
         "numpy": None,
@@ -26,7 +27,10 @@ def capture() -> dict[str, Any]:
         import numpy as np
     except ImportError:
         return state
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    legacy = np.random.get_state(legacy=True)
+    # A dict only for a bit generator other than MT19937; the global RandomState's is MT19937.
+    assert isinstance(legacy, tuple)
+    name, keys, pos, has_gauss, cached = legacy
     state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
     return state
 

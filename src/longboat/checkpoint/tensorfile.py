@@ -17,11 +17,14 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from longboat.checkpoint.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 # safetensors' dtype names.
 DTYPE_NAMES = {
@@ -59,7 +62,8 @@ def _raw(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    # ndarray.data: the array's buffer as a memoryview (numpy types __buffer__ from 3.12 only)
+    return t.view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 def write_tensors(
@@ -176,7 +180,7 @@ class TensorFiles:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._open: dict[str, object] = {}
+        self._open: dict[str, safe_open] = {}
 
     def slice(self, file: str, key: str, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of the 1-D tensor ``key`` in ``file``."""
@@ -190,7 +194,9 @@ class TensorFiles:
                 raise CheckpointError(
                     f"'{self.root / file}' cannot be read as safetensors: {e}"
                 ) from None
-        return handle.get_slice(key)[start:end]  # type: ignore[attr-defined]
+        # safetensors' stub leaves get_slice unannotated; its slices are torch tensors here
+        part: torch.Tensor = handle.get_slice(key)[start:end]  # type: ignore[no-untyped-call]
+        return part
 
     def close(self) -> None:
         self._open.clear()

@@ -12,7 +12,7 @@ from longboat.checkpoint.tensorfile import checksum
 def file_problems(path: Path, manifest: Manifest, names: list[str]) -> list[str]:
     """What is wrong with each of ``names`` (files of the checkpoint at ``path``): missing, of
     the wrong size, or with the wrong SHA-256, naming the tensors whose bytes changed."""
-    wanted = {}  # file -> {tensor key in file: (description, sha256)}
+    wanted: dict[str, dict[str, tuple[str, str]]] = {}  # file -> {key in file: (what, sha256)}
     for name, keys in manifest.tensors.items():
         for key, e in keys.items():
             for s in e.shards:

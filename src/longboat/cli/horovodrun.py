@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from longboat.cli.app import app, usage_error
 from longboat.cli.hostopts import parse_hosts
+
+if TYPE_CHECKING:
+    from longboat.launch.hosts import Host
 
 
 @app.command(
@@ -90,7 +95,7 @@ def _script(command: list[str]) -> tuple[str, list[str]]:
     return words[0], words[1:]
 
 
-def _fill(found: list, num_proc: int) -> str:
+def _fill(found: Sequence[Host], num_proc: int) -> str:
     """Horovod's placement: ``num_proc`` ranks fill the hosts' slots in order."""
     total = sum(h.nproc for h in found)
     if num_proc > total:

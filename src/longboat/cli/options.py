@@ -46,4 +46,6 @@ MODEL = typer.Option(
 
 def config_file(help: str) -> Path | None:
     """A ``--config FILE`` option (what the file is used for differs per command)."""
-    return typer.Option(None, "--config", help=help)
+    # typer.Option stands in for the parameter's default, typed as the value it will give.
+    option: Path | None = typer.Option(None, "--config", help=help)
+    return option

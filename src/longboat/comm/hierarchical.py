@@ -194,6 +194,14 @@ class Hierarchical:
     ) -> Handle:
         return self.flat.all_gather(output, input, async_op=async_op, tag=tag)
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ) -> Handle:
+        return self.flat.all_to_all(output, input, async_op=async_op, tag=tag)
+
+    def count_replaced(self, op: str, nbytes: int) -> None:
+        self.flat.count_replaced(op, nbytes)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.flat.broadcast(tensor, src)
 

@@ -196,11 +196,10 @@ class PointToPoint:
             raise
         t1 = time.perf_counter()
         self.blocked_seconds += t1 - t0
-        if staged:
-            work = Staged(work, wire, tensor if name == "recv" else None)
+        waited = Staged(work, wire, tensor if name == "recv" else None) if staged else work
         nbytes = tensor.numel() * tensor.element_size()
         log = (self.commlog, nbytes, t1) if self.log and self.commlog is not None else None
-        handle = Timed(self, work, rec, log, loss_reported=loss_reported)
+        handle = Timed(self, waited, rec, log, loss_reported=loss_reported)
         if not async_op:
             handle.wait()
             return Done()

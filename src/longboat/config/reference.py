@@ -90,7 +90,7 @@ def _value(value: Any) -> str:
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        return f"`{_value(field.default_factory())}`"
+        return f"`{_value(field.get_default(call_default_factory=True))}`"
     if field.default is PydanticUndefined:
         return "required"
     if field.default is None:

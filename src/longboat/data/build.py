@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from longboat.config.errors import ConfigError
 from longboat.config.sections import DataConfig
-from longboat.data.loader import Loader
+from longboat.data.loader import Loader, Remainder
 from longboat.data.sharded import make_loader
 from longboat.data.stream import make_stream_loader
 from longboat.data.user import UserLoader, dataloader_problem, refusal
@@ -19,8 +19,26 @@ from longboat.data.user import UserLoader, dataloader_problem, refusal
 log = logging.getLogger("longboat")
 
 
+class _LoaderArgs(TypedDict):
+    """What :func:`make_loader` and :func:`make_stream_loader` both take, besides the data set
+    and ``shuffle``."""
+
+    rank: int
+    world_size: int
+    micro_batch_size: int
+    train_batch_size: int
+    seed: int
+    remainder: Remainder
+    collate_fn: Callable[..., Any] | None
+    announce: bool
+    device: torch.device | None
+    num_workers: int
+    prefetch_factor: int | None
+    persistent_workers: bool
+
+
 def build_loader(
-    source: Dataset | DataLoader,
+    source: Dataset[Any] | DataLoader[Any],
     *,
     rank: int,
     world_size: int,
@@ -62,12 +80,7 @@ def build_loader(
                 world_size,
             )
         return UserLoader(source, batch_size, device)
-    workers = {
-        "num_workers": data.num_workers,
-        "prefetch_factor": data.prefetch_factor,
-        "persistent_workers": data.persistent_workers,
-    }
-    common = {
+    common: _LoaderArgs = {
         "rank": rank,
         "world_size": world_size,
         "micro_batch_size": batch_size,
@@ -77,7 +90,9 @@ def build_loader(
         "collate_fn": collate_fn,
         "announce": announce,
         "device": device,
-        **workers,
+        "num_workers": data.num_workers,
+        "prefetch_factor": data.prefetch_factor,
+        "persistent_workers": data.persistent_workers,
     }
     if isinstance(source, IterableDataset):
         return make_stream_loader(source, shuffle=shuffle, **common)

@@ -66,7 +66,7 @@ class Loader:
         self.position, self._skip = self._skip, 0
         first = self.position
         it = self._begin()
-        cpu = self.device is None or self.device.type == "cpu"
+        device = None if self.device is None or self.device.type == "cpu" else self.device
         try:
             while True:
                 # The profiler times the fetch (and the copy to the device) as data loading.
@@ -74,8 +74,8 @@ class Loader:
                     batch = next(it, _END)
                     if batch is _END:
                         break
-                    if not cpu:
-                        batch = to_device(batch, self.device)
+                    if device is not None:
+                        batch = to_device(batch, device)
                 self.position += 1
                 yield batch
         finally:

@@ -112,11 +112,11 @@ def _seed_all(seed: int, epoch: int, position: int) -> None:
         np.random.seed(s % 2**32)
 
 
-class _SeededSamples(Dataset):
+class _SeededSamples(Dataset[Any]):
     """``dataset`` whose samples load with generators seeded by their place in the epoch
     ([Note: worker randomness])."""
 
-    def __init__(self, dataset: Dataset, seed: int) -> None:
+    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
 
@@ -136,7 +136,7 @@ class ShardedLoader(Loader):
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         sampler: ShardedSampler,
         batch_size: int,
         seed: int,
@@ -198,7 +198,7 @@ def _joined_step(leftover: int, world_size: int, micro_batch_size: int) -> str:
 
 
 def make_loader(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     *,
     rank: int,
     world_size: int,

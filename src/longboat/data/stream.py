@@ -145,13 +145,13 @@ def _unsplit(dataset: Iterable[Any]) -> Iterator[Any]:
         _torch_worker._worker_info = info
 
 
-class _StreamReader(IterableDataset):
+class _StreamReader(IterableDataset[Any]):
     """What each process that loads a rank's batches of a stream iterates: its micro-batches
     ([Note: streams]), read in the training process or in each worker process."""
 
     def __init__(
         self,
-        dataset: IterableDataset,
+        dataset: IterableDataset[Any],
         *,
         seed: int,
         collate: Callable[[list[Any]], Any],
@@ -164,7 +164,8 @@ class _StreamReader(IterableDataset):
         # The epoch and the samples to skip, written by the training process before each
         # epoch, and the stream's length, written by the readers at its end: in shared memory,
         # so that persistent workers see each new epoch and the training process the length.
-        self.state = torch.tensor([0, 0, -1], dtype=torch.int64).share_memory_()
+        state = torch.tensor([0, 0, -1], dtype=torch.int64)
+        self.state: torch.Tensor = state.share_memory_()  # type: ignore[no-untyped-call]  # torch's is unannotated
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = int(self.state[0]), int(self.state[1])
@@ -201,7 +202,7 @@ class StreamLoader(Loader):
 
     def __init__(
         self,
-        dataset: IterableDataset,
+        dataset: IterableDataset[Any],
         *,
         rank: int,
         world_size: int,
@@ -284,7 +285,7 @@ _STREAM_ENDS = {
 
 
 def make_stream_loader(
-    dataset: IterableDataset,
+    dataset: IterableDataset[Any],
     *,
     rank: int,
     world_size: int,

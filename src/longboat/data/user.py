@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from longboat.data.loader import Loader
 
 
-def distributed_sampler(loader: DataLoader) -> DistributedSampler | None:
+def distributed_sampler(loader: DataLoader[Any]) -> DistributedSampler[int] | None:
     """The ``DistributedSampler`` a ``DataLoader`` draws from (directly, or inside its batch
     sampler), or None."""
     for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
@@ -36,7 +36,7 @@ def distributed_sampler(loader: DataLoader) -> DistributedSampler | None:
 
 
 def dataloader_problem(
-    loader: DataLoader,
+    loader: DataLoader[Any],
     *,
     rank: int,
     world_size: int,
@@ -109,7 +109,7 @@ class UserLoader(Loader):
     again and drops them."""
 
     def __init__(
-        self, loader: DataLoader, batch_size: int, device: torch.device | None = None
+        self, loader: DataLoader[Any], batch_size: int, device: torch.device | None = None
     ) -> None:
         sampler = distributed_sampler(loader)
         assert sampler is not None, "checked by dataloader_problem"

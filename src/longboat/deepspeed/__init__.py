@@ -164,10 +164,10 @@ def _with_stages(config: Any, model: PipelineModule) -> Any:
             raise conflict("pipeline.stages", block["stages"])
         data["pipeline"] = {**block, "stages": stages}
     else:
-        mesh = dict(data.get("mesh") or {})
-        if mesh.get("pp", stages) != stages:
-            raise conflict("mesh.pp", mesh["pp"])
-        data["mesh"] = {**mesh, "pp": stages}
+        section = dict(data.get("mesh") or {})
+        if section.get("pp", stages) != stages:
+            raise conflict("mesh.pp", section["pp"])
+        data["mesh"] = {**section, "pp": stages}
     return data
 
 

@@ -20,8 +20,8 @@ sets, the C++ timeline.
 from __future__ import annotations
 
 import atexit
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -127,10 +127,18 @@ def mpi_built() -> bool:
 # -- collectives -----------------------------------------------------------------------------------
 
 
+class _Pending(Protocol):
+    """What a handle uses of the ``Work`` an ``async_op`` collective returns."""
+
+    def wait(self) -> object: ...
+
+    def is_completed(self) -> bool: ...
+
+
 class _Handle:
     """An asynchronous operation; :func:`synchronize` gives its result."""
 
-    def __init__(self, work: Any, finish: Any) -> None:
+    def __init__(self, work: _Pending | None, finish: Callable[[], torch.Tensor]) -> None:
         self.work, self.finish = work, finish
 
     def wait(self) -> torch.Tensor:

@@ -170,8 +170,8 @@ def launch_hosts(run: HostsRun) -> int:
     names = [h.name for h in run.hosts]
     unreachable = check_hosts(run.shell, names)
     if unreachable:
-        for host, why in unreachable.items():
-            report(f"longboat: host {host} cannot run commands through {run.shell.name}: {why}")
+        for name, why in unreachable.items():
+            report(f"longboat: host {name} cannot run commands through {run.shell.name}: {why}")
         report(
             f"longboat: not starting: {len(unreachable)} of {len(names)} host(s) unreachable; "
             "fix them or leave them out with --exclude"

@@ -73,14 +73,17 @@ class _FailureLogFilter(logging.Filter):
         if not record.msg.startswith(_FAILED_MESSAGE):
             return True
         self._failed_attempts += 1
-        if self._failed_attempts <= self._max_restarts and isinstance(record.args, tuple):
-            exitcode, local_rank, pid = (int(a) for a in record.args[:3])
-            worker = WorkerExit(rank=self._first_rank + local_rank, pid=pid, exitcode=exitcode)
-            report(describe(worker))
-            report(
-                f"longboat: restarting all workers (attempt {self._failed_attempts + 1} of "
-                f"{self._max_restarts + 1})"
-            )
+        if self._failed_attempts > self._max_restarts:
+            return False
+        # torch's elastic agent logs the exit code, local rank and pid as ints.
+        match record.args:
+            case (int() as exitcode, int() as local_rank, int() as pid, *_):
+                worker = WorkerExit(rank=self._first_rank + local_rank, pid=pid, exitcode=exitcode)
+                report(describe(worker))
+                report(
+                    f"longboat: restarting all workers (attempt {self._failed_attempts + 1} of "
+                    f"{self._max_restarts + 1})"
+                )
         return False
 
 
@@ -95,8 +98,8 @@ def worker_console(
     logger.addFilter(log_filter)
     try:
         with (
-            contextlib.redirect_stdout(_OnePrefixStream(sys.stdout, prefix)),  # type: ignore[type-var]
-            contextlib.redirect_stderr(_OnePrefixStream(sys.stderr, prefix)),  # type: ignore[type-var]
+            contextlib.redirect_stdout(_OnePrefixStream(sys.stdout, prefix)),
+            contextlib.redirect_stderr(_OnePrefixStream(sys.stderr, prefix)),
         ):
             yield
     finally:

@@ -30,7 +30,10 @@ import json
 import socket
 import time
 
-from torch.distributed import DistError, PrefixStore, Store, TCPStore
+# The stores are defined (and declared in the stubs) in torch._C._distributed_c10d;
+# torch.distributed re-exports them without saying so.
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed import DistError
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,

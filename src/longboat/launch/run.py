@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from longboat import roles
 from longboat.launch.failures import WorkerExit, summarize
@@ -44,6 +44,12 @@ RUN_ID = "longboat"
 _MARKER_VAR = "LONGBOAT_LAUNCH_ID"
 # How much of a failed rank's stderr is read to tell "crashed" from "lost a peer".
 _STDERR_TAIL_BYTES = 4096
+
+
+class _NewerLaunchFields(TypedDict, total=False):
+    """``LaunchConfig`` fields that older torch versions lack."""
+
+    shutdown_timeout: int  # torch >= 2.8
 
 
 class LaunchUsageError(ValueError):
@@ -267,6 +273,12 @@ def launch(opts: RunOptions) -> int:
         if opts.stop_on_stdin_eof:
             _stop_when_stdin_closes()
 
+        # torch < 2.8 has no shutdown_timeout field; its agent then always waits 30 s.
+        newer: _NewerLaunchFields = (
+            {"shutdown_timeout": opts.grace_period_s}
+            if "shutdown_timeout" in LaunchConfig.__dataclass_fields__
+            else {}
+        )
         rdzv_configs: dict[str, object] = {"rank": opts.node_rank, "timeout": opts.rdzv_timeout_s}
         if listen_fd is not None:
             rdzv_configs[rendezvous.LISTEN_FD_KEY] = listen_fd
@@ -297,12 +309,7 @@ def launch(opts: RunOptions) -> int:
                     set(opts.local_ranks_filter) if opts.local_ranks_filter is not None else None
                 ),
             ),
-            # torch < 2.8 has no such field; its agent then always waits 30 s.
-            **(
-                {"shutdown_timeout": opts.grace_period_s}
-                if "shutdown_timeout" in LaunchConfig.__dataclass_fields__
-                else {}
-            ),
+            **newer,
         )
         code = _run_agent(config, opts, log_dir, port, roles_dir)
         if code:

@@ -3,6 +3,7 @@ measured matrix-multiply rate to compare the achieved rate with."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -23,15 +24,17 @@ class StepFlops:
         self.count_step = count_step
         self.per_rank: int | None = None  # flops of the counted step on this rank
         self._mode: FlopCounterMode | None = None
+        # Holds the entered mode between calls (FlopCounterMode's __enter__/__exit__ are untyped).
+        self._entered = contextlib.ExitStack()
 
     def forward_begin(self, step_index: int) -> None:
         if self.per_rank is None and self._mode is None and step_index == self.count_step:
             self._mode = FlopCounterMode(display=False)
-            self._mode.__enter__()
+            self._entered.enter_context(self._mode)
 
     def step_end(self) -> None:
         if self._mode is not None:
-            self._mode.__exit__(None, None, None)
+            self._entered.close()
             self.per_rank = int(self._mode.get_total_flops())
             self._mode = None
 

@@ -12,7 +12,14 @@ import sys
 from datetime import timedelta
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from longboat.observe.events import StepEvent
 
@@ -37,7 +44,7 @@ class ConsoleSink:
         self.total = total
         self.tty = sys.stderr.isatty() if tty is None else tty
         self._bar: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
         self._log = logging.getLogger("longboat")
 
     def _start_bar(self) -> None:

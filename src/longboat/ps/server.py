@@ -243,7 +243,9 @@ class Server:
         flat = torch.empty(held.span, dtype=held.values[0].dtype)
         self.link.recv(flat, src, PAYLOAD)
         self.link.count("init", flat.numel() * flat.element_size())
-        for v, x in zip(held.values, flat.split([s.numel for s in held.segments]), strict=True):
+        for v, x in zip(
+            held.values, torch.split(flat, [s.numel for s in held.segments]), strict=True
+        ):
             v.copy_(x)
         held.initialized = True
 
@@ -289,7 +291,7 @@ class Server:
             held.mean = payload
             return
         assert held.optimizer is not None
-        grads = payload[: held.span].split([s.numel for s in held.segments])
+        grads = torch.split(payload[: held.span], [s.numel for s in held.segments])
         flags = payload[held.span :]
         for v, g, f in zip(held.values, grads, flags.tolist(), strict=True):
             v.grad = g if f > 0 else None  # a segment no worker used is not stepped

@@ -34,6 +34,7 @@ from longboat.config.sections import Config
 from longboat.mesh import Mesh
 from longboat.optim.checks import facts_of
 from longboat.ps.client import Connection
+from longboat.ps.records import OptimizerFactory
 from longboat.ps.server import Server, Settings
 from longboat.ps.wire import Link
 from longboat.topology import DoorwayOptions, Topology
@@ -181,7 +182,7 @@ class ParameterServerService:
         thread.start()
         return thread
 
-    def serve_with(self, make_optimizer: Any) -> NoReturn:
+    def serve_with(self, make_optimizer: OptimizerFactory) -> NoReturn:
         """Serve until every worker has left or died, then end the process (ServerExit)."""
         assert self.link is not None, "start() first"
         rank = dist.get_rank()
@@ -233,7 +234,7 @@ class ServingThread(threading.Thread):
     """A server's loop beside other work in its process (:meth:`~ParameterServerService.
     serve_beside`); ``summary`` is what it served, once the workers have left."""
 
-    def __init__(self, service: ParameterServerService, make_optimizer: Any) -> None:
+    def __init__(self, service: ParameterServerService, make_optimizer: OptimizerFactory) -> None:
         super().__init__(name="longboat-ps-server", daemon=True)
         self.service, self.make_optimizer = service, make_optimizer
         self.summary: dict[str, Any] | None = None
@@ -253,13 +254,16 @@ class ServingThread(threading.Thread):
         return server.memory() if server is not None else {}
 
 
-def optimizer_factory(optimizer: torch.optim.Optimizer) -> Any:
+def optimizer_factory(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
     """Build, for a key's segments, the user's optimizer class with the hyperparameters of the
     parameter group the key came from."""
 
     def make(key: int, group: int, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
         hyper = {k: v for k, v in optimizer.param_groups[group].items() if k != "params"}
-        return type(optimizer)([{**hyper, "params": tensors}])
+        # The user's concrete class, built from its groups alone (they hold every
+        # hyperparameter); mypy checks the call against the base class's __init__, which also
+        # takes ``defaults``, and which no optimizer in use is an instance of.
+        return type(optimizer)([{**hyper, "params": tensors}])  # type: ignore[call-arg]
 
     return make
 

@@ -53,7 +53,9 @@ class _Generation:
     port: int
     processes: list[multiprocessing.process.BaseProcess]
     conns: list[Connection]
-    finalizer: weakref.finalize
+    finalizer: weakref.finalize[
+        [list[multiprocessing.process.BaseProcess], list[Connection], int], RankPool
+    ]
     ready: bool = False
 
 
@@ -300,7 +302,8 @@ class RankPool:
             if remaining <= 0:
                 break
             for conn in wait(list(pending), timeout=remaining):
-                rank = pending.pop(conn)  # type: ignore[call-overload]
+                assert isinstance(conn, Connection)  # wait returns some of the ones it was given
+                rank = pending.pop(conn)
                 try:
                     status, value = pickle.loads(conn.recv_bytes())
                 except EOFError:

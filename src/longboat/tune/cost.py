@@ -121,11 +121,11 @@ def predict(
     )
 
 
-class CountOps(TorchDispatchMode):
+class CountOps(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's is unannotated
     """Counts the operators dispatched while active."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's is unannotated
         self.ops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -158,5 +158,5 @@ def count_work(
         args = example_input(model, micro_batch)
         counter, ops = FlopCounterMode(display=False), CountOps()
         with counter, ops:
-            loss(model(*args), args).backward()
+            loss(model(*args), args).backward()  # type: ignore[no-untyped-call]  # torch's is unannotated
     return Work(flops=int(counter.get_total_flops()), ops=ops.ops)

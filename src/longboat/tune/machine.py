@@ -89,7 +89,8 @@ def free_port() -> int:
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _link_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -121,13 +122,14 @@ def link(world_size: int) -> tuple[float, float]:
     """Bytes a rank sends per second in a ring all-reduce of :data:`LINK_BYTES`, and the
     latency of an all-reduce of one float, on a gloo group of ``world_size`` fresh ranks."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import start_processes
 
     from longboat.bench.runner import PRELOAD
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, __name__])  # the same server bench launches from
     with tempfile.TemporaryDirectory(prefix="longboat-tune-") as tmp:
-        mp.start_processes(
+        start_processes(  # type: ignore[no-untyped-call]  # torch's is unannotated
             _link_worker,
             args=(world_size, free_port(), tmp),
             nprocs=world_size,

@@ -271,10 +271,12 @@ def search(
     t = lap("rates", t)
     work_of = work_of or default_work(spec)
     for o in fitting:
-        c = o.candidate
-        assert c is not None and o.planned is not None and rates is not None
-        work = work_of(c.micro_batch, c.recompute)
-        o.prediction = predict(c.accumulation, work, o.planned, rates, c.config.comm.desync_check)
+        fit = o.candidate
+        assert fit is not None and o.planned is not None and rates is not None
+        work = work_of(fit.micro_batch, fit.recompute)
+        o.prediction = predict(
+            fit.accumulation, work, o.planned, rates, fit.config.comm.desync_check
+        )
     t = lap("predict", t)
 
     fitting.sort(key=lambda o: o.prediction.total_s if o.prediction else 0.0)

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 from longboat.comm.compression.onebit import OneBit
 from longboat.comm.compression.powersgd import PowerSGD
@@ -13,13 +14,27 @@ from longboat.comm.protocol import Done
 
 __all__ = ["Compressor", "Done", "OneBit", "PowerSGD", "Span", "build"]
 
-_METHODS: dict[str, Any] = {
+
+class _Settings(Protocol):
+    """What :func:`build` reads of a ``CompressionConfig``."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def warmup_steps(self) -> int: ...
+
+
+_METHODS: dict[str, Callable[[_Settings], Compressor]] = {
     "powersgd": lambda cfg: PowerSGD(cfg.rank, cfg.warmup_steps),
     "onebit": lambda cfg: OneBit(cfg.warmup_steps),
 }
 
 
-def build(cfg: Any) -> Compressor | None:
+def build(cfg: _Settings | None) -> Compressor | None:
     """The compressor ``cfg`` (a ``CompressionConfig``) asks for; None for exact reductions."""
     if cfg is None or cfg.method == "none":
         return None

@@ -111,8 +111,8 @@ def backend_interface(
             if a and not n.startswith(("lo", "docker")) and not all(map(_is_loopback, a))
         ]
         ib = [n for n in usable if n.startswith("ib")]
-        pick = (ib or usable or [None])[0]
-        return pick, "NCCL's default choice"
+        pick = (ib or usable)[:1]
+        return (pick[0] if pick else None), "NCCL's default choice"
     return None, f"{backend} chooses for itself"
 
 

@@ -135,17 +135,17 @@ def render(findings: list[Finding], facts: list[dict[str, Any]], console: Consol
             "all_reduce",
         ):
             ranks.add_column(col)
-        for f in facts:
-            v = f["versions"]
+        for fact in facts:
+            v = fact["versions"]
             ranks.add_row(
-                str(f["rank"]),
-                str(f["node_rank"]),
-                escape(f["host"]),
+                str(fact["rank"]),
+                str(fact["node_rank"]),
+                escape(fact["host"]),
                 v["python"],
                 v["torch"],
                 v["longboat"],
-                escape(str(f["interface"])),
-                f"{f['all_reduce_ms']:.2f} ms" if f["all_reduce_ok"] else "WRONG",
+                escape(str(fact["interface"])),
+                f"{fact['all_reduce_ms']:.2f} ms" if fact["all_reduce_ok"] else "WRONG",
             )
         console.print(ranks)
     problems = [f for f in findings if f.status != "ok"]

@@ -17,7 +17,10 @@ from typing import Protocol
 class RemoteShell(Protocol):
     """Start a shell command on a host."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """What ``--remote-shell`` calls it (read only: the shells are frozen dataclasses)."""
+        ...
 
     def argv(self, host: str, command: str) -> list[str]:
         """The local command line that runs ``command`` (a shell string) on ``host``."""

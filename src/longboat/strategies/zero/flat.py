@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from longboat.comm.protocol import Handle
+
 
 class UnitState(enum.Enum):
     """Where a unit's full flat parameter is (FSDP2's ``ShardedState``, for a flat unit)."""
@@ -51,7 +53,7 @@ class FlatUnit:
     state: UnitState = UnitState.UNSHARDED
     tag: str = ""  # what reports call it, e.g. "unit 3: blocks.1"
     offsets: list[int] = field(default_factory=list)
-    shard: nn.Parameter | None = None
+    shard: torch.Tensor | None = None
     flat_param: torch.Tensor | None = None
     #: stage 3: the buffer this unit is gathered into, its memory freed between uses ([Note:
     #: storage resize] in ``storage.py``)
@@ -60,8 +62,8 @@ class FlatUnit:
     grad_shard: torch.Tensor | None = None
     shard_empty: bool = True  # no gradient reduced into grad_shard since the last step
     arrived: set[int] = field(default_factory=set)
-    gather_handle: object | None = None  # stage 3: an all-gather (prefetch) in flight
-    reduce_handle: object | None = None  # a reduce-scatter of this unit's gradients in flight
+    gather_handle: Handle | None = None  # stage 3: an all-gather (prefetch) in flight
+    reduce_handle: Handle | None = None  # a reduce-scatter of this unit's gradients in flight
     reduced: torch.Tensor | None = None
     #: [Note: shard pieces]: (parameter index, start, end within the shard, the optimizer's view)
     pieces: list[tuple[int, int, int, nn.Parameter]] = field(default_factory=list)

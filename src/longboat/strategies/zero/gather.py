@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -45,6 +45,14 @@ class ParamHome(Protocol):
     def bring_param(self, u: FlatUnit) -> None: ...
 
     def drop_param(self, u: FlatUnit) -> None: ...
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _between_graphs(fn: _F) -> _F:
+    """``torch.compiler.disable(fn)``, keeping ``fn``'s type (torch's is unannotated)."""
+    return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
 class Gathering:
@@ -132,7 +140,8 @@ class Gathering:
         """Make ``u``'s parameters usable: gather (or finish a prefetch) and point at it."""
         self.gather(u)
         if u.state is UnitState.GATHERING:
-            u.gather_handle.wait()  # type: ignore[union-attr]
+            assert u.gather_handle is not None  # GATHERING: its all-gather is in flight
+            u.gather_handle.wait()
             u.gather_handle = None
             u.state = UnitState.UNSHARDED
             self.home.drop_param(u)
@@ -144,7 +153,8 @@ class Gathering:
         if self.held or u.state is UnitState.SHARDED:
             return
         if u.state is UnitState.GATHERING:  # a prefetch in flight must land before its buffer goes
-            u.gather_handle.wait()  # type: ignore[union-attr]
+            assert u.gather_handle is not None
+            u.gather_handle.wait()
             u.gather_handle = None
             self.home.drop_param(u)
         u.release_params()
@@ -191,7 +201,7 @@ class Gathering:
     # Both forward hooks run as Python under torch.compile: dynamo would bind the unit's
     # parameters before the gather pointed them at it ([Note: compiling under a strategy]
     # in longboat/compile.py).
-    @torch.compiler.disable
+    @_between_graphs
     def _before_forward(
         self, us: list[FlatUnit], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -220,12 +230,16 @@ class Gathering:
             return args, kwargs
         for u in us:
             u.calls += 1
-        watched = _PostBackward.apply(lambda: self._after_backward(us), *(flat[i] for i in where))
+        # torch's Function.apply is unannotated
+        watched: tuple[torch.Tensor, ...] = _PostBackward.apply(  # type: ignore[no-untyped-call]
+            lambda: self._after_backward(us), *(flat[i] for i in where)
+        )
         for i, t in zip(where, watched, strict=True):
             flat[i] = t
-        return tree_unflatten(flat, spec)
+        out: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten(flat, spec)
+        return out
 
-    @torch.compiler.disable
+    @_between_graphs
     def _after_forward(self, us: list[FlatUnit], out: Any) -> None:
         training = torch.is_grad_enabled() and us[0].module.training  # type: ignore[union-attr]
         if not (training and us[0].module is self.root):
@@ -233,9 +247,14 @@ class Gathering:
                 self.free(u)
         if not torch.is_grad_enabled():
             return
+
+        def before_backward(g: torch.Tensor) -> torch.Tensor:
+            self._before_backward(us)
+            return g
+
         for t in _tensors(out):
             if t.requires_grad:
-                t.register_hook(lambda g, us=us: self._before_backward(us) or g)
+                t.register_hook(before_backward)  # type: ignore[no-untyped-call]  # torch's is unannotated
 
     def _before_backward(self, us: list[FlatUnit]) -> None:
         self._recording = False  # the first forward fixed the order prefetching follows
@@ -275,7 +294,7 @@ class _FirstForward:
         # A forward the instance already had (another library's wrapper) is kept and restored.
         self.own = root.__dict__.get("forward")
         self.inner = root.forward
-        root.forward = self._forward  # type: ignore[method-assign]
+        root.forward = self._forward
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.root.training and torch.is_grad_enabled()):
@@ -301,7 +320,7 @@ class _FirstForward:
         if self.own is None:
             del self.root.forward
         else:
-            self.root.forward = self.own  # type: ignore[method-assign]
+            self.root.forward = self.own
 
 
 def _not_run_message(missing: list[FlatUnit]) -> str:

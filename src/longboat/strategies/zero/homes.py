@@ -290,7 +290,8 @@ class OnDisk(InMemory):
 
 def _wait(u: FlatUnit) -> torch.Tensor:
     """``u``'s reduction, over."""
-    u.reduce_handle.wait()  # type: ignore[union-attr]
+    assert u.reduce_handle is not None  # a reduction is in flight
+    u.reduce_handle.wait()
     u.reduce_handle = None
     reduced, u.reduced = u.reduced, None
     assert reduced is not None

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -55,6 +56,13 @@ from longboat.config.errors import ConfigError
 from longboat.models import GPT
 
 InitFn = Callable[[nn.Module], object]
+
+
+class _OwnInit(Protocol):
+    """A model class that initialises each of its modules itself (GPT, transformers' models)."""
+
+    def _init_weights(self, module: nn.Module) -> object: ...
+
 
 _BUFFER_HINT = (
     "; or keep buffers off the meta device when building the model (accelerate's "
@@ -118,7 +126,7 @@ class DeferredInit:
             label = f"{type(self.model).__name__}.{init_method}"
             return {id(m): (label, fn) for m in self.order}
         hf = sys.modules.get("transformers.modeling_utils")  # imported if the model is one
-        known: tuple[type, ...] = (GPT, hf.PreTrainedModel) if hf is not None else (GPT,)
+        known: tuple[type[_OwnInit], ...] = (GPT, hf.PreTrainedModel) if hf is not None else (GPT,)
         out: dict[int, tuple[str, InitFn]] = {}
 
         # Each module to its nearest enclosing known model's, as transformers dispatches
@@ -308,7 +316,7 @@ def _make_real(t: torch.Tensor) -> None:
     # was loaded is wrong for one on meta: its guarded init functions would skip it).
     attrs = {k: v for k, v in t.__dict__.items() if k != "_is_hf_initialized"}
     real.__dict__.update(attrs)
-    torch.utils.swap_tensors(t, real)
+    torch.utils.swap_tensors(t, real)  # type: ignore[no-untyped-call]  # torch's is unannotated
 
 
 def _unset(t: torch.Tensor) -> bool:

@@ -237,6 +237,10 @@ class UnitStream:
             if i < len(units):
                 reads[i] = self.submit(lambda u: [h.bring(u) for h in homes], units[i])
 
+        def store(u: FlatUnit, taken: list[Any]) -> None:
+            for h, t in zip(homes, taken, strict=True):
+                h.store(u, t)
+
         for i in range(min(self.ahead, len(units))):
             ahead(i)
         writes = []
@@ -245,13 +249,7 @@ class UnitStream:
                 h.install(u, optimizer, b)
             step_unit(u)
             taken = [h.take(u, optimizer) for h in homes]
-            writes.append(
-                self.submit(
-                    lambda u, taken: [h.store(u, t) for h, t in zip(homes, taken, strict=True)],
-                    u,
-                    taken,
-                )
-            )
+            writes.append(self.submit(store, u, taken))
             del taken
             ahead(i + self.ahead)
         for w in writes:

@@ -107,15 +107,17 @@ class Reduction:
                 "unit was not gathered: its module's forward did not run, and another module "
                 f"read its parameters directly ([Note: units run forward]); {UNIT_FIX}"
             )
-        if u.flat_grad is None:  # stages 2-3: a transient buffer per backward
+        flat_grad = u.flat_grad
+        if flat_grad is None:  # stages 2-3: a transient buffer per backward
             # On one data-parallel rank the shard is the whole unit: gradients accumulate in
             # it directly, with nothing to reduce (no more memory than a single process).
-            u.flat_grad = (
-                u.grad_shard
-                if self.alone
-                else torch.zeros(u.padded, dtype=u.dtype, device=u.device)
-            )
-        u.view(u.flat_grad, i).add_(p.grad)
+            if self.alone:
+                assert u.grad_shard is not None  # stages 2-3 keep a gradient shard
+                flat_grad = u.grad_shard
+            else:
+                flat_grad = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+            u.flat_grad = flat_grad
+        u.view(flat_grad, i).add_(p.grad)
         p.grad = None  # the flat buffer holds it now; free the full-size gradient
         u.arrived.add(i)
         u.used.add(i)
@@ -183,16 +185,18 @@ class Reduction:
             # lands in it directly, and no shard-size buffer per unit in flight is needed
             # (with every unit in flight at the end of a backward, 2 bytes per parameter in fp32
             # at two ranks, the whole difference to DeepSpeed's peak in zero_vs_peers).
-            u.reduced = u.grad_shard
+            assert u.grad_shard is not None  # shard_grads: the shard is kept
+            reduced = u.grad_shard
         else:
-            u.reduced = torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
+            reduced = torch.empty(u.shard_numel, dtype=send.dtype, device=u.device)
+        u.reduced = reduced
         u.shard_empty = False
         self.record(("reduce", u.index))
         # Stages 2-3 drop the full-size buffer once the shard landed, and a cast copy is
         # nobody's: the doorway may reduce in it ([Note: gloo reduce-scatter]).
         scratch = self.policy.shard_grads or send is not u.flat_grad
         u.reduce_handle = self.topology.reducer("dp_shard", u.index).reduce_scatter(
-            u.reduced, send, async_op=True, tag=u.tag, scratch=scratch
+            reduced, send, async_op=True, tag=u.tag, scratch=scratch
         )
         self.home.launched(self.units, u.index)
 

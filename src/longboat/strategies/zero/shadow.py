@@ -67,4 +67,8 @@ class Shadow:
                 gathering.ready(u)
                 gathering.free(u)
             else:  # the reductions go in unit order: this launches exactly unit ``index``
-                order.advance(lambda i, last=index: i <= last)
+
+                def through(i: int, last: int = index) -> bool:
+                    return i <= last
+
+                order.advance(through)

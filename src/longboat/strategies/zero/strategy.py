@@ -139,7 +139,9 @@ class Zero(StrategyDefaults):
         for g, grp in enumerate(optimizer.param_groups):
             grp["params"] = [pc for u in self.units if u.group == g for *_, pc in u.pieces]
         for p in params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._reduction.on_grad))
+            # torch's register_post_accumulate_grad_hook is unannotated
+            hook = p.register_post_accumulate_grad_hook(self._reduction.on_grad)  # type: ignore[no-untyped-call]
+            self._hooks.append(hook)
         made.finish()
         self.home.start(optimizer)
         if self.policy.shard_params:

@@ -190,7 +190,7 @@ def _isolate(params: list[nn.Parameter], isolated: frozenset[int]) -> list[list[
 
 def _split(params: list[nn.Parameter], group_of: dict[int, int]) -> list[list[nn.Parameter]]:
     """``params`` by optimizer group, dtype and device: a flat unit holds one of each."""
-    out: dict[tuple, list[nn.Parameter]] = {}
+    out: dict[tuple[int, torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in params:
         out.setdefault((group_of[id(p)], p.dtype, p.device), []).append(p)
     return list(out.values())
@@ -230,15 +230,15 @@ def make_units(
 def _lay_out(u: FlatUnit, policy: ZeroPolicy) -> None:
     """``u``'s flat buffers as ``policy``'s stage keeps them between steps."""
     if policy.shard_params:
-        u.shard = u.flatten(u.lo, u.hi)  # only the shard: the rest is never materialised
+        shard = u.shard = u.flatten(u.lo, u.hi)  # only the shard: the rest is never materialised
         u.release_params()
         u.state = UnitState.SHARDED
     else:
         flat = u.flatten()
         u.flat_param = flat
         u.point_params_at(flat)
-        u.shard = flat[u.lo : u.hi]  # a view: the step updates flat in place
-    u.make_pieces(u.shard)
+        shard = u.shard = flat[u.lo : u.hi]  # a view: the step updates flat in place
+    u.make_pieces(shard)
     if policy.shard_grads:
         u.grad_shard = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device)
     else:  # accumulates over the step's micro-batches
