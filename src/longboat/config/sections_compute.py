@@ -42,9 +42,26 @@ class PrecisionConfig(_Section):
     )
     communication_data_type: Literal["fp32", "bf16", "fp16"] | None = Field(
         None,
-        description="dtype gradients travel in between ranks (replicate); None = their "
-        "own dtype (fp32)",
+        description="dtype gradients travel in between ranks (replicate, ZeRO); None = their "
+        "own dtype (fp32, or param_dtype's)",
     )
+    param_dtype: Literal["fp32", "bf16"] | None = Field(
+        None,
+        description="ZeRO-3: the dtype parameters are gathered and computed in (FSDP2's "
+        "MixedPrecisionPolicy.param_dtype), half the all-gather bytes in bf16; the optimizer "
+        "keeps stepping fp32 master shards, and checkpoints hold them. None = the parameters' "
+        "own dtype",
+    )
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None,
+        description="FSDP2's name for communication_data_type: the dtype gradients are "
+        "reduced in (with param_dtype = 'bf16', set 'fp32' to reduce in fp32)",
+    )
+
+    def wire_dtype(self) -> str | None:
+        """The dtype gradients travel in: ``reduce_dtype`` or ``communication_data_type``
+        (the table of compositions refuses the two set apart)."""
+        return self.reduce_dtype or self.communication_data_type
 
     @model_validator(mode="after")
     def _fp16_keys_need_fp16(self) -> PrecisionConfig:

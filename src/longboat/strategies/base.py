@@ -29,7 +29,8 @@ from longboat.world import World
 @dataclass(frozen=True)
 class StrategyContext:
     """What a strategy may use: who we are, the mesh's doorways, its own config section, and
-    the dtype gradients travel in (``precision.communication_data_type``; None: their own)."""
+    the dtype gradients travel in (``precision.reduce_dtype`` or ``communication_data_type``;
+    None: their own)."""
 
     world: World
     topology: Topology
@@ -46,6 +47,9 @@ class StrategyContext:
     #: ``param_init_fn(module)`` given to ``longboat.initialize``: what initialises a module
     #: made from the meta device ([Note: deferred init] in ``zero/init.py``), or None
     param_init_fn: Callable[[nn.Module], object] | None = None
+    #: ``precision.param_dtype``: the dtype ZeRO-3 gathers and computes parameters in, when it
+    #: is not their own ([Note: parameter dtype] in ``zero/gather.py``), or None
+    param_dtype: torch.dtype | None = None
 
     @classmethod
     def of(
@@ -58,7 +62,8 @@ class StrategyContext:
         service: Any = None,
         param_init_fn: Callable[[nn.Module], object] | None = None,
     ) -> StrategyContext:
-        wire = config.precision.communication_data_type
+        wire = config.precision.wire_dtype()
+        param = config.precision.param_dtype
         return cls(
             world,
             topology,
@@ -68,6 +73,7 @@ class StrategyContext:
             service,
             config.compression,
             param_init_fn,
+            DTYPES[param] if param not in (None, "fp32") else None,
         )
 
 

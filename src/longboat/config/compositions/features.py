@@ -9,14 +9,19 @@ from longboat.config.compositions.rule import (
     DISK_STATE,
     Facts,
     Rule,
+    axes,
     compressing,
     compression_with,
     cpu_keys,
     disk_key,
+    low_params,
     named,
+    offloads,
     on_disk,
     reducer,
+    stage_named,
     strategy_of,
+    wire_key,
     zero,
 )
 
@@ -99,12 +104,10 @@ FEATURES: tuple[Rule, ...] = (
         "precision.communication_data_type",
         "by nature",
         "config",
-        lambda c, f: (
-            compressing(c, f) and c.precision.communication_data_type not in (None, "fp32")
-        ),
+        lambda c, f: compressing(c, f) and c.precision.wire_dtype() not in (None, "fp32"),
         compression_with(
             lambda c: (
-                f"precision.communication_data_type = {c.precision.communication_data_type!r}: "
+                f"precision.{wire_key(c)} = {c.precision.wire_dtype()!r}: "
                 "a compressed method chooses what travels itself; remove one of the two"
             )
         ),
@@ -170,6 +173,108 @@ FEATURES: tuple[Rule, ...] = (
             )
         ),
         {**COMPRESSED, "comm": {"groups": 2}},
+    ),
+    # -- parameters in a lower precision (FSDP2's param_dtype) ------------------------------------
+    Rule(
+        "reduce-dtype-twice",
+        "precision.reduce_dtype",
+        "precision.communication_data_type",
+        "by nature",
+        "config",
+        lambda c, f: (
+            None not in (c.precision.reduce_dtype, c.precision.communication_data_type)
+            and c.precision.reduce_dtype != c.precision.communication_data_type
+        ),
+        lambda c, f: (
+            f"precision.reduce_dtype = {c.precision.reduce_dtype!r} with "
+            f"precision.communication_data_type = {c.precision.communication_data_type!r}: "
+            "the two name the same dtype (FSDP2's and DeepSpeed's name); keep one"
+        ),
+        {"precision": {"reduce_dtype": "fp32", "communication_data_type": "bf16"}},
+    ),
+    Rule(
+        "param-dtype-zero-3",
+        "precision.param_dtype 'bf16'",
+        "any strategy but ZeRO-3",
+        "not built yet",
+        "config",
+        lambda c, f: low_params(c) and not (zero(c, f) and c.zero.stage == 3),
+        lambda c, f: (
+            f"precision.param_dtype = 'bf16' with {stage_named(c, f)}: parameters are "
+            "gathered in a lower precision by ZeRO-3 only so far (elsewhere each rank keeps "
+            "whole fp32 parameters, and autocast computes from them in precision.dtype); use "
+            "strategy = 'zero' with zero.stage = 3, or remove the key"
+        ),
+        {"strategy": "zero", "zero": {"stage": 2}, "precision": {"param_dtype": "bf16"}},
+    ),
+    Rule(
+        "param-dtype-autocast",
+        "precision.param_dtype 'bf16'",
+        "precision.dtype other than 'bf16'",
+        "not built yet",
+        "config",
+        lambda c, f: low_params(c) and c.precision.dtype != "bf16",
+        lambda c, f: (
+            f"precision.param_dtype = 'bf16' with precision.dtype = {c.precision.dtype!r}: the "
+            "forward's inputs would meet bf16 weights outside bf16 autocast; set "
+            "precision.dtype = 'bf16'"
+        ),
+        {"strategy": "zero", "zero": {"stage": 3}, "precision": {"param_dtype": "bf16"}},
+    ),
+    Rule(
+        "param-dtype-offload",
+        "precision.param_dtype 'bf16'",
+        "zero offload",
+        "not built yet",
+        "config",
+        lambda c, f: low_params(c) and offloads(c),
+        lambda c, f: (
+            "precision.param_dtype = 'bf16' with zero offload: the offloaded homes keep and "
+            "bring shards in their own dtype so far; remove one of the two"
+        ),
+        {
+            "strategy": "zero",
+            "zero": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "precision": {"dtype": "bf16", "param_dtype": "bf16"},
+        },
+    ),
+    Rule(
+        "param-dtype-mesh",
+        "precision.param_dtype 'bf16'",
+        "mesh.pp, mesh.tp or mesh.dp_replicate > 1",
+        "not built yet",
+        "config",
+        lambda c, f: low_params(c) and bool(axes(c)),
+        lambda c, f: (
+            f"precision.param_dtype = 'bf16' with mesh.{axes(c)[0][0]} = {axes(c)[0][1]}: "
+            "parameters in a lower precision are built and tested on plain ZeRO-3 only so "
+            f"far; use mesh.{axes(c)[0][0]} = 1, or remove the key"
+        ),
+        {
+            "strategy": "zero",
+            "zero": {"stage": 3},
+            "mesh": {"tp": 2},
+            "precision": {"dtype": "bf16", "param_dtype": "bf16"},
+        },
+    ),
+    Rule(
+        "param-dtype-compression",
+        "precision.param_dtype 'bf16'",
+        "compression",
+        "not built yet",
+        "config",
+        lambda c, f: low_params(c) and compressing(c, f),
+        lambda c, f: (
+            f"precision.param_dtype = 'bf16' with compression.method = "
+            f"{c.compression.method!r}: the compressors keep fp32 residuals of fp32 gradients "
+            "so far; remove one of the two"
+        ),
+        {
+            "strategy": "zero",
+            "zero": {"stage": 3},
+            **COMPRESSED,
+            "precision": {"dtype": "bf16", "param_dtype": "bf16"},
+        },
     ),
     # -- what the model, the optimizer and the device decide -------------------------------------
     Rule(

@@ -51,6 +51,12 @@ FEATURES: tuple[tuple[str, Mapping[str, Any], Facts, tuple[str, ...] | None], ..
     ("`comm.groups = 2`", {"comm": {"groups": 2}}, Facts(), None),
     ("fp16", {"precision": {"dtype": "fp16"}}, Facts(), None),
     ("bf16", {"precision": {"dtype": "bf16"}}, Facts(), None),
+    (
+        "bf16 parameters (`precision.param_dtype`)",
+        {"precision": {"dtype": "bf16", "param_dtype": "bf16"}},
+        Facts(),
+        None,
+    ),
     ("gradient clipping", {"gradient_clipping": 1.0}, Facts(), None),
     ("sync batch norm", {"sync_batchnorm": True}, Facts(), None),
     (

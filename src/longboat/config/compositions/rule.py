@@ -120,3 +120,28 @@ DISK_STATE = {
     "strategy": "zero",
     "zero": {"stage": 2, "offload_optimizer": {"device": "disk", "path": "/tmp/swap"}},
 }
+
+
+def low_params(c: Config) -> bool:
+    """Parameters are to be gathered and computed in a lower precision than their own."""
+    return c.precision.param_dtype not in (None, "fp32")
+
+
+def offloads(c: Config) -> bool:
+    """Some of ZeRO's state is offloaded (to CPU memory or disk)."""
+    return any(d != "none" for d in (c.zero.offload_optimizer.device, c.zero.offload_param.device))
+
+
+def stage_named(c: Config, f: Facts) -> str:
+    """The strategy as a refusal names it: ``strategy = 'zero' with zero.stage = 2``, ..."""
+    s = strategy_of(c, f)
+    return (
+        f"strategy = 'zero' with zero.stage = {c.zero.stage}"
+        if s == "zero"
+        else f"strategy = {s!r}"
+    )
+
+
+def wire_key(c: Config) -> str:
+    """The key that set the dtype gradients travel in."""
+    return "reduce_dtype" if c.precision.reduce_dtype else "communication_data_type"

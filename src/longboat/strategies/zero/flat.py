@@ -74,6 +74,9 @@ class FlatUnit:
     #: ([Note: reused units] in ``zero/gather.py``)
     blind: bool = False
     backward_done: bool = False  # stage 3: its backward in this micro-batch is over
+    #: stage 3 with ``precision.param_dtype``: the dtype the unit is gathered and computed in,
+    #: its shard staying in the parameters' own ([Note: parameter dtype] in ``gather.py``)
+    compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         off = 0
@@ -126,9 +129,14 @@ class FlatUnit:
         for i, p in enumerate(self.params):
             p.data = self.view(flat, i)
 
+    @property
+    def gathered_dtype(self) -> torch.dtype:
+        """The dtype of the gathered unit (and of its parameters and gradients while gathered)."""
+        return self.compute_dtype or self.dtype
+
     def release_params(self) -> None:
         """Point every parameter at an empty tensor, so the full flat buffer can be freed."""
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        empty = torch.empty(0, dtype=self.gathered_dtype, device=self.device)
         for p in self.params:
             p.data = empty
 

@@ -14,6 +14,15 @@ reduced once, then. A call whose inputs need no gradient (the model's first laye
 data, reused later) reports nothing: autograd may still be accumulating its use's gradient after
 every other call's backward ended, so such a unit (``blind``) is done only when the whole
 backward is, like the root.
+
+[Note: parameter dtype] With ``precision.param_dtype`` (FSDP2's ``MixedPrecisionPolicy``), a unit
+is gathered in that dtype (``FlatUnit.compute_dtype``): each rank casts its shard, the
+all-gather moves half the bytes in bf16, and the module computes from bf16 parameters. Their
+gradients arrive in bf16, are reduced in ``precision.reduce_dtype`` (else in bf16) and land in
+the shard's own dtype, so the optimizer keeps stepping fp32 master shards. What must see the
+masters (the full state dict, the model handed back by ``close``) gathers them in their own
+dtype (:meth:`Gathering.master`); ``gathered_parameters()`` gives the parameters as the forward
+sees them.
 """
 
 from __future__ import annotations
@@ -122,18 +131,26 @@ class Gathering:
             return
         assert u.shard is not None
         self.home.bring_param(u)
-        if self.comm.world_size == 1:  # the shard is the whole unit: nothing to copy
+        one = self.comm.world_size == 1
+        if one and u.compute_dtype is None:  # the shard is the whole unit: nothing to copy
             u.flat_param, u.state = u.shard, UnitState.UNSHARDED
             return
         # [Note: storage resize]: the unit's own buffer, its memory given back for the gather
         # (never another unit's: views of it that autograd saved must see this unit's values)
         if u.full is None:
-            u.full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
+            u.full = torch.empty(u.padded, dtype=u.gathered_dtype, device=u.device)
         else:
             alloc_storage(u.full)
+        # [Note: parameter dtype]: the shard travels in the dtype the unit computes in.
+        shard = u.shard if u.compute_dtype is None else u.shard.to(u.compute_dtype)
+        if one:
+            u.full.copy_(shard)
+            u.flat_param, u.state = u.full, UnitState.UNSHARDED
+            self.home.drop_param(u)
+            return
         if self.record is not None:
             self.record(("gather", u.index))
-        u.gather_handle = self.comm.all_gather(u.full, u.shard, async_op=async_op, tag=u.tag)
+        u.gather_handle = self.comm.all_gather(u.full, shard, async_op=async_op, tag=u.tag)
         u.flat_param, u.state = u.full, UnitState.GATHERING
 
     def ready(self, u: FlatUnit) -> None:
@@ -167,6 +184,32 @@ class Gathering:
     def free_all(self) -> None:
         for u in self.units:
             self.free(u)
+
+    def master(self, u: FlatUnit) -> torch.Tensor:
+        """``u``'s whole flat parameter in its shard's own dtype, gathered now (collective):
+        the fp32 masters under [Note: parameter dtype]."""
+        assert u.shard is not None
+        self.home.bring_param(u)
+        if self.comm.world_size == 1:
+            full = u.shard.clone()
+        else:
+            full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
+            self.comm.all_gather(full, u.shard, tag=u.tag)
+        self.home.drop_param(u)
+        return full
+
+    @contextlib.contextmanager
+    def masters(self) -> Iterator[None]:
+        """Every parameter a view of its unit's master values while inside (entering is
+        collective); nothing runs a forward inside."""
+        self.free_all()
+        for u in self.units:
+            u.point_params_at(self.master(u))
+        try:
+            yield
+        finally:
+            for u in self.units:
+                u.release_params()
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:

@@ -115,7 +115,9 @@ class Reduction:
                 assert u.grad_shard is not None  # stages 2-3 keep a gradient shard
                 flat_grad = u.grad_shard
             else:
-                flat_grad = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+                # In the gathered dtype: the gradients of its parameters (gather.py's [Note:
+                # parameter dtype]); they land in the shard's own.
+                flat_grad = torch.zeros(u.padded, dtype=u.gathered_dtype, device=u.device)
             u.flat_grad = flat_grad
         u.view(flat_grad, i).add_(p.grad)
         p.grad = None  # the flat buffer holds it now; free the full-size gradient
@@ -149,7 +151,7 @@ class Reduction:
             u.flat_grad = None  # it was the gradient shard itself: nothing to reduce
             return
         if u.flat_grad is None:  # no parameter of this unit was used
-            u.flat_grad = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+            u.flat_grad = torch.zeros(u.padded, dtype=u.gathered_dtype, device=u.device)
         # The average over every data-parallel rank: the shard group sums now, the replicas
         # at the boundary (gloo has no AVG: divide first).
         u.flat_grad.div_(self.dp.world_size)
@@ -172,9 +174,11 @@ class Reduction:
     def _scatter(self, u: FlatUnit) -> None:
         """The unit's reduce-scatter, in flight until the home lands it."""
         assert u.flat_grad is not None
-        # precision.communication_data_type: gradients travel (and are summed) in that
-        # dtype, and land back in the fp32 shard when the home lands them.
-        send = u.flat_grad if self.wire in (None, u.dtype) else u.flat_grad.to(self.wire)
+        # precision.reduce_dtype (communication_data_type): gradients travel (and are summed)
+        # in that dtype, else in their own (param_dtype's under [Note: parameter dtype]), and
+        # land back in the fp32 shard when the home lands them.
+        own = u.flat_grad.dtype
+        send = u.flat_grad if self.wire in (None, own) else u.flat_grad.to(self.wire)
         if (
             self.policy.shard_grads
             and u.shard_empty

@@ -71,7 +71,7 @@ from longboat.strategies.zero.shadow import Shadow
 from longboat.strategies.zero.shard_swap import ShardSwap
 from longboat.strategies.zero.step import step_and_gather, step_units
 from longboat.strategies.zero.storage import free_storage
-from longboat.strategies.zero.units import make_units, plan_units
+from longboat.strategies.zero.units import LowParams, make_units, plan_units
 
 
 class Zero(StrategyDefaults):
@@ -130,9 +130,19 @@ class Zero(StrategyDefaults):
             p for p in dict.fromkeys(model.parameters()) if p.requires_grad and id(p) in group_of
         ]
         by_module = self.policy.units_by_module
-        pieces = plan_units(model, params, group_of, self.cfg, by_module, self.ctx.isolated)
+        low = LowParams.of(self.ctx.param_dtype, model)  # [Note: parameter dtype]
+        pieces = plan_units(model, params, group_of, self.cfg, by_module, self.ctx.isolated, low)
         self.home = homes.build(self.ctx, self.policy, model, params)
-        units = make_units(model, pieces, group_of, self.comm, self.policy, made, self.home.adopt)
+        units = make_units(
+            model,
+            pieces,
+            group_of,
+            self.comm,
+            self.policy,
+            made,
+            self.home.adopt,
+            low,
+        )
         self.units += units
         self.where.update({id(p): (u, i) for u in units for i, p in enumerate(u.params)})
         self._reduction = self._reducing()
@@ -296,8 +306,11 @@ class Zero(StrategyDefaults):
         return self._gathering.holding()
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The model's ``state_dict`` with every parameter whole (gathered for stage 3)."""
-        with self.gathered_parameters():
+        """The model's ``state_dict`` with every parameter whole (gathered for stage 3, in the
+        masters' dtype under [Note: parameter dtype])."""
+        g = self._gathering
+        low = g is not None and any(u.compute_dtype for u in self.units)
+        with g.masters() if g is not None and low else self.gathered_parameters():
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
@@ -329,9 +342,14 @@ class Zero(StrategyDefaults):
             self._buffers.close()
         if self._gathering is not None:  # hand the user back an ordinary model
             for u in self.units:
-                self._gathering.ready(u)
+                if u.compute_dtype is None:
+                    self._gathering.ready(u)
+                    flat = u.flat_param
+                else:  # the masters, not the copy computed from ([Note: parameter dtype])
+                    self._gathering.free(u)
+                    flat = self._gathering.master(u)
                 for i, p in enumerate(u.params):
-                    p.data = u.view(u.flat_param, i).clone()  # type: ignore[arg-type]
+                    p.data = u.view(flat, i).clone()  # type: ignore[arg-type]
                 u.flat_param, u.state = None, UnitState.SHARDED
                 if u.full is not None:
                     free_storage(u.full)

@@ -25,6 +25,7 @@ the parameter sees its full value.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -149,6 +150,31 @@ def module_units(
     return [(m, g) for m, g in zip([*modules, model], groups, strict=True) if g]
 
 
+@dataclass(frozen=True)
+class LowParams:
+    """``precision.param_dtype`` as stage 3 applies it ([Note: parameter dtype] in
+    ``gather.py``): the dtype units are gathered in, and the parameters that keep their own."""
+
+    dtype: torch.dtype
+    keep: frozenset[int]  # ids of parameters of KEEP_OWN_DTYPE modules
+
+    @classmethod
+    def of(cls, dtype: torch.dtype | None, model: nn.Module) -> LowParams | None:
+        if dtype is None:
+            return None
+        keep = (
+            p for m in model.modules() if isinstance(m, KEEP_OWN_DTYPE) for p in m.parameters(False)
+        )
+        return cls(dtype, frozenset(id(p) for p in keep))
+
+
+#: Modules whose parameters stay in their own dtype under ``precision.param_dtype``, in units of
+#: their own: batch norm (its kernels want the weight in its running statistics' dtype; FSDP's
+#: mixed precision keeps it in full precision too) and recurrent layers (autocast runs them in
+#: fp32, and the CPU kernels refuse bf16 weights).
+KEEP_OWN_DTYPE: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.RNNBase)
+
+
 def plan_units(
     model: nn.Module,
     params: list[nn.Parameter],
@@ -156,9 +182,11 @@ def plan_units(
     cfg: Any,
     by_module: bool,
     isolated: frozenset[int],
+    low: LowParams | None = None,
 ) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
     """(module, parameters) per unit, in launch order: stage 3's module units (``by_module``)
-    or stages 1-2's buckets (module None), every isolated parameter in a unit of its own."""
+    or stages 1-2's buckets (module None), every isolated parameter in a unit of its own, and
+    under ``low`` the parameters that keep their dtype apart from those gathered in another."""
     if by_module:
         pieces: list[tuple[nn.Module | None, list[nn.Parameter]]] = []
         # A size the user set wins over the blocks a model declares ([Note: units run
@@ -168,7 +196,7 @@ def plan_units(
         for module, ps in module_units(
             model, trainable, cfg.unit_classes, cfg.unit_min_params, by_size
         ):
-            for chunk in _split(ps, group_of):
+            for chunk in _split(ps, group_of, low.keep if low else frozenset()):
                 pieces.append((module, chunk))
         # Launch order approximates backward order: blocks in reverse, but the root unit
         # (embeddings, head) last, since its embedding's gradient is the last to arrive and
@@ -188,11 +216,14 @@ def _isolate(params: list[nn.Parameter], isolated: frozenset[int]) -> list[list[
     return [[p] for p in params if id(p) in isolated] + ([rest] if rest else [])
 
 
-def _split(params: list[nn.Parameter], group_of: dict[int, int]) -> list[list[nn.Parameter]]:
-    """``params`` by optimizer group, dtype and device: a flat unit holds one of each."""
-    out: dict[tuple[int, torch.dtype, torch.device], list[nn.Parameter]] = {}
+def _split(
+    params: list[nn.Parameter], group_of: dict[int, int], keep: frozenset[int]
+) -> list[list[nn.Parameter]]:
+    """``params`` by optimizer group, dtype and device (and whether they keep their dtype
+    under ``precision.param_dtype``): a flat unit holds one of each."""
+    out: dict[tuple[int, torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
     for p in params:
-        out.setdefault((group_of[id(p)], p.dtype, p.device), []).append(p)
+        out.setdefault((group_of[id(p)], p.dtype, p.device, id(p) in keep), []).append(p)
     return list(out.values())
 
 
@@ -204,10 +235,11 @@ def make_units(
     policy: ZeroPolicy,
     made: DeferredInit,
     adopt: Callable[[FlatUnit], None],
+    low: LowParams | None = None,
 ) -> list[FlatUnit]:
     """The flat units of :func:`plan_units`' ``pieces``, sharded over ``comm`` and laid out for
     ``policy``'s stage; each handed to ``adopt`` once built (one at a time, so that setup stays
-    within what one unit needs)."""
+    within what one unit needs). Stage 3 gathers units in ``low.dtype`` when given."""
     module_names = {id(m): n or "root" for n, m in model.named_modules()}
     param_names = {id(p): n for n, p in model.named_parameters()}
     whole: dict[int, list[nn.Parameter]] = {}  # a unit's pieces are made at its first
@@ -221,6 +253,10 @@ def make_units(
         # Named in desync and hang reports: two units' tensors may have the same shape.
         what = module_names[id(module)] if module is not None else f"{param_names[id(ps[0])]}, ..."
         u.tag = f"unit {u.index}: {what}"
+        # [Note: parameter dtype] in gather.py
+        cast = low is not None and policy.shard_params and low.dtype != u.dtype
+        if low is not None and cast and not any(id(p) in low.keep for p in ps):
+            u.compute_dtype = low.dtype
         _lay_out(u, policy)
         units.append(u)
         adopt(u)
