@@ -9,10 +9,11 @@ ZeRO-3 shards them over ``--world-size`` ranks, and ``zero.offload_param`` and
 ([Note: parameter offload], [Note: optimizer state offload]). Per rank:
 
 - peak RSS (``ru_maxrss``, the whole process from its start: imports, the process group, the
-  model's construction, every step) against the budget. glibc's mmap threshold is fixed
-  (``MALLOC_MMAP_THRESHOLD_=131072``, as in ``plan_vs_rss.py``'s [Note: malloc modes]) so that
-  freed buffers go back to the system; the file pages the kernel caches are not the process's
-  memory and are not in RSS;
+  model's construction, every step) against the budget, at glibc's defaults: no ``MALLOC_*``
+  variable is set (``malloc_env`` records any the caller's environment had); the disk home fixes
+  the mmap threshold itself ([Note: fixed mmap threshold] in ``longboat/heap.py``), so freed
+  buffers go back to the system. The file pages the kernel caches are not the process's memory
+  and are not in RSS;
 - each step's wall time (forward, backward, step) and the bytes the rank read and wrote;
 - the physical limit: those bytes over the disk's bandwidth, measured here on the same path
   with the same calls (``pwritev``/``preadv`` of whole files) in two ways: through the page
@@ -57,7 +58,8 @@ from longboat.models import GPT, gpt_loss, gpt_param_count, synthetic_tokens
 from longboat.plan import make_plan, resolve
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "offload_headline.json"
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+#: The caller's own malloc settings, if any (none are set here: the defaults a user gets).
+MALLOC = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -113,7 +115,6 @@ def _config(args: argparse.Namespace, swap: str | None) -> dict[str, Any]:
 def _run(args: argparse.Namespace, swap: str | None) -> list[dict[str, Any]]:
     """One job of ``--world-size`` ranks; each rank's result."""
     with tempfile.TemporaryDirectory(prefix="ranks-") as out_dir:
-        os.environ.update(MALLOC)
         mp.spawn(_worker, args=(args, free_port(), swap, out_dir), nprocs=args.world_size)
         ranks = [
             json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(args.world_size)

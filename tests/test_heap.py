@@ -77,3 +77,82 @@ def test_joining_a_gloo_group_sets_the_limit_first_and_an_nccl_one_does_not(monk
     world_mod.init_process_group(two, backend="gloo")
     world_mod.init_process_group(two, backend="nccl")
     assert calls == ["limit", "gloo", "nccl"]
+
+
+_MMAP_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, os, re, sys, tempfile
+    import torch
+    from longboat.heap import fix_mmap_threshold
+    fixed = fix_mmap_threshold() if sys.argv[1] == "fix" else None
+    libc = ctypes.CDLL("libc.so.6")
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    def mapped():  # bytes glibc holds in mappings of their own
+        path = tempfile.mktemp()
+        f = libc.fopen(path.encode(), b"w"); libc.malloc_info(0, f); libc.fclose(f)
+        info = open(path).read(); os.unlink(path)
+        return int(re.findall(r'<total type="mmap" count="\\d+" size="(\\d+)"/>', info)[-1])
+    big = torch.empty(4 << 20); big.fill_(1.0); del big  # 16 MiB freed: the threshold rises
+    before = mapped()
+    kept = torch.empty(1 << 18); kept.fill_(1.0)  # 1 MiB: its own mapping, or the heap's
+    print(fixed, mapped() - before >= (1 << 20))
+    """
+)
+
+
+def _kept_mapped(mode: str, **env: str) -> tuple[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _MMAP_SCRIPT, mode],
+        env={**clean, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+    return out[0], out[1]
+
+
+def test_after_a_large_free_glibc_serves_a_megabyte_from_the_heap():
+    # The control: the dynamic threshold rose to 16 MiB, so 1 MiB is not a mapping of its own.
+    assert _kept_mapped("none") == ("None", "False")
+
+
+def test_with_the_threshold_fixed_a_megabyte_is_its_own_mapping():
+    # ([Note: fixed mmap threshold]) and so goes back to the system when freed.
+    assert _kept_mapped("fix") == ("True", "True")
+
+
+def test_a_users_own_threshold_is_left_alone():
+    assert _kept_mapped("fix", MALLOC_MMAP_THRESHOLD_="33554432") == ("False", "False")
+
+
+def _offload_fixes_the_threshold(path: str) -> list[str]:
+    import torch
+
+    import longboat
+    from longboat import heap
+
+    calls: list[str] = []
+    real = heap.fix_mmap_threshold
+    heap.fix_mmap_threshold = lambda env=None: calls.append("fixed") or False  # type: ignore[assignment]
+    try:
+        for device in ("none", "disk"):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+            opt = torch.optim.AdamW(model.parameters())
+            offload = {"device": device, "path": path} if device == "disk" else {}
+            cfg = {"strategy": "zero", "zero": {"stage": 2, "offload_optimizer": offload}}
+            longboat.initialize(model, opt, {**cfg, "batch": {"micro_batch_size": 2}}).close()
+            calls.append(f"after {device}")
+    finally:
+        heap.fix_mmap_threshold = real
+    return calls
+
+
+def test_a_disk_home_fixes_the_threshold_as_it_is_built(ranks, tmp_path):
+    assert ranks(1, _offload_fixes_the_threshold, str(tmp_path)) == [
+        ["after none", "fixed", "after disk"]
+    ]

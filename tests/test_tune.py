@@ -339,6 +339,38 @@ def test_what_does_not_fit_in_the_time_is_not_measured() -> None:
     assert result.reason == "no candidate was measured in the --time given"
 
 
+def test_planning_keeps_to_its_share_of_the_time_and_the_best_planned_is_measured() -> None:
+    """A planner that takes 1 s per candidate (a fake clock: nothing sleeps) in a 40 s search:
+    planning stops at half the time, having gone round every strategy plainest-first; what
+    was not planned says so; the best of what was planned is measured."""
+    clock = [0.0]
+
+    def slow_planner(c: Any) -> Planned:
+        clock[0] += 1.0
+        return _fake_planner(c)
+
+    runner = FakeRunner()
+    settings = TuneSettings(**TINY, world_size=2, global_batch=8, time_s=40.0, warmup=0, steps=1)
+    result = search(
+        settings,
+        planner=slow_planner,
+        work_of=_fake_work,
+        rates=RATES,
+        runner=runner,
+        clock=lambda: clock[0],
+    )
+    planned = [o for o in result.outcomes if o.planned is not None]
+    unplanned = [o for o in result.outcomes if o.reason.startswith("time: not planned")]
+    assert len(planned) == 21 and unplanned, [o.name for o in planned]  # at t = 0..20
+    strategies = {o.candidate.strategy for o in result.outcomes if o.candidate}
+    first_round = [o.candidate for o in planned[: len(strategies)] if o.candidate]
+    assert {c.strategy for c in first_round} == strategies, "round the strategies first"
+    biggest = max(c.micro_batch for c in first_round)
+    assert all(not c.recompute and c.micro_batch == biggest for c in first_round)
+    assert all(o.status == "not measured" for o in unplanned)
+    assert runner.launched and result.winner in runner.launched
+
+
 def test_offloading_candidates_measure_in_directories_of_their_own(tmp_path: Path) -> None:
     seen: dict[str, bool] = {}
 

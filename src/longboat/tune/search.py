@@ -6,7 +6,11 @@ measure the best few side by side, and choose the fastest measured one that fits
 1. the search space (``space.py``): every combination the config accepts;
 2. the planner on every candidate (``longboat.plan.simulate``, fake tensors, nothing
    allocated): its predicted peak per rank; a candidate over the budget is *dropped* and is
-   never launched, whatever else happens; a candidate a strategy refuses at setup is invalid;
+   never launched, whatever else happens; a candidate a strategy refuses at setup is invalid.
+   Planning takes at most ``PLAN_SHARE`` of ``--time`` (a second or two per candidate adds up
+   over a large space), the rest being for the rates and measuring; it goes round the
+   strategies, each one's plainest candidates first (:func:`promising_first`), so that what is
+   planned in the time spans the strategies, and what is not is reported so;
 3. this machine's rates (``machine.py``, a few seconds), when anything fits;
 4. the cost model (``cost.py``) on what fits, fastest first;
 5. the first ``--top`` of them whose estimated measuring time still fits the time left are
@@ -20,12 +24,13 @@ measure the best few side by side, and choose the fastest measured one that fits
    and ``verify.py`` checks what the default ``--top`` would have chosen against all of them
    ([Note: verifying the choice]).
 
-The planner, the work counter, the rates and the runner can be injected, which the tests use to
-count launches and to rank synthetic candidates.
+The planner, the work counter, the rates, the runner and the clock can be injected, which the
+tests use to count launches, to rank synthetic candidates and to time phases without waiting.
 """
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import time
 from collections.abc import Callable
@@ -50,6 +55,8 @@ Status = Literal["measured", "dropped", "not measured", "invalid"]
 LAUNCH_S = 3.0
 BUILD_S = 2.0
 TRACKED = 1.5  # a memory launch's steps run under the live-tensor tracker: slower
+#: The share of ``--time`` planning may take ([Note: tune phases]).
+PLAN_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -216,9 +223,10 @@ def search(
     runner: Runner | None = None,
     say: Say | None = None,
     on_bench: BenchProgressFn | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> TuneResult:
     """Run the search of [Note: tune phases] and return what it found."""
-    t0 = time.perf_counter()
+    t0 = clock()
     wall_deadline = time.time() + settings.time_s
     say = say or (lambda *_: None)
     phases: dict[str, float] = {}
@@ -226,10 +234,10 @@ def search(
     n = settings.world_size
 
     def left() -> float:
-        return settings.time_s - (time.perf_counter() - t0)
+        return settings.time_s - (clock() - t0)
 
     def lap(name: str, since: float) -> float:
-        now = time.perf_counter()
+        now = clock()
         phases[name] = now - since
         return now
 
@@ -247,8 +255,15 @@ def search(
 
     planner = planner or default_planner(spec, n)
     fitting: list[Outcome] = []
-    for i, c in enumerate(space.candidates):
-        say(f"planning {c.name}", i, len(space.candidates))
+    ordered = promising_first(space.candidates, settings.buckets_mb)
+    for i, c in enumerate(ordered):
+        if clock() - t0 > PLAN_SHARE * settings.time_s:
+            why = (
+                f"time: not planned; planning had used its share of --time ({i} of {len(ordered)})"
+            )
+            outcomes.append(Outcome(c.name, "not measured", why, c, c.mapping))
+            continue
+        say(f"planning {c.name}", i, len(ordered))
         try:
             planned = planner(c)
         except (ConfigError, PlanInputError) as e:  # a strategy refused it at setup
@@ -352,7 +367,7 @@ def search(
         verification = verify(
             fitting, eligible, DEFAULT_TOP, settings.noise_band, {o.name: o.reason for o in fitting}
         )
-    phases["total"] = time.perf_counter() - t0
+    phases["total"] = clock() - t0
     return TuneResult(
         settings=settings,
         model_info=dict(spec.info),
@@ -365,6 +380,22 @@ def search(
         bench=bench,
         verification=verification,
     )
+
+
+def promising_first(candidates: list[Candidate], buckets_mb: tuple[float, ...]) -> list[Candidate]:
+    """``candidates`` in the order to plan them when the time may not cover all: round the
+    strategies, each one's plainest first (no recompute, gradients in fp32, the first bucket
+    size given, the largest micro-batch: the usual fastest that fits)."""
+
+    def plainness(c: Candidate) -> tuple[bool, bool, int, int]:
+        bucket = buckets_mb.index(c.bucket_mb) if c.bucket_mb in buckets_mb else 0
+        return (bool(c.recompute), c.comm_dtype != "fp32", bucket, -c.micro_batch)
+
+    by_strategy: dict[str, list[Candidate]] = {}
+    for c in sorted(candidates, key=plainness):
+        by_strategy.setdefault(c.strategy, []).append(c)
+    rounds = itertools.zip_longest(*by_strategy.values())
+    return [c for row in rounds for c in row if c is not None]
 
 
 def _invalid(x: Invalid) -> Outcome:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from longboat import heap
 from longboat.observe.memory import optimizer_state_bytes_per_param
 from longboat.pieces import RankState
 from longboat.strategies.base import StrategyContext
@@ -135,6 +136,10 @@ class OnDisk(InMemory):
         params: list[nn.Parameter],
     ) -> None:
         super().__init__(ctx, policy)
+        # Buffers read from disk and freed a unit later go back to the system, so the budget
+        # holds at glibc's defaults ([Note: fixed mmap threshold] in ``heap.py``).
+        if not any(isinstance(p, FakeTensor) for p in params):  # not for the planner's run
+            heap.fix_mmap_threshold()
         self.rank = ctx.world.rank
         self.swap: StateSwap | None = None  # [Note: optimizer state offload]
         self.shards: ShardSwap | None = None  # [Note: parameter offload]
