@@ -14,7 +14,6 @@ import math
 import pytest
 import torch
 
-from longboat.config.errors import ConfigError
 from longboat.config.sections import SchedulerConfig
 from longboat.optim import build_scheduler
 
@@ -118,6 +117,10 @@ def test_warmup_decay_lr_matches_deepspeed_step_for_step(warmup_type):
     assert got[11:] == pytest.approx([0.001] * 3)
 
 
-def test_an_unknown_warmup_type_is_refused_by_key():
-    with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_type.*'log' or 'linear'"):
-        longboat_lrs("WarmupLR", {"warmup_type": "cosine"}, 1)
+def test_an_unknown_warmup_type_warms_up_logarithmically_as_deepspeed_does(caplog):
+    """DeepSpeed's WarmupLR warns and falls back to 'log' for any other warmup_type."""
+    params = {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 5}
+    got = longboat_lrs("WarmupLR", {**params, "warmup_type": "cosine"}, 8)
+    want = [deepspeed_lr(k, 0.001, 0.01, 5, "log") for k in range(1, 9)]
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert "warmup_type = 'cosine'" in caplog.text

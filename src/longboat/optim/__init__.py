@@ -9,6 +9,7 @@ and so are ``Lamb`` (:mod:`longboat.optim.lamb`), DeepSpeed's FusedLamb, which t
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -94,11 +95,13 @@ def _deepspeed_warmup(
             f"{'WarmupDecayLR' if decay else 'WarmupLR'}; remove them"
         )
     if kind not in _WARMUP_TYPES:
-        # DeepSpeed only warns and warms up logarithmically; a misspelt type is refused here
-        # rather than silently giving a schedule the config did not ask for.
-        raise ConfigError(
-            f"key 'scheduler.params.warmup_type' = {kind!r} is invalid; use 'log' or 'linear'"
+        # DeepSpeed's contract: a warning, and the logarithmic warm-up (lr_schedules.WarmupLR).
+        logging.getLogger("longboat").warning(
+            "scheduler.params.warmup_type = %r is neither 'log' nor 'linear': warming up "
+            "logarithmically, as DeepSpeed does",
+            kind,
         )
+        kind = "log"
     if decay and total <= n:
         raise ConfigError(
             f"key 'scheduler.params.total_num_steps' = {total} must exceed warmup_num_steps = {n}"
