@@ -1,6 +1,7 @@
 """Config: errors name key and value; the batch triple; the DeepSpeed dialect; explain."""
 
 import json
+from typing import Any
 
 import pytest
 
@@ -449,3 +450,29 @@ def test_config_explain_takes_trainer_arguments(tmp_path):
     assert "train_batch_size" in res.output and "16" in res.output  # 4 x 2 x 2 ranks
     res = CliRunner().invoke(app, ["config", "explain", str(p), "--world-size", "2"])
     assert res.exit_code == 2 and "'auto'" in res.output, res.output
+
+
+@pytest.mark.parametrize("zero", [None, {"stage": 0}, False])
+def test_explain_of_a_deepspeed_config_without_zero_shows_stage_0(tmp_path, zero):
+    """DeepSpeed runs without ZeRO when zero_optimization is absent (get_zero_config reads {},
+    stage 0), is stage 0 or is false: explain says so instead of the unused zero.stage = 1."""
+    from typer.testing import CliRunner
+
+    from longboat.cli import app
+
+    ds: dict[str, Any] = {"train_batch_size": 8}
+    if zero is not None:
+        ds["zero_optimization"] = zero
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(ds))
+    res = CliRunner().invoke(app, ["config", "explain", str(p), "--world-size", "2"])
+    assert res.exit_code == 0, res.output
+    lines = {ln.split()[0]: ln for ln in res.output.splitlines()[1:] if ln.strip()}
+    assert lines["zero.stage"].split()[1] == "0"
+    assert "DeepSpeed's stage 0, no ZeRO" in lines["zero.stage"]
+    assert "unused" in lines["zero.bucket_mb"]
+    assert "'replicate'" in lines["strategy"]
+    # with ZeRO on, the rows are DeepSpeed's values, as before
+    p.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 2}}))
+    text = explain(p, world_size=2)
+    assert "unused" not in text and " 2 " in text.split("zero.stage", 1)[1].splitlines()[0]

@@ -296,3 +296,35 @@ def test_summary_prefers_the_culprit_over_ranks_that_lost_it() -> None:
     killed = summarize([WorkerExit(rank=3, pid=13, exitcode=-signal.SIGSEGV)])
     assert killed.lines == ("longboat: rank 3 was killed by SIGSEGV",)
     assert killed.exit_code == 128 + signal.SIGSEGV
+
+
+def _elastic_ids(tmp_path: Path, *flags: str) -> tuple[str, str]:
+    script = tmp_path / "ids.py"
+    script.write_text(
+        "import os\nprint('IDS', os.environ['TORCHELASTIC_RUN_ID'], os.environ['ROLE_NAME'])\n"
+    )
+    res = _run(_cli("run", "-n", "1", *flags, str(script)))
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if "IDS " in ln)
+    run_id, role = line.split("IDS ", 1)[1].split()
+    return run_id, role
+
+
+def test_run_id_is_fresh_per_run_and_role_is_default_as_torchrun_sets_them(
+    tmp_path: Path,
+) -> None:
+    # torchrun --standalone: a fresh uuid per run; its --role default is "default"
+    first, role = _elastic_ids(tmp_path)
+    second, _ = _elastic_ids(tmp_path)
+    assert first != second and role == "default"
+    # torchrun's --rdzv-id: the user's id is used as given
+    assert _elastic_ids(tmp_path, "--rdzv-id", "job-42") == ("job-42", "default")
+
+
+def test_nodes_share_a_run_id() -> None:
+    from longboat.launch.run import run_id
+
+    opts = RunOptions(script=Path("x.py"), nnodes=2)
+    # every node computes it alone: torchrun's default across nodes, the same on each
+    assert run_id(opts) == run_id(opts) == "none"
+    assert run_id(RunOptions(script=Path("x.py"), nnodes=2, rdzv_id="j")) == "j"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,6 +45,12 @@ def run(
     ),
     rdzv_timeout: int = typer.Option(
         900, "--rdzv-timeout", help="seconds to wait for all nodes to join"
+    ),
+    rdzv_id: str | None = typer.Option(
+        None,
+        "--rdzv-id",
+        help="the job's id (TORCHELASTIC_RUN_ID), as torchrun's flag; default: a fresh one per "
+        "single-node run, 'none' across nodes (give every node the same)",
     ),
     grace_period: int = typer.Option(
         30,
@@ -115,6 +122,7 @@ def run(
         max_restarts=max_restarts,
         log_dir=log_dir,
         rdzv_timeout_s=rdzv_timeout,
+        rdzv_id=rdzv_id,
         grace_period_s=grace_period,
         local_ranks_filter=_ranks(local_ranks_filter, nproc_per_node),
         rank_prefix=rank_prefix,
@@ -151,7 +159,8 @@ def _run_on_hosts(opts: RunOptions, hosts: list[Host], shell: RemoteShell) -> No
     run = HostsRun(
         hosts=tuple(hosts),
         shell=shell,
-        node=opts,
+        # one fresh id for the whole job: every node's launcher must name the same
+        node=replace(opts, rdzv_id=opts.rdzv_id or uuid.uuid4().hex),
         master_port=opts.master_port or DEFAULT_PORT,
         master_addr=None if opts.master_addr == "127.0.0.1" else opts.master_addr,
     )

@@ -51,11 +51,12 @@ def translate_zero(z: Any, where: str, put: Any) -> None:
         raise ConfigError(
             f"DeepSpeed key 'zero_optimization.stage' = {stage!r} is invalid; use 0, 1, 2 or 3"
         )
-    prefetch = z.get("stage3_prefetch_bucket_size")
-    if prefetch == 0 and stage == 3:  # DeepSpeed prefetches nothing then
-        put("zero.prefetch", False, "zero_optimization.stage3_prefetch_bucket_size")
+    for name in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
+        if z.get(name) == 0 and stage == 3:  # DeepSpeed prefetches nothing then
+            put("zero.prefetch", False, f"zero_optimization.{name}")
     for old, new in (
         ("cpu_offload", "offload_optimizer"),
+        ("cpu_offload_param", "offload_param"),
         ("cpu_offload_params", "offload_param"),
     ):
         if z.get(old) and new not in z:  # DeepSpeed's deprecated switches, as it maps them
@@ -66,14 +67,16 @@ def translate_zero(z: Any, where: str, put: Any) -> None:
                 new,
             )
             z = {**z, new: {"device": "cpu"}}
-    if "offload_optimizer" in z:
-        _offload(z["offload_optimizer"], "offload_optimizer", stage, put)
-    if "offload_param" in z:
-        _offload(z["offload_param"], "offload_param", stage, put)
+    for name in ("offload_optimizer", "offload_param"):
+        if z.get(name) is not None:  # null is DeepSpeed's default: no offload
+            _offload(z[name], name, stage, put)
 
 
-# zero_optimization keys that are off at these values (DeepSpeed's defaults)
-_ZERO_OFF = {"zero_hpz_partition_size": (1,), "mics_shard_size": (-1, 0)}
+# zero_optimization keys that are off at these values (DeepSpeed's defaults), beyond false/null
+_ZERO_OFF: dict[str, tuple[Any, ...]] = {
+    "zero_hpz_partition_size": (1,),
+    "mics_shard_size": (-1, 0),
+}
 
 
 def _screen_zero(z: Mapping[str, Any], where: str) -> None:
@@ -88,8 +91,11 @@ def _screen_zero(z: Mapping[str, Any], where: str) -> None:
         )
     for k in sorted(set(z) & set(keys.ZERO_REFUSED)):
         v = z[k]
-        if v in (False, None) or v in _ZERO_OFF.get(k, ()):
-            continue
+        if k == "compute_grad_norm":  # on by default; only false switches the norm off
+            if v is True or v is None:
+                continue
+        elif v in (False, None) or keys.disabled(v) or v in _ZERO_OFF.get(k, ()):
+            continue  # zenflow is a block: {} or {"enabled": false} is off too
         raise ConfigError(
             f"DeepSpeed key 'zero_optimization.{k}' = {v!r} in {where} is not supported: "
             f"{keys.ZERO_REFUSED[k]}; remove it"
@@ -108,12 +114,32 @@ def _screen_zero(z: Mapping[str, Any], where: str) -> None:
 # buffer_count (its swap buffers: here the units in memory at once); pin_memory matters with an
 # accelerator only. offload_param's buffer_size and max_in_cpu size DeepSpeed's own parameter
 # buffers, which have no counterpart here (each unit's shard is its own buffer): refused.
+# offload_optimizer's pipeline_read/pipeline_write/fast_init/super_offload/cpuadam_cores_perc
+# tune DeepSpeed's own swapper and CPU Adam: no effect, logged. Its ratio below 1 (part of the
+# state offloaded) is not offered: accepted at 1.0, its default.
 _OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "disk"}
+_OFFLOAD_NO_EFFECT = {
+    "pipeline_read": "it overlaps DeepSpeed's NVMe reads",
+    "pipeline_write": "it overlaps DeepSpeed's NVMe writes",
+    "fast_init": "it speeds up DeepSpeed's NVMe swapper start",
+    "super_offload": "it selects DeepSpeed's superchip CPU optimizer",
+    "cpuadam_cores_perc": "it sizes DeepSpeed's CPU Adam thread pool",
+}
 
 
 def _offload(block: Any, name: str, stage: Any, put: Any) -> None:
     key = f"zero_optimization.{name}"
-    b = checked_block(block, key, {"device", "nvme_path", "buffer_count", "pin_memory"})
+    allowed = {"device", "nvme_path", "buffer_count", "pin_memory"}
+    if name == "offload_optimizer":
+        allowed |= {*_OFFLOAD_NO_EFFECT, "ratio"}
+    b = checked_block(block, key, allowed)
+    if b.get("ratio", 1.0) != 1.0:
+        raise ConfigError(
+            f"DeepSpeed key '{key}.ratio' = {b['ratio']!r} is not supported: offloading part "
+            "of the optimizer state is not offered; remove it (all of it is offloaded)"
+        )
+    for k in sorted(set(b) & set(_OFFLOAD_NO_EFFECT)):
+        log.info("DeepSpeed key '%s.%s' has no effect here: %s", key, k, _OFFLOAD_NO_EFFECT[k])
     device = b.get("device", "none")
     if device not in _OFFLOAD_DEVICES:
         raise ConfigError(

@@ -66,6 +66,7 @@ OFF_ONLY: dict[str, str] = {
 
 ZERO_NO_EFFECT: dict[str, str] = {
     "cpu_offload": "",  # DeepSpeed's old names, read as offload_* (deepspeed.py)
+    "cpu_offload_param": "",
     "cpu_offload_params": "",
     "cpu_offload_use_pin_memory": "pinned memory matters with an accelerator only",
     "allgather_partitions": "longboat all-gathers each unit's shards",
@@ -81,9 +82,15 @@ ZERO_NO_EFFECT: dict[str, str] = {
         "small parameters go with their module's unit; set zero.unit_classes or "
         "zero.unit_min_params to choose units"
     ),
+    "stage3_model_persistence_threshold": (
+        "small parameters go with their module's unit; set zero.unit_classes or "
+        "zero.unit_min_params to choose units"
+    ),
     "stage3_module_granularity_threshold": (
         "units are chosen by zero.unit_classes or zero.unit_min_params"
     ),
+    "leaf_module": "units are chosen by zero.unit_classes or zero.unit_min_params",
+    "stage3_allgather_sequential": "longboat all-gathers unit by unit",
     "stage3_gather_16bit_weights_on_model_save": (
         "checkpoints hold the full-precision state and load at any layout"
     ),
@@ -100,7 +107,28 @@ ZERO_NO_EFFECT: dict[str, str] = {
     "use_multi_rank_bucket_allreduce": "it tunes DeepSpeed's bucketed all-reduce",
     "log_trace_cache_warnings": "it tunes DeepSpeed's stage-3 trace cache",
     "use_all_reduce_for_fetch_params": "it tunes how DeepSpeed gathers parameters",
+    "stage3_use_all_reduce_for_fetch_params": "it tunes how DeepSpeed gathers parameters",
+    "legacy_stage1": "it selects DeepSpeed's old stage-1 code; the sharding is the same",
+    "parameter_alignment": "it pads DeepSpeed's flat buffers",
+    "pipeline_loading_checkpoint": "it tunes how DeepSpeed loads a pipelined checkpoint",
+    "override_module_apply": "it wraps module.apply for DeepSpeed's stage-3 hooks",
+    "enable_sanity_checks": "it enables DeepSpeed's internal stage-3 checks",
+    "save_muon_momentum_buffer_in_memory": "it keeps Muon's buffer out of DeepSpeed's NVMe swap",
 }
+# DeepSpeedZeroConfig's fields that have a stage3_ alias take either name (populate_by_name):
+# the short name means what the stage3_ one does.
+ZERO_ALIASES: dict[str, str] = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "allgather_sequential": "stage3_allgather_sequential",
+}
+for _short, _long in ZERO_ALIASES.items():
+    if _long in ZERO_NO_EFFECT:
+        ZERO_NO_EFFECT[_short] = ZERO_NO_EFFECT[_long]
 
 # zero_optimization keys refused by name (why, and what to use)
 ZERO_REFUSED: dict[str, str] = {
@@ -108,7 +136,13 @@ ZERO_REFUSED: dict[str, str] = {
         "ZeRO++'s secondary partition is not offered; hybrid sharding is mesh.dp_shard"
     ),
     "zero_quantized_weights": "ZeRO++'s quantized weights are not offered",
+    "zero_quantized_nontrainable_weights": "ZeRO++'s quantized weights are not offered",
     "zero_quantized_gradients": "ZeRO++'s quantized gradients are not offered",
+    "zenflow": "ZenFlow's stale CPU-offload updates are not offered; use zero.offload_optimizer",
+    "compute_grad_norm": (
+        "longboat always computes the gradient norm (clipping and the monitor read it); "
+        "set it to true or remove it"
+    ),
     "mics_shard_size": "MiCS is not offered; hybrid sharding is mesh.dp_shard",
     "mics_hierarchical_params_gather": "MiCS is not offered",
 }
@@ -121,6 +155,7 @@ ZERO_TRANSLATED = frozenset(
         "offload_optimizer",
         "offload_param",
         "stage3_prefetch_bucket_size",
+        "prefetch_bucket_size",
     }
 )
 
@@ -143,6 +178,7 @@ def near_miss(key: str, known: Iterable[str]) -> str:
 __all__ = [
     "NO_EFFECT",
     "OFF_ONLY",
+    "ZERO_ALIASES",
     "ZERO_NO_EFFECT",
     "ZERO_REFUSED",
     "ZERO_TRANSLATED",

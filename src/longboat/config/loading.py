@@ -94,6 +94,10 @@ class LoadedConfig:
 
     config: Config
     sources: dict[str, str]
+    # A DeepSpeed config's ZeRO stage as DeepSpeed reads it (0 when it has no zero_optimization
+    # block); None for longboat's own configs. Explain shows it: DeepSpeed's stage 0 leaves the
+    # zero.* keys unused, whatever their defaults say.
+    deepspeed_zero_stage: int | None = None
 
 
 def _user_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -131,7 +135,9 @@ def load(
             f"config must be a dict, a path or a longboat.Config, got {type(source).__name__}"
         )
     where = origin.strip().removeprefix("in ") or "dict"
+    ds_stage = None
     if deepspeed.looks_like_deepspeed(data):
+        ds_stage = _deepspeed_stage(data.get("zero_optimization"))
         data, sources = deepspeed.translate(data, where, trainer_args)
     else:
         sources = {k: f"set in {where}" for k in _user_keys(data)}
@@ -140,7 +146,17 @@ def load(
     except ValidationError as err:
         raise _explain(err, origin) from None
     _refuse_compositions(cfg, origin)
-    return LoadedConfig(cfg, sources)
+    return LoadedConfig(cfg, sources, ds_stage)
+
+
+def _deepspeed_stage(z: Any) -> int | None:
+    """The stage DeepSpeed's get_zero_config reads: none given is 0, ``true`` is 1."""
+    if z is None:
+        return 0
+    if isinstance(z, bool):
+        return int(z)
+    stage = z.get("stage", 0) if isinstance(z, Mapping) else None
+    return stage if isinstance(stage, int) else None
 
 
 def _refuse_compositions(cfg: Config, origin: str) -> None:
@@ -178,6 +194,14 @@ def _source_of(key: str, sources: dict[str, str]) -> str:
     return "default"
 
 
+def _no_zero(key: str, value: Any, stage_given: bool) -> tuple[Any, str]:
+    """A zero.* row of a DeepSpeed config at stage 0: what DeepSpeed does, not an unused default."""
+    if key != "zero.stage":
+        return value, "unused: DeepSpeed's stage 0 has no ZeRO"
+    why = "zero_optimization.stage = 0" if stage_given else "no 'zero_optimization' block"
+    return 0, f"DeepSpeed's stage 0, no ZeRO ({why}): see strategy"
+
+
 def explain(
     source: Config | Mapping[str, Any] | str | Path | None,
     world_size: int,
@@ -204,6 +228,9 @@ def explain(
             rows.append((key, value, src))
             continue
         src = _source_of(key, loaded.sources)
+        if key.startswith("zero.") and loaded.deepspeed_zero_stage == 0:
+            given = "zero_optimization.stage" in loaded.sources.get("strategy", "")
+            value, src = _no_zero(key, value, given)
         if key == "strategy" and derived["strategy"]:
             value, note = derived["strategy"]
             src = f"{src}; {note}"

@@ -101,6 +101,8 @@ def _node_argv(run: HostsRun, rank: int, host: Host, master_addr: str) -> list[s
         str(o.grace_period_s),
         "--stop-on-eof",
     ]
+    if o.rdzv_id:
+        argv += ["--rdzv-id", o.rdzv_id]
     if o.log_dir is not None:
         argv += ["--log-dir", str(o.log_dir.absolute() / host.name)]
     if o.local_ranks_filter is not None:

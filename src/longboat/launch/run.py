@@ -39,7 +39,20 @@ if TYPE_CHECKING:
 
 # Same run id on every node: the static rendezvous prefixes its keys with it, so nodes with
 # different ids would never meet. One job owns its store, so a constant is safe.
-RUN_ID = "longboat"
+# torchrun's defaults: a fresh id per single-node run (its --standalone), "none" across nodes
+# unless --rdzv-id gives one (every node must name the same, it prefixes the rendezvous store),
+# and the role "default". Workers read them as TORCHELASTIC_RUN_ID and ROLE_NAME.
+MULTINODE_RUN_ID = "none"
+ROLE = "default"
+
+
+def run_id(opts: RunOptions) -> str:
+    """The job's TORCHELASTIC_RUN_ID: the given --rdzv-id, else torchrun's default."""
+    if opts.rdzv_id:
+        return opts.rdzv_id
+    return uuid.uuid4().hex if opts.nnodes == 1 else MULTINODE_RUN_ID
+
+
 # Put in every worker's environment (and so inherited by what it starts), naming this launch.
 _MARKER_VAR = "LONGBOAT_LAUNCH_ID"
 # How much of a failed rank's stderr is read to tell "crashed" from "lost a peer".
@@ -70,6 +83,7 @@ class RunOptions:
     max_restarts: int = 0
     log_dir: Path | None = None  # None: a temporary directory, removed afterwards
     rdzv_timeout_s: int = 900
+    rdzv_id: str | None = None  # torchrun's --rdzv-id; None: see run_id()
     # On SIGTERM/SIGINT the agent forwards the signal to the workers and kills them only after
     # this many seconds: time for a final checkpoint (see Engine.should_stop).
     grace_period_s: int = 30
@@ -207,7 +221,7 @@ def _stderr_tail(log_dir: Path, local_rank: int) -> str:
     """The end of a worker's stderr from the last attempt in ``log_dir`` ('' when absent)."""
     # torch elastic's layout: <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/stderr.log
     files = sorted(
-        log_dir.glob(f"{RUN_ID}_*/attempt_*/{local_rank}/stderr.log"),
+        log_dir.glob(f"*_*/attempt_*/{local_rank}/stderr.log"),
         key=lambda p: (p.stat().st_mtime, p.parent.parent.name),
     )
     if not files:
@@ -288,7 +302,8 @@ def launch(opts: RunOptions) -> int:
             min_nodes=opts.nnodes,
             max_nodes=opts.nnodes,
             nproc_per_node=opts.nproc_per_node,
-            run_id=RUN_ID,
+            run_id=run_id(opts),
+            role=ROLE,
             # Static rendezvous (torchrun --node-rank semantics) rather than c10d: node ranks
             # are the user's, one code path serves one node and many, and node 0 stays the host.
             # Ours adds a fresh worker store per attempt, which makes restarts reliable (see

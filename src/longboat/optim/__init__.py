@@ -9,6 +9,7 @@ and so are ``Lamb`` (:mod:`longboat.optim.lamb`), DeepSpeed's FusedLamb, which t
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -67,12 +68,16 @@ def build_optimizer(
         ) from None
 
 
-def _warmup(step: int, warmup_steps: int, kind: str) -> float:
-    if step >= warmup_steps:
+def _warmup(iteration: int, warmup_steps: int, kind: str) -> float:
+    """DeepSpeed's ``WarmupLR._get_gamma`` (deepspeed/runtime/lr_schedules.py) during warmup."""
+    if iteration >= warmup_steps:
         return 1.0
     if kind == "log":
-        return math.log(step + 1) / math.log(warmup_steps)
-    return step / warmup_steps
+        return math.log(iteration + 1) / math.log(warmup_steps)
+    return iteration / warmup_steps
+
+
+_WARMUP_TYPES = ("log", "linear")
 
 
 def _deepspeed_warmup(
@@ -89,6 +94,14 @@ def _deepspeed_warmup(
             f"scheduler params {sorted(p)} are not known to "
             f"{'WarmupDecayLR' if decay else 'WarmupLR'}; remove them"
         )
+    if kind not in _WARMUP_TYPES:
+        # DeepSpeed's contract: a warning, and the logarithmic warm-up (lr_schedules.WarmupLR).
+        logging.getLogger("longboat").warning(
+            "scheduler.params.warmup_type = %r is neither 'log' nor 'linear': warming up "
+            "logarithmically, as DeepSpeed does",
+            kind,
+        )
+        kind = "log"
     if decay and total <= n:
         raise ConfigError(
             f"key 'scheduler.params.total_num_steps' = {total} must exceed warmup_num_steps = {n}"
@@ -96,11 +109,20 @@ def _deepspeed_warmup(
     for group in optimizer.param_groups:
         group["lr"] = hi  # LambdaLR scales the group's base lr
 
-    def factor(step: int) -> float:
-        lr = lo + (hi - lo) * _warmup(step, n, kind)
-        if decay and step >= n:
-            lr = hi * max(0.0, (total - step) / (total - n))
-        return lr / hi if hi else 0.0
+    # DeepSpeed's schedule starts at last_batch_iteration -1 (the optimizer at warmup_min_lr) and
+    # its engine steps it after every optimizer step, so optimizer step k (from 1) runs at
+    # iteration k - 2, the first two both at warmup_min_lr. LambdaLR counts from 0 at
+    # construction: its count is DeepSpeed's iteration + 1.
+    def factor(count: int) -> float:
+        iteration = count - 1
+        if iteration < 0:
+            gamma = 0.0  # DeepSpeed's get_lr before the first step: the min lrs
+        elif decay and iteration >= n:
+            # WarmupDecayLR._get_gamma: linear from warmup_max_lr down to warmup_min_lr
+            gamma = max(0.0, (total - iteration) / max(1.0, total - n))
+        else:
+            gamma = _warmup(iteration, n, kind)
+        return (lo + (hi - lo) * gamma) / hi if hi else 0.0
 
     return LambdaLR(optimizer, factor)
 
