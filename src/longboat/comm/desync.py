@@ -15,7 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longboat.comm.trace import FINGERPRINT_LEN, CallRecord, describe_fingerprint, fingerprint
+from longboat.comm.trace import (
+    FINGERPRINT_LEN,
+    LONE_FORWARD,
+    CallRecord,
+    describe_fingerprint,
+    fingerprint,
+)
 
 # Bytes of each rank's description exchanged once a mismatch is found.
 _DESCRIPTION_BYTES = 512
@@ -126,15 +132,17 @@ class DesyncCheck:
         best = max(counts.values())
         ref_print = next(p for p in prints if counts[p] == best)
         ref_ranks = [r for r, p in enumerate(prints) if p == ref_print]
+        lone = [r for r, p in enumerate(prints) if p[12]]  # [Note: lone forwards]
         lines = []
         for fp in dict.fromkeys(prints):
             if fp == ref_print:
                 continue
             ranks = [r for r, p in enumerate(prints) if p == fp]
+            why = _lone(lone) if fp[12] or ref_print[12] else _difference(fp, ref_print)
             lines.append(
                 f"{_ranks(ranks)} entered {_strip_seq(words[self._speaker(ranks)])} where "
                 f"{_ranks(ref_ranks)} entered {_strip_seq(words[self._speaker(ref_ranks)])}; "
-                f"{_difference(fp, ref_print)}"
+                f"{why}"
             )
         head = (
             f"collectives out of step at collective #{rec.seq} (seen by rank {self.rank} "
@@ -151,6 +159,19 @@ def _strip_seq(description: str) -> str:
     sig, _, rest = description.partition(" #")
     _, _, where = rest.partition(" ")
     return f"{sig} {where}".strip()
+
+
+def _lone(ranks: list[int]) -> str:
+    """Why a collective of a forward outside training met another: the others did not run that
+    forward ([Note: lone forwards] in ``trace.py``), whatever else differs."""
+    return (
+        f"{_ranks(ranks)} issued it {LONE_FORWARD} (under torch.no_grad() or in eval mode) that "
+        "the other ranks did not run alike: under ZeRO-3 a unit's module gathers its "
+        "parameters from every rank in its forward, so a forward on some ranks only (an "
+        "evaluation on rank 0) must run inside `with engine.gathered_parameters():`, entered "
+        "on every rank, e.g. `with engine.gathered_parameters():` then `if rank == 0: "
+        "engine(x)`"
+    )
 
 
 def _difference(a: tuple[int, ...], b: tuple[int, ...]) -> str:

@@ -39,7 +39,17 @@ _DTYPES = (
     torch.complex64,
     torch.complex128,
 )
-FINGERPRINT_LEN = 12
+FINGERPRINT_LEN = 13
+
+# [Note: lone forwards] A forward outside training (under no_grad or in eval mode) may be run by
+# some ranks only, an evaluation on rank 0, say; one that issues collectives (ZeRO-3's gathers)
+# then pairs its collectives with whatever the other ranks do next, and those may even agree in
+# shape (the same unit gathered for their next training forward, or by engine.close()), so that
+# the ranks drift apart until a raw abort or a lost peer far from the cause. Its caller appends
+# this to the collective's tag: the tag is part of the fingerprint, so the first such collective
+# already differs from any other rank's, and the fingerprint's last field says so, so that every
+# rank's DesyncError can name the cause and its fix, even from a peer's fingerprint alone.
+LONE_FORWARD = "in a forward outside training"
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,7 @@ def fingerprint(rec: CallRecord, src: int) -> list[int]:
         out_numel if rec.out_shape is not None else -1,
         src,
         zlib.crc32(rec.tag.encode()) if rec.tag else 0,
+        int(rec.tag.endswith(LONE_FORWARD)),  # [Note: lone forwards]
     ]
 
 
@@ -153,7 +164,7 @@ def describe_fingerprint(fp: tuple[int, ...] | list[int]) -> str:
     if ndim > 3:
         dims.append(f"...({fp[8]} more elements)")
     red_text = f", {red}" if red not in ("", "sum") else ""
-    tag = f" [tag {fp[11]:08x}]" if fp[11] else ""
+    tag = f" [tag {fp[11]:08x}{', ' + LONE_FORWARD if fp[12] else ''}]" if fp[11] else ""
     if op == "barrier":
         return "barrier()"
     return f"{op}({dt}[{','.join(dims)}]{red_text}){tag}"

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from longboat.comm.protocol import Comm
+from longboat.comm.trace import LONE_FORWARD
 from longboat.config.errors import ConfigError
 from longboat.strategies.zero.flat import FlatUnit, UnitState
 from longboat.strategies.zero.storage import alloc_storage, free_storage
@@ -94,6 +95,9 @@ class Gathering:
         self.prefetch = prefetch
         self.on_unit_done = on_unit_done
         self.held = False  # gathered_parameters(): every unit stays gathered
+        # Inside a forward outside training, not held: its gathers' tags say so ([Note: lone
+        # forwards] in ``comm/trace.py``), so one run on some ranks only fails at its first.
+        self._lone = False
         self._order: list[FlatUnit] = []  # the first training forward's order of units
         self._recording = True
 
@@ -150,7 +154,8 @@ class Gathering:
             return
         if self.record is not None:
             self.record(("gather", u.index))
-        u.gather_handle = self.comm.all_gather(u.full, shard, async_op=async_op, tag=u.tag)
+        tag = f"{u.tag}, {LONE_FORWARD}" if self._lone else u.tag
+        u.gather_handle = self.comm.all_gather(u.full, shard, async_op=async_op, tag=tag)
         u.flat_param, u.state = u.full, UnitState.GATHERING
 
     def ready(self, u: FlatUnit) -> None:
@@ -252,11 +257,15 @@ class Gathering:
         # rank; another (an evaluation, maybe on one rank) must leave no trace that one rank has
         # and another has not.
         training = us[0].module.training and torch.is_grad_enabled()  # type: ignore[union-attr]
-        for u in us:
-            self.ready(u)
-            if training and self._recording and u not in self._order:
-                self._order.append(u)
-        self._prefetch(us, +1)
+        self._lone = not training and not self.held
+        try:
+            for u in us:
+                self.ready(u)
+                if training and self._recording and u not in self._order:
+                    self._order.append(u)
+            self._prefetch(us, +1)
+        finally:
+            self._lone = False
         return self._watch_inputs(us, args, kwargs) if training else (args, kwargs)
 
     def _watch_inputs(
