@@ -1,5 +1,6 @@
-"""One malloc arena for gloo jobs ([Note: one arena] in heap.py), observed in fresh processes
-through glibc's own ``malloc_info``: how many heaps a thread that allocates leaves behind."""
+"""glibc's malloc as longboat sets it ([Note: one arena] and [Note: fixed mmap threshold] in
+heap.py), observed in fresh processes through glibc's own ``malloc_info``: how many heaps a thread
+that allocates leaves behind, and whether a megabyte is a mapping of its own."""
 
 from __future__ import annotations
 
@@ -14,38 +15,51 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="glibc's malloc arenas are Linux's"
 )
 
+# What both scripts read glibc's state with: its own malloc_info, as XML.
+_MALLOC_INFO = """
+import ctypes, os, tempfile
+_libc = ctypes.CDLL("libc.so.6")
+_libc.fopen.restype = ctypes.c_void_p
+_libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+_libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+_libc.fclose.argtypes = [ctypes.c_void_p]
+def malloc_info():
+    path = tempfile.mktemp()
+    f = _libc.fopen(path.encode(), b"w"); _libc.malloc_info(0, f); _libc.fclose(f)
+    info = open(path).read(); os.unlink(path)
+    return info
+"""
+
 _SCRIPT = textwrap.dedent(
     """
-    import ctypes, os, sys, tempfile, threading
+    import sys, threading
     import torch
     from longboat.heap import limit_arenas
     limited = limit_arenas() if sys.argv[1] == "limit" else None
     def work():  # a thread that allocates and frees, as gloo's workers do
         t = torch.empty(1 << 20); t.fill_(1.0); del t
     th = threading.Thread(target=work); th.start(); th.join()
-    libc = ctypes.CDLL("libc.so.6")
-    libc.fopen.restype = ctypes.c_void_p
-    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    libc.fclose.argtypes = [ctypes.c_void_p]
-    path = tempfile.mktemp()
-    f = libc.fopen(path.encode(), b"w"); libc.malloc_info(0, f); libc.fclose(f)
-    info = open(path).read(); os.unlink(path)
-    print(limited, info.count("<heap nr="))
+    print(limited, malloc_info().count("<heap nr="))
     """
 )
 
 
-def _heaps(mode: str, **env: str) -> tuple[str, int]:
-    clean = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, mode],
+def _run(script: str, mode: str, **env: str) -> list[str]:
+    """``script`` (after the malloc_info prelude) in a fresh process with no MALLOC_* variable
+    but ``env``; what it printed, split."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    return subprocess.run(
+        [sys.executable, "-c", _MALLOC_INFO + script, mode],
         env={**clean, "OMP_NUM_THREADS": "1", **env},
         capture_output=True,
         text=True,
         check=True,
         timeout=120,
     ).stdout.split()
+
+
+def _heaps(mode: str, **env: str) -> tuple[str, int]:
+    out = _run(_SCRIPT, mode, **env)
     return out[0], int(out[1])
 
 
@@ -81,20 +95,13 @@ def test_joining_a_gloo_group_sets_the_limit_first_and_an_nccl_one_does_not(monk
 
 _MMAP_SCRIPT = textwrap.dedent(
     """
-    import ctypes, os, re, sys, tempfile
+    import re, sys
     import torch
     from longboat.heap import fix_mmap_threshold
     fixed = fix_mmap_threshold() if sys.argv[1] == "fix" else None
-    libc = ctypes.CDLL("libc.so.6")
-    libc.fopen.restype = ctypes.c_void_p
-    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    libc.fclose.argtypes = [ctypes.c_void_p]
     def mapped():  # bytes glibc holds in mappings of their own
-        path = tempfile.mktemp()
-        f = libc.fopen(path.encode(), b"w"); libc.malloc_info(0, f); libc.fclose(f)
-        info = open(path).read(); os.unlink(path)
-        return int(re.findall(r'<total type="mmap" count="\\d+" size="(\\d+)"/>', info)[-1])
+        found = re.findall(r'<total type="mmap" count="\\d+" size="(\\d+)"/>', malloc_info())
+        return int(found[-1])
     big = torch.empty(4 << 20); big.fill_(1.0); del big  # 16 MiB freed: the threshold rises
     before = mapped()
     kept = torch.empty(1 << 18); kept.fill_(1.0)  # 1 MiB: its own mapping, or the heap's
@@ -104,15 +111,7 @@ _MMAP_SCRIPT = textwrap.dedent(
 
 
 def _kept_mapped(mode: str, **env: str) -> tuple[str, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run(
-        [sys.executable, "-c", _MMAP_SCRIPT, mode],
-        env={**clean, "OMP_NUM_THREADS": "1", **env},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout.split()
+    out = _run(_MMAP_SCRIPT, mode, **env)
     return out[0], out[1]
 
 
