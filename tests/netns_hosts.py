@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -99,6 +100,7 @@ class NetnsHosts:
                 f"127.0.0.1 localhost\n{DECOY_ADDR} {hostname}\n"
                 + "".join(f"{self.addr(j)} {h}\n" for j, h in enumerate(self.names))
             )
+        self.wait_connected()
 
     def pids(self, name: str) -> list[int]:
         """Processes running in namespace ``name``."""
@@ -119,8 +121,47 @@ class NetnsHosts:
             _NETNS_ETC.rmdir()
 
     def link(self, i: int, up: bool) -> None:
-        """Connect (``up``) or cut host ``i`` from the switch."""
+        """Connect (``up``) or cut host ``i`` from the switch. Reconnecting returns once every
+        host reaches every other again: a test after it must not meet the cut's leftovers."""
         _ip("-n", self.switch, "link", "set", self.veth(i), "up" if up else "down")
+        if up:
+            self.wait_connected()
+
+    def wait_connected(self, timeout_s: float = 30.0) -> None:
+        """Wait (bounded) until a TCP connect from each host to each other host's eth0 is
+        answered, refused or accepted. Neighbour entries left FAILED by a cut, and a port the
+        switch has not yet learned, otherwise make the next connect fail with "No route to
+        host"."""
+        addrs = [self.addr(j) for j in range(len(self.names))]
+        probe = (
+            "import socket, sys\n"
+            "bad = []\n"
+            f"for a in {addrs!r}:\n"
+            "    s = socket.socket(); s.settimeout(2)\n"
+            "    try: s.connect((a, 9))\n"
+            "    except ConnectionRefusedError: pass\n"
+            "    except OSError as e: bad.append(f'{a}: {e}')\n"
+            "    finally: s.close()\n"
+            "print('; '.join(bad))\n"
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            failed = {}
+            for name in self.names:
+                out = subprocess.run(
+                    ["ip", "netns", "exec", name, sys.executable, "-c", probe],
+                    capture_output=True, text=True, timeout=60,
+                )  # fmt: skip
+                if out.stdout.strip() or out.returncode != 0:
+                    failed[name] = out.stdout.strip() or out.stderr.strip()
+            if not failed:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"namespace hosts still cut off after {timeout_s} s: {failed}")
+            for name in self.names:
+                subprocess.run(["ip", "-n", name, "neigh", "flush", "all"],
+                               capture_output=True, timeout=30)  # fmt: skip
+            time.sleep(0.5)
 
     def listeners(self, name: str) -> list[str]:
         """Local addresses of the TCP listeners in namespace ``name`` (``ss -ltn``)."""
