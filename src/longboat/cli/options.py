@@ -9,6 +9,13 @@ import typer
 NPROC_PER_NODE = typer.Option(
     1, "-n", "--nproc-per-node", help="ranks (worker processes) on this node"
 )
+RUN_NPROC = typer.Option(
+    "1",
+    "-n",
+    "--nproc-per-node",
+    help="ranks (worker processes) on this node: a number; gpu, cpu or auto (torchrun's); or "
+    "MIN:MAX, an elastic node that restarts without failed workers' slots, down to MIN",
+)
 NNODES = typer.Option(1, "--nnodes", help="number of nodes in the job")
 NODE_RANK = typer.Option(0, "--node-rank", help="this node's rank, 0 to nnodes-1")
 MASTER_ADDR = typer.Option(

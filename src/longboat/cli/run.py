@@ -32,7 +32,7 @@ def run(
     script_args: list[str] | None = typer.Argument(
         None, metavar="ARGS", help="arguments for the script, passed as given"
     ),
-    nproc_per_node: int = options.NPROC_PER_NODE,
+    nproc: str = options.RUN_NPROC,
     nnodes: int | None = options.RUN_NNODES,
     node_rank: int | None = options.RUN_NODE_RANK,
     master_addr: str | None = options.RUN_MASTER_ADDR,
@@ -99,8 +99,14 @@ def run(
     ),
 ) -> None:
     """Run SCRIPT on N processes per node (a drop-in for torchrun)."""
+    from longboat.launch import nproc as nproc_values
     from longboat.launch.run import LaunchUsageError, RunOptions, launch, validate
 
+    try:
+        workers = nproc_values.parse(nproc)
+    except nproc_values.NprocError as e:
+        raise usage_error(str(e)) from None
+    nproc_per_node = workers.most
     if standalone and nnodes not in (None, 1):
         raise usage_error(
             f"--standalone with --nnodes {nnodes}: standalone is one node; drop one of them"
@@ -115,6 +121,7 @@ def run(
         script=script,
         script_args=tuple(script_args or ()),
         nproc_per_node=nproc_per_node,
+        min_nproc_per_node=workers.least if workers.elastic else None,
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
@@ -131,6 +138,12 @@ def run(
     on = hostopts.hosts_and_shell(
         hostfile, host_list, include, exclude, remote_shell, ssh_port, ssh_option
     )
+    if on is not None and workers.elastic:
+        raise usage_error(
+            f"-n {nproc} with --hostfile/-H: the host list gives each host's workers (its "
+            "slots), and an elastic host list is not supported yet; drop -n, or run one node "
+            "with -n MIN:MAX"
+        )
     if on is not None and no_ssh:
         _run_this_host(opts, on[0], given_node_rank)
     if on is not None:

@@ -76,6 +76,8 @@ class RunOptions:
     script: Path
     script_args: tuple[str, ...] = ()
     nproc_per_node: int = 1
+    # -n MIN:MAX: the fewest workers a restart may start ([Note: elastic node]); None: fixed
+    min_nproc_per_node: int | None = None
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -107,6 +109,17 @@ def validate(opts: RunOptions) -> None:
         raise LaunchUsageError(
             f"-n/--nproc-per-node {opts.nproc_per_node} is invalid: a node needs at least one "
             "worker process; use -n 1 or more"
+        )
+    least = opts.min_nproc_per_node
+    if least is not None and not 1 <= least <= opts.nproc_per_node:
+        raise LaunchUsageError(
+            f"-n {least}:{opts.nproc_per_node} is invalid: write MIN:MAX with 1 <= MIN <= MAX"
+        )
+    if least is not None and least < opts.nproc_per_node and opts.max_restarts < 1:
+        raise LaunchUsageError(
+            f"-n {least}:{opts.nproc_per_node} restarts with fewer workers after a failure, "
+            "and --max-restarts is 0: give --max-restarts 1 or more (how many failures the job "
+            f"survives), or a fixed -n {opts.nproc_per_node}"
         )
     if opts.nnodes < 1:
         raise LaunchUsageError(
@@ -363,8 +376,14 @@ def _run_agent(
 
     from longboat.launch.rendezvous import RendezvousFailed
 
+    least = opts.min_nproc_per_node
     try:
-        elastic_launch(config, sys.executable)("-u", str(opts.script), *opts.script_args)
+        with contextlib.ExitStack() as stack:
+            if least is not None and least < opts.nproc_per_node:
+                from longboat.launch.elastic import elastic_node
+
+                stack.enter_context(elastic_node(least, report))
+            elastic_launch(config, sys.executable)("-u", str(opts.script), *opts.script_args)
     except ChildFailedError as e:
         summary = summarize(
             WorkerExit(
