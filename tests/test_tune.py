@@ -461,6 +461,7 @@ def test_written_config_and_deepspeed_json_load_to_the_chosen(
         (["--top", "most"], ["--top most", "or all"]),
         (["--noise-band", "1.5"], ["--noise-band 1.5", "0.05"]),
         (["--comm-dtypes", "fp32,fp8"], ["--comm-dtypes", "'fp8'", "bf16"]),
+        (["--precisions", "fp32,fp16"], ["--precisions", "'fp16'", "bf16-params", "auto"]),
         (["--micro-batches", "two"], ["--micro-batches", "'two'", "1,2,4"]),
         (["--bucket-mb", "-1"], ["--bucket-mb", "'-1'", "25,5"]),
     ],
@@ -558,3 +559,67 @@ def test_a_real_search_at_two_ranks_measures_all_that_fits_and_chooses_the_faste
     ds = report["outputs"]["deepspeed"]
     if not ds.startswith("not written"):
         assert load_config(ds) == load_config(out)
+
+
+def test_precisions_are_searched_where_the_config_takes_them() -> None:
+    """bf16 autocast is a candidate under every strategy; bf16 parameters under ZeRO-3 only, and
+    the others are recorded with the composition table's own refusal."""
+    space = build_space(
+        2, 8, micro_sizes=(4,), buckets_mb=(25.0,), precisions=("fp32", "bf16", "bf16-params")
+    )
+    by = {(c.strategy, c.precision): c for c in space.candidates}
+    for s in ("replicate", "zero-1", "zero-2", "zero-3"):
+        assert by[(s, "fp32")].config.precision.dtype == "fp32"
+        assert by[(s, "bf16")].config.precision.dtype == "bf16"
+        assert by[(s, "bf16")].config.precision.param_dtype in (None, "fp32")
+    low = by[("zero-3", "bf16-params")]
+    assert (low.config.precision.dtype, low.config.precision.param_dtype) == ("bf16", "bf16")
+    assert low.name == "zero-3 m4x1 bf16-params"
+    assert {s for s, p in by if p == "bf16-params"} == {"zero-3"}
+    refused = [x for x in space.invalid if x.name.endswith("bf16-params")]
+    assert sorted(x.name.split()[0] for x in refused) == ["replicate", "zero-1", "zero-2"]
+    assert all("param_dtype" in x.reason for x in refused), [x.reason for x in refused]
+    assert len({c.name for c in space.candidates}) == len(space.candidates)
+
+
+def test_a_bf16_candidate_is_predicted_at_the_bf16_rate() -> None:
+    work = Work(flops=int(4e9), ops=0)
+    planned = Planned(peak=0, model_state={}, activations=0, comm_bytes={}, comm_calls={})
+    rates = dataclasses.replace(RATES, bf16_matmul_flops_per_s=4e10)
+    assert predict(1, work, planned, rates).compute_s == pytest.approx(0.4)
+    assert predict(1, work, planned, rates, compute_dtype="bf16").compute_s == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="no bf16 rate was measured"):
+        predict(1, work, planned, RATES, compute_dtype="bf16")
+
+
+def test_the_planner_plans_bf16_parameters() -> None:
+    """The real planner on a bf16-parameter ZeRO-3 candidate: its reduce-scatters move half the
+    bytes of the bf16-autocast one's, and its all-gathers fewer (the units' gathers halve; the
+    planner's count also holds a gather of the fp32 shards that both do)."""
+    from longboat.bench.models import resolve_model
+
+    space = build_space(
+        2, 8, micro_sizes=(4,), buckets_mb=(25.0,), precisions=("bf16", "bf16-params")
+    )
+    plan = default_planner(resolve_model("tiny-gpt", 16), 2)
+    three = {c.precision: plan(c) for c in space.candidates if c.strategy == "zero-3"}
+    moved = {p: planned.comm_bytes for p, planned in three.items()}
+    assert moved["bf16"]["reduce_scatter"] > 0
+    assert moved["bf16-params"]["reduce_scatter"] * 2 == moved["bf16"]["reduce_scatter"], moved
+    assert moved["bf16-params"]["all_gather"] < moved["bf16"]["all_gather"], moved
+
+
+def test_a_bf16_choice_is_written_for_deepspeed_and_bf16_parameters_are_not(
+    tmp_path: Path,
+) -> None:
+    space = build_space(
+        2, 8, micro_sizes=(4,), buckets_mb=(25.0,), precisions=("bf16", "bf16-params")
+    )
+    amp = next(c for c in space.candidates if c.strategy == "zero-2")
+    _, ds, why = output.write(amp.mapping, tmp_path / "amp.toml", [])
+    assert ds is not None and why is None
+    assert json.loads(ds.read_text())["bf16"] == {"enabled": True}
+    assert load_config(ds) == amp.config
+    low = next(c for c in space.candidates if c.precision == "bf16-params")
+    _, ds, why = output.write(low.mapping, tmp_path / "low.toml", [])
+    assert ds is None and why is not None and "param_dtype" in why

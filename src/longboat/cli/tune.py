@@ -65,6 +65,13 @@ def tune(
         "--comm-dtypes",
         help="dtypes gradients may travel in, e.g. fp32,bf16 (bf16 changes the arithmetic)",
     ),
+    precisions: str = typer.Option(
+        "auto",
+        "--precisions",
+        help="precisions to try, from fp32, bf16 (autocast) and bf16-params (bf16 parameters, "
+        "fp32 masters: ZeRO-3); auto: all three where CUDA computes in bf16, else fp32 (a CPU "
+        "without bf16 matrix units runs bf16 slower)",
+    ),
     offload_dir: Path | None = typer.Option(
         None, "--offload-dir", help="also try ZeRO-3 with its state on disk in this directory"
     ),
@@ -93,6 +100,7 @@ def tune(
         bucket_mb=bucket_mb,
         recompute=recompute,
         comm_dtypes=comm_dtypes,
+        precisions=precisions,
         offload_dir=offload_dir,
         noise_band=noise_band,
     )

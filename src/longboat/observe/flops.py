@@ -42,13 +42,19 @@ class StepFlops:
         self.step_end()
 
 
-def matmul_rate(device: torch.device, seconds: float = 0.2, n: int | None = None) -> float:
-    """Measured fp32 matrix-multiply rate in flop/s on ``device`` with this process's threads:
-    ``n x n`` products in a loop for about ``seconds`` after one warm-up product."""
+def matmul_rate(
+    device: torch.device,
+    seconds: float = 0.2,
+    n: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Measured matrix-multiply rate in flop/s on ``device`` with this process's threads, in
+    ``dtype`` (fp32 by default): ``n x n`` products in a loop for about ``seconds`` after one
+    warm-up product."""
     n = n or (4096 if device.type == "cuda" else 512)
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    c = torch.empty(n, n, device=device)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
 
     def sync() -> None:
         if device.type == "cuda":

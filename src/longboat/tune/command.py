@@ -62,6 +62,7 @@ class Flags:
     bucket_mb: str = "25,5"
     recompute: bool = True
     comm_dtypes: str = "fp32"
+    precisions: str = "auto"
     offload_dir: Path | None = None
     noise_band: float = NOISE_BAND
 
@@ -77,6 +78,27 @@ def parse_top(text: str) -> int | None:
     if top < 1:
         raise TuneUsageError(f"--top {text} is invalid: use 1 or more, or all")
     return top
+
+
+def _precisions(text: str) -> tuple[str, ...]:
+    """``--precisions``: names from :data:`~longboat.tune.space.PRECISIONS`, or ``auto``: every
+    one where CUDA computes in bf16, else fp32 alone (on a CPU without bf16 matrix units bf16
+    is slower, and measuring it would spend the budget on candidates that lose)."""
+    import torch
+
+    from longboat.tune.space import PRECISIONS
+
+    if text.strip().lower() == "auto":
+        fast = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return tuple(PRECISIONS) if fast else ("fp32",)
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [x for x in names if x not in PRECISIONS] or ([] if names else [text])
+    if bad:
+        raise TuneUsageError(
+            f"--precisions has unknown value {bad[0]!r}: choose from {','.join(PRECISIONS)}, "
+            "or auto"
+        )
+    return names
 
 
 def settings_from_flags(f: Flags) -> TuneSettings:
@@ -117,6 +139,7 @@ def settings_from_flags(f: Flags) -> TuneSettings:
         raise TuneUsageError(
             f"--comm-dtypes has unknown value {bad[0]!r}: choose from {','.join(COMM_DTYPES)}"
         )
+    precisions = _precisions(f.precisions)
     if not 0 <= f.noise_band < 1:
         raise TuneUsageError(
             f"--noise-band {f.noise_band} is invalid: give a fraction from 0 to below 1, e.g. 0.05"
@@ -135,6 +158,7 @@ def settings_from_flags(f: Flags) -> TuneSettings:
         buckets_mb=_numbers("--bucket-mb", f.bucket_mb, float),
         recompute=f.recompute,
         comm_dtypes=comm,
+        precisions=precisions,
         offload_dir=None if f.offload_dir is None else str(f.offload_dir),
         noise_band=f.noise_band,
     )

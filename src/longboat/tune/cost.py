@@ -6,7 +6,8 @@
   counted by ``torch.utils.flop_counter`` on fake tensors (so attention and the recomputed
   forwards of activation checkpointing are counted as they run, where ``6 x parameters x
   tokens`` would count embedding tables as matrix work and miss attention), over this machine's
-  measured fp32 matmul rate with one thread (``longboat.observe.flops.matmul_rate``);
+  measured matmul rate with one thread (``longboat.observe.flops.matmul_rate``), in fp32, or in
+  bf16 for a candidate that computes in it (``precision.dtype``);
 - overhead: the operators one micro-batch dispatches (counted in the same fake run) times the
   measured cost of an operator whose arithmetic is negligible (a forward and backward of
   tiny layers: dispatch, autograd's graph, module calls), per micro-batch: what makes many
@@ -50,6 +51,8 @@ class Rates:
     link_bytes_per_s: float | None  # bytes one rank sends per second in a ring all-reduce
     latency_s: float  # one small all-reduce on the group
     disk_bytes_per_s: float | None = None  # written then read back, through the page cache
+    #: the matmul rate in bf16, measured when a candidate computes in it (autocast)
+    bf16_matmul_flops_per_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,10 +97,17 @@ class Prediction:
 
 
 def predict(
-    accumulation: int, work: Work, planned: Planned, rates: Rates, desync_check: bool = True
+    accumulation: int,
+    work: Work,
+    planned: Planned,
+    rates: Rates,
+    desync_check: bool = True,
+    compute_dtype: str = "fp32",
 ) -> Prediction:
     """The step time of a candidate that runs ``accumulation`` micro-batches of ``work`` per
-    optimizer step and that the planner found to hold and send ``planned``."""
+    optimizer step and that the planner found to hold and send ``planned``; its matrix work in
+    ``compute_dtype`` (``precision.dtype``: bf16 counts at the measured bf16 rate; fp16 too,
+    for want of a rate of its own)."""
     comm_bytes = sum(planned.comm_bytes.values())
     calls = sum(planned.comm_calls.values())
     comm = 0.0
@@ -112,8 +122,15 @@ def predict(
             raise ValueError("a candidate offloads to disk but no disk rate was measured")
         disk = planned.disk_moved / rates.disk_bytes_per_s
     stepped = planned.model_state.get("optimizer_state", 0) / ADAMW_STATE_BYTES
+    matmul = rates.matmul_flops_per_s
+    if compute_dtype != "fp32":
+        if rates.bf16_matmul_flops_per_s is None:
+            raise ValueError(
+                f"a candidate computes in {compute_dtype} but no bf16 rate was measured"
+            )
+        matmul = rates.bf16_matmul_flops_per_s
     return Prediction(
-        compute_s=accumulation * work.flops / rates.matmul_flops_per_s,
+        compute_s=accumulation * work.flops / matmul,
         overhead_s=accumulation * work.ops * rates.op_s,
         optimizer_s=stepped / rates.adamw_elements_per_s,
         comm_s=comm,

@@ -141,14 +141,16 @@ def link(world_size: int) -> tuple[float, float]:
     return sent / t_big, t_small
 
 
-def measure(world_size: int, offload_dir: str | None = None) -> Rates:
-    """Every rate the cost model needs, at ``world_size`` ranks (no link at one rank)."""
+def measure(world_size: int, offload_dir: str | None = None, bf16: bool = False) -> Rates:
+    """Every rate the cost model needs, at ``world_size`` ranks (no link at one rank); with
+    ``bf16``, the bf16 matmul rate too."""
     from longboat.observe.flops import matmul_rate
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each bench rank runs
     try:
         matmul = matmul_rate(torch.device("cpu"), seconds=0.3)
+        low = matmul_rate(torch.device("cpu"), seconds=0.3, dtype=torch.bfloat16) if bf16 else None
         op = op_seconds()
         adamw = adamw_elements_per_s()
     finally:
@@ -162,4 +164,5 @@ def measure(world_size: int, offload_dir: str | None = None) -> Rates:
         link_bytes_per_s=bandwidth,
         latency_s=latency,
         disk_bytes_per_s=disk,
+        bf16_matmul_flops_per_s=low,
     )

@@ -72,7 +72,10 @@ def to_deepspeed(mapping: dict[str, Any]) -> dict[str, Any]:
             f"activation_checkpointing.classes = {classes}: DeepSpeed's activation_checkpointing "
             "block does not choose which modules are recomputed"
         )
-    comm = mapping.get("precision", {}).get("communication_data_type")
+    precision = mapping.get("precision", {})
+    if precision.get("dtype") == "bf16":
+        out["bf16"] = {"enabled": True}
+    comm = precision.get("communication_data_type")
     if comm is not None:
         out["communication_data_type"] = comm
     ours, theirs = flatten(load_config(mapping)), flatten(load_config(out))

@@ -76,6 +76,7 @@ class TuneSettings:
     buckets_mb: tuple[float, ...] = DEFAULT_BUCKETS_MB
     recompute: bool = True  # search activation checkpointing of the model's block classes
     comm_dtypes: tuple[str, ...] = ("fp32",)
+    precisions: tuple[str, ...] = ("fp32",)  # keys of tune.space.PRECISIONS
     offload_dir: str | None = None  # adds ZeRO-3 with its state on disk, there
     #: with ``top=None``: the paired-ratio margin of [Note: verifying the choice]
     noise_band: float = NOISE_BAND
@@ -249,6 +250,7 @@ def search(
         recompute_classes=spec.unit_classes if settings.recompute else (),
         comm_dtypes=settings.comm_dtypes,
         offload_dir=settings.offload_dir,
+        precisions=settings.precisions,
     )
     outcomes = [_invalid(x) for x in space.invalid]
     t = lap("space", t0)
@@ -282,7 +284,8 @@ def search(
         from longboat.tune import machine
 
         say("measuring this machine", 0, 1)
-        rates = machine.measure(n, settings.offload_dir)
+        low = any(o.candidate is not None and o.candidate.precision != "fp32" for o in fitting)
+        rates = machine.measure(n, settings.offload_dir, bf16=low)
     t = lap("rates", t)
     work_of = work_of or default_work(spec)
     for o in fitting:
@@ -290,7 +293,12 @@ def search(
         assert fit is not None and o.planned is not None and rates is not None
         work = work_of(fit.micro_batch, fit.recompute)
         o.prediction = predict(
-            fit.accumulation, work, o.planned, rates, fit.config.comm.desync_check
+            fit.accumulation,
+            work,
+            o.planned,
+            rates,
+            fit.config.comm.desync_check,
+            fit.config.precision.dtype,
         )
     t = lap("predict", t)
 
@@ -389,7 +397,12 @@ def promising_first(candidates: list[Candidate], buckets_mb: tuple[float, ...]) 
 
     def plainness(c: Candidate) -> tuple[bool, bool, int, int]:
         bucket = buckets_mb.index(c.bucket_mb) if c.bucket_mb in buckets_mb else 0
-        return (bool(c.recompute), c.comm_dtype != "fp32", bucket, -c.micro_batch)
+        return (
+            bool(c.recompute),
+            c.comm_dtype != "fp32" or c.precision != "fp32",
+            bucket,
+            -c.micro_batch,
+        )
 
     by_strategy: dict[str, list[Candidate]] = {}
     for c in sorted(candidates, key=plainness):

@@ -1,16 +1,19 @@
-"""The candidates ``longboat tune`` considers: every combination of what the config can vary
-that changes speed or memory, each built as a real longboat config.
+"""The candidates ``longboat tune`` considers: every combination of what the config can vary that
+changes speed or memory, each built as a real longboat config.
 
-[Note: search space] Strategy (``replicate``, ZeRO stages 1-3, and ZeRO-3 with its state on
-disk when an offload directory is given; ``single`` at one rank), micro-batch size for the fixed
+[Note: search space] Strategy (``replicate``, ZeRO stages 1-3, and ZeRO-3 with its state on disk
+when an offload directory is given; ``single`` at one rank), micro-batch size for the fixed
 global batch (powers of two up to a rank's share of it, and the share itself; accumulation =
 global / (micro x data-parallel ranks)), bucket size (``replicate.bucket_mb`` or
 ``zero.bucket_mb``; stage 3 has none), activation checkpointing of the model's block classes,
-and the dtype gradients travel in. A combination is kept only when the config accepts it: its
-mapping goes through :func:`longboat.load_config`, its batch triple through
-:func:`~longboat.config.resolve_batch` and its mesh through the engine's own check, and what any
-of them refuses is recorded with the message they gave (the planner's run adds what the
-strategies refuse at setup). The search never invents a rule of its own about what is valid.
+the dtype gradients travel in, and the precision the model computes and keeps its parameters in
+(``fp32``; ``bf16``: autocast, fp32 parameters; ``bf16-params``: bf16 parameters with fp32
+masters, ``precision.param_dtype``, which the config takes under ZeRO-3 only). A combination is
+kept only when the config accepts it: its mapping goes through :func:`longboat.load_config`, its
+batch triple through :func:`~longboat.config.resolve_batch` and its mesh through the engine's
+own check, and what any of them refuses is recorded with the message they gave (the planner's
+run adds what the strategies refuse at setup). The search never invents a rule of its own about
+what is valid.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ STRATEGIES = ("replicate", "zero-1", "zero-2", "zero-3")
 OFFLOADED = "zero-3+offload"  # only with an offload directory: it needs a disk path
 DEFAULT_BUCKETS_MB = (25.0, 5.0)  # longboat's default, and a fifth of it
 COMM_DTYPES = ("fp32", "bf16", "fp16")
+#: ``precision`` values the search can try, and the ``[precision]`` table each one writes
+PRECISIONS: dict[str, dict[str, str]] = {
+    "fp32": {},
+    "bf16": {"dtype": "bf16"},
+    "bf16-params": {"dtype": "bf16", "param_dtype": "bf16"},
+}
+_PRECISION_LABELS = {"fp32": "", "bf16": "bf16-amp", "bf16-params": "bf16-params"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class Candidate:
     comm_dtype: str  # the dtype gradients travel in (fp32: their own)
     mapping: dict[str, Any] = field(compare=False, repr=False)
     config: Config = field(compare=False, repr=False)
+    precision: str = "fp32"  # a key of PRECISIONS
 
     @property
     def name(self) -> str:
@@ -56,17 +67,27 @@ class Candidate:
             self.bucket_mb,
             bool(self.recompute),
             self.comm_dtype,
+            self.precision,
         )
 
 
-def label(strategy: str, batch: str, bucket_mb: float | None, rc: bool, comm: str) -> str:
+def label(
+    strategy: str,
+    batch: str,
+    bucket_mb: float | None,
+    rc: bool,
+    comm: str,
+    precision: str = "fp32",
+) -> str:
     """A combination's name: strategy, micro-batch (x accumulation), bucket, ``rc`` for
-    recompute, and the communication dtype unless fp32."""
+    recompute, the communication dtype unless fp32, and the precision unless fp32
+    (``bf16-amp``, ``bf16-params``)."""
     parts = [strategy, batch]
     if bucket_mb is not None:
         parts.append(f"b{bucket_mb:g}")
     parts += ["rc"] if rc else []
     parts += [comm] if comm != "fp32" else []
+    parts += [_PRECISION_LABELS[precision]] if precision != "fp32" else []
     return " ".join(parts)
 
 
@@ -103,6 +124,7 @@ def _mapping(
     recompute: tuple[str, ...],
     comm_dtype: str,
     offload_dir: str | None,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """The longboat config of one combination: only what differs from the defaults, so the
     written file says what was chosen and nothing else."""
@@ -123,8 +145,11 @@ def _mapping(
         data["zero"] = zero
     if recompute:
         data["activation_checkpointing"] = {"classes": list(recompute)}
+    table = dict(PRECISIONS[precision])
     if comm_dtype != "fp32":
-        data["precision"] = {"communication_data_type": comm_dtype}
+        table["communication_data_type"] = comm_dtype
+    if table:
+        data["precision"] = table
     return data
 
 
@@ -147,10 +172,12 @@ def build_space(
     recompute_classes: Sequence[str] = (),
     comm_dtypes: Sequence[str] = ("fp32",),
     offload_dir: str | None = None,
+    precisions: Sequence[str] = ("fp32",),
 ) -> Space:
     """Every combination ([Note: search space]) at ``world_size`` ranks and ``global_batch``
     samples per step. ``recompute_classes``: the model's block classes (empty: activation
-    checkpointing is not searched); ``offload_dir``: adds ZeRO-3 with its state on disk there."""
+    checkpointing is not searched); ``offload_dir``: adds ZeRO-3 with its state on disk there;
+    ``precisions``: keys of :data:`PRECISIONS`."""
     strategies: tuple[str, ...] = ("single",) if world_size == 1 else STRATEGIES
     if offload_dir is not None and world_size > 1:
         strategies = (*strategies, OFFLOADED)
@@ -162,12 +189,13 @@ def build_space(
     for strategy in strategies:
         bucketed = strategy in ("replicate", "zero-1", "zero-2")
         buckets = list(buckets_mb) if bucketed else [None]
-        for micro, bucket, rc, comm in itertools.product(sizes, buckets, recomputes, comms):
-            data = _mapping(strategy, global_batch, micro, bucket, rc, comm, offload_dir)
+        combos = itertools.product(sizes, buckets, recomputes, comms, precisions)
+        for micro, bucket, rc, comm, prec in combos:
+            data = _mapping(strategy, global_batch, micro, bucket, rc, comm, offload_dir, prec)
             try:
                 accumulation = _validate(data, world_size)
             except ConfigError as e:
-                name = label(strategy, f"m{micro}", bucket, bool(rc), comm)
+                name = label(strategy, f"m{micro}", bucket, bool(rc), comm, prec)
                 space.invalid.append(Invalid(name, data, str(e)))
                 continue
             # The file states the whole triple, so a run at another world size is refused
@@ -183,6 +211,7 @@ def build_space(
                     comm_dtype=comm,
                     mapping=data,
                     config=load_config(data),
+                    precision=prec,
                 )
             )
     return space
