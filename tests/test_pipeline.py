@@ -215,7 +215,9 @@ def _train(recipe: reference.Recipe, cfg: dict[str, Any], steps: int) -> dict[st
         with torch.no_grad():  # the data-parallel strategy must start from its root's weights
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-    engine = longboat.initialize(model, opt, cfg, scheduler=sched)
+    # one micro-batch's inputs: the stages are split by the layers' measured cost (the default)
+    example = harness.data_for(recipe, cfg["batch"]["micro_batch_size"]).tensors[1]
+    engine = longboat.initialize(model, opt, cfg, scheduler=sched, example_input=example)
     mesh, coords = engine.topology.mesh, engine.topology.coords
     micro, accum = engine.batch.micro_batch_size, engine.accumulation_steps
     data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
