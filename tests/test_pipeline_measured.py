@@ -270,3 +270,15 @@ def test_a_failed_measurement_stops_every_rank(ranks):
     first, second = ranks(2, _measures_a_wrong_example, {**_cfg(2), **harness.QUIET})
     assert "4x7" in first, "rank 0 raises the layer's own error"
     assert "rank 0 could not time the layers" in second, "the other ranks stop too, not wait"
+
+
+@pytest.mark.parametrize("partition", [None, "measured", "uniform"])
+def test_config_explain_shows_a_timed_split_by_parameters_and_says_so(tmp_path, partition):
+    from longboat.cli.config import _stages
+
+    cfg = tmp_path / "pp.toml"
+    text = "[batch]\nmicro_batch_size = 4\n[mesh]\npp = 2\n"
+    cfg.write_text(text + (f'[pipeline]\npartition = "{partition}"\n' if partition else ""))
+    shown = _stages(cfg, 2, "reference-gpt", None)
+    assert "stage 0: layers 0-2" in shown  # by parameters, or by layers: 3 + 3
+    assert ("a run given example_input splits by" in shown) == (partition != "uniform")
