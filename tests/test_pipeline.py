@@ -508,7 +508,8 @@ def _gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _train_gpt(cfg: dict[str, Any], steps: int, tie: bool = False) -> dict[str, Any]:
     model = _small_gpt(tie)
     names = [n for n, _ in model.named_parameters()]
-    engine = longboat.initialize(model, None, cfg)
+    example = _gpt_batches(1, 2)[0][0]  # the default partition times the layers on it
+    engine = longboat.initialize(model, None, cfg, example_input=example)
     dp = engine.topology.data("dp")  # each data-parallel rank its slice of the step's samples
     losses = [
         engine.train_step(
