@@ -93,7 +93,7 @@ class Pipeline:
         self._tie(tied)
         return model
 
-    def _measure(self, model: nn.Module, method: Any, example: Any) -> LayerCosts | None:
+    def _measure(self, model: nn.Module, method: staging.Method, example: Any) -> LayerCosts | None:
         """The layers' costs, measured by world rank 0 and the same on every rank ([Note: one
         measurement for every rank] in ``measure.py``); None where the method does not
         need them, or (the default only) where nothing can be measured."""
