@@ -20,7 +20,7 @@ from torch import nn
 
 import longboat
 from longboat.config import ConfigError
-from longboat.pipeline import LayerSpec, PipelineModule, measure, partition
+from longboat.pipeline import LayerSpec, PipelineModule, measure, partition, schedules
 from longboat.pipeline.measure import LayerCosts
 
 # -- the boundary choice, on synthetic costs ----------------------------------------------------
@@ -87,6 +87,19 @@ def test_measured_split_refusals_say_what_to_change(seconds, stages, words):
         )
     for w in words:
         assert w in str(e.value)
+
+
+def test_the_simulator_takes_a_cost_per_stage():
+    plan = schedules.build("gpipe", 2, 2)
+    # by hand: rank 1 runs F0 1-4, F1 4-7, B0 7-13, B1 13-19; rank 0 F0 0-1, F1 1-2, then
+    # B0 13-15 and B1 19-21: busy 6 and 18 of 21
+    timeline = plan.simulate([1.0, 3.0], [2.0, 6.0])
+    assert timeline.makespan == 21.0
+    assert timeline.bubble == pytest.approx((15 / 21, 3 / 21))
+    # equal stages give the theory, as one cost for all does
+    assert plan.simulate([1.0, 1.0], [2.0, 2.0]).bubble == plan.simulate(1.0, 2.0).bubble
+    with pytest.raises(ValueError, match="3 forward costs given for 2 stages"):
+        plan.simulate([1.0, 1.0, 1.0], 2.0)
 
 
 # -- a model whose last layer is expensive ------------------------------------------------------
