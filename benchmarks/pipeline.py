@@ -1,28 +1,35 @@
-"""Pipeline stages on the reference GPT: the bubble per schedule against theory, the activations
-each stage holds, and the step time of 2 stages against ``replicate`` on the same 2 ranks.
+"""Pipeline stages on the reference GPT: the bubble per schedule and stage, measured against the
+simulator's prediction and the theory, the activations each stage holds, and the step time of 2
+stages against ``replicate`` on the same 2 ranks.
 
 Every side trains the reference GPT (:func:`longboat.models.reference_gpt`, 21,064,704
 parameters, AdamW, clipping 1.0, sequence 128) on 16 samples per optimizer step, with
 ``engine.train_step``, the defaults a user gets otherwise:
 
 - ``replicate``: 2 data-parallel ranks, 8 samples each, no accumulation (how one would run it);
-- ``<schedule>-m<M>``: ``[mesh] pp = 2`` (one stage per rank, split by parameters: embeddings
-  and 2 blocks, then 2 blocks and the head), ``M`` micro-batches of ``16 / M`` samples.
+- ``<schedule>-m<M>-<partition>``: ``[mesh] pp = 2`` (one stage per rank), ``M`` micro-batches
+  of ``16 / M`` samples, the layers split by ``<partition>``: ``measured`` (the default: each
+  layer timed on one micro-batch, the slowest stage made as fast as it can be) or
+  ``parameters`` (the previous default: embeddings and 2 blocks, then 2 blocks and the head).
 
 Each side runs alone in a fresh pair of processes (``--warmup`` steps, then ``--steps``
 measured), the sides' order reversed every other repeat (ABBA). Per step and rank it records the
 step time (the MAX over ranks is the step time) and the seconds that rank spent blocked in the
 pipeline's doorways (receiving an activation or a gradient its neighbour has not sent yet): the
-*measured idle fraction*, against the theory ``(p - 1) / (m + p - 1)``. Transfers count as idle
-too (they are loopback copies here). Activations: during one step, the bytes of tensors autograd
+*measured idle fraction*, against the theory ``(p - 1) / (m + p - 1)`` (equal stages) and, for
+the measured split, the idle the schedule simulator predicts from the stages' measured forward
+and backward times (``Pipeline.predicted_idle``; transfers free). Transfers count as measured
+idle (they are loopback copies here). Activations: during one step, the bytes of tensors autograd
 saved for backward that are alive at once (parameters excluded, each storage once), per stage;
 divided by GPipe's peak over ``m`` (GPipe holds every micro-batch's), that gives the peak in
 micro-batches' worth, which 1F1B bounds by ``p - stage``.
 
 Usage::
 
-    python benchmarks/pipeline.py                          # ~10 minutes
-    python benchmarks/pipeline.py --micro-batches 2,4 --steps 3 --repeats 1   # a smoke run
+    python benchmarks/pipeline.py                          # ~10 minutes, on a quiet machine
+    python benchmarks/pipeline.py --partitions measured,parameters   # both splits, ~20 minutes
+    python benchmarks/pipeline.py --micro-batches 2 --schedules 1f1b --steps 1 --warmup 0 \
+        --repeats 1 --out /tmp/pipeline.json               # a smoke run (numbers meaningless)
 
 Writes ``benchmarks/results/pipeline.json`` (``--out`` to change).
 """
@@ -53,6 +60,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--micro-batches", default="2,4,8", help="pipeline micro-batch counts")
     ap.add_argument("--schedules", default="gpipe,1f1b")
+    ap.add_argument(
+        "--partitions", default="measured", help="pipeline.partition: measured, parameters"
+    )
     ap.add_argument("--steps", type=int, default=6, help="measured steps per side and repeat")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
@@ -112,13 +122,19 @@ def _config(side: str) -> dict[str, Any]:
     }
     if side == "replicate":
         return {**base, "batch": {"train_batch_size": GLOBAL_BATCH, "micro_batch_size": 8}}
-    schedule, m = side.rsplit("-m", 1)
+    schedule, m, partition = _side(side)
     return {
         **base,
         "mesh": {"pp": 2},
-        "pipeline": {"schedule": schedule},
+        "pipeline": {"schedule": schedule, "partition": partition},
         "batch": {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": int(m)},
     }
+
+
+def _side(side: str) -> tuple[str, int, str]:
+    """``"1f1b-m4-measured"`` -> schedule, micro-batches, partition."""
+    schedule, m, partition = side.split("-", 2)
+    return schedule, int(m[1:]), partition
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -135,7 +151,11 @@ def _run_side(rank: int, args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     model = reference_gpt()
-    engine = longboat.initialize(model, None, _config(args.side))
+    cfg = _config(args.side)
+    micro = GLOBAL_BATCH // cfg["batch"].get("gradient_accumulation_steps", 2)
+    # one micro-batch's tokens, for the measured split to time the layers on
+    example = synthetic_tokens(micro, model.seq_len, model.vocab_size, torch.Generator())[0]
+    engine = longboat.initialize(model, None, cfg, example_input=example)
     per_rank = engine.batch.micro_batch_size * engine.accumulation_steps
     g = torch.Generator().manual_seed(1000 + engine.topology.coords["dp"])
     pp = [engine.topology.data("pp"), engine.topology.control("pp")]
@@ -159,6 +179,14 @@ def _run_side(rank: int, args: argparse.Namespace) -> None:
             losses.append(loss)
     stage = engine.topology.coords["pp"]
     mine = {"stage": stage, "idle": idle, "peak_saved_bytes": max(peaks), "losses": losses}
+    pipe: Any = engine.schedule  # a Pipeline (pp = 2): its split and prediction
+    if args.side != "replicate":
+        mine["bounds"] = pipe.bounds
+        if pipe.stage_costs is not None:
+            m = engine.accumulation_steps
+            mine["idle_predicted"] = pipe.predicted_idle(m)[stage]
+            fwd, bwd = pipe.stage_costs
+            mine["stage_measured_s"] = fwd[stage] + bwd[stage]
     engine.close()
     # Each rank writes its own record; the parent puts them together.
     args.out.with_suffix(f".rank{rank}.json").write_text(json.dumps({"step_s": steps, **mine}))
@@ -198,7 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     from longboat.pipeline import bubble_theory
 
     ms = [int(m) for m in args.micro_batches.split(",")]
-    sides = ["replicate"] + [f"{s}-m{m}" for s in args.schedules.split(",") for m in ms]
+    sides = ["replicate"] + [
+        f"{s}-m{m}-{p}"
+        for p in args.partitions.split(",")
+        for s in args.schedules.split(",")
+        for m in ms
+    ]
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     failed: dict[str, str] = {}
     t0 = time.perf_counter()
@@ -219,25 +252,39 @@ def main(argv: list[str] | None = None) -> None:
     for side in sides[1:]:
         if not runs[side]:
             continue
-        schedule, m = side.rsplit("-m", 1)
+        schedule, m, partition = _side(side)
         step = statistics.median(s for run in runs[side] for s in run["step_s"])
         stages: dict[int, dict[str, Any]] = {}
         for run in runs[side]:
             for rk in run["ranks"]:
-                st = stages.setdefault(rk["stage"], {"idle": [], "peak_saved_bytes": 0})
+                st = stages.setdefault(
+                    rk["stage"], {"idle": [], "peak_saved_bytes": 0, "predicted": []}
+                )
                 st["idle"] += rk["idle"]
                 st["peak_saved_bytes"] = max(st["peak_saved_bytes"], rk["peak_saved_bytes"])
+                if "idle_predicted" in rk:  # each repeat measures its own split
+                    st["predicted"].append(rk["idle_predicted"])
+                    st["bounds"], st["measured_s"] = rk["bounds"], rk["stage_measured_s"]
+                st.setdefault("bounds", rk["bounds"])
         table[side] = {
             "schedule": schedule,
-            "micro_batches": int(m),
+            "micro_batches": m,
+            "partition": partition,
+            "bounds": stages[0]["bounds"],
             "median_step_s": step,
             "vs_replicate": step / rep,
-            "idle_theory": bubble_theory(2, int(m)),
+            "idle_theory": bubble_theory(2, m),
             "idle_measured": {s: statistics.median(v["idle"]) for s, v in stages.items()},
+            "idle_predicted": {
+                s: statistics.median(v["predicted"]) for s, v in stages.items() if v["predicted"]
+            },
+            "stage_measured_s": {
+                s: v["measured_s"] for s, v in stages.items() if "measured_s" in v
+            },
             "peak_saved_bytes": {s: v["peak_saved_bytes"] for s, v in stages.items()},
         }
     for row in table.values():  # peaks in micro-batches' worth, from GPipe at the same m
-        g = table.get(f"gpipe-m{row['micro_batches']}")
+        g = table.get(f"gpipe-m{row['micro_batches']}-{row['partition']}")
         if g:
             row["peak_micro_batches"] = {
                 s: row["peak_saved_bytes"][s] / (g["peak_saved_bytes"][s] / row["micro_batches"])
@@ -256,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
             "seq_len": 128,
             "optimizer": "AdamW lr 3e-4 wd 0.1, clipping 1.0",
             "replicate": "2 data-parallel ranks, micro-batch 8, no accumulation",
-            "pipeline": "mesh.pp = 2, partition by parameters, m micro-batches of 16/m",
+            "pipeline": "mesh.pp = 2, m micro-batches of 16/m, partition per side",
             "world_size": 2,
             "threads_per_rank": args.threads,
             "warmup_steps": args.warmup,
@@ -264,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
             "repeats": args.repeats,
             "order": "each side alone in a fresh process pair, ABBA over repeats",
             "idle": "seconds blocked in the pp doorways (data + control) / step time, per rank",
+            "idle_predicted": "schedule simulator on the measured stage times (transfers free)",
             "activations": "peak bytes of tensors saved for backward (parameters excluded)",
         },
         "versions": versions(),
@@ -274,12 +322,17 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"replicate: {rep:.3f} s")
     for side, row in table.items():
-        idle = ", ".join(f"stage {s} {v:.2f}" for s, v in row["idle_measured"].items())
+        pred = row["idle_predicted"]
+        idle = ", ".join(
+            f"stage {s} {v:.2f}" + (f" (predicted {pred[s]:.2f})" if s in pred else "")
+            for s, v in row["idle_measured"].items()
+        )
         peak = row.get("peak_micro_batches", {})
         peaks = ", ".join(f"stage {s} {v:.2f}" for s, v in peak.items())
         print(
-            f"{side}: {row['median_step_s']:.3f} s ({row['vs_replicate']:.2f} x replicate); idle "
-            f"{idle} (theory {row['idle_theory']:.2f}); peak activations (micro-batches) {peaks}"
+            f"{side}: layers split at {row['bounds']}; {row['median_step_s']:.3f} s "
+            f"({row['vs_replicate']:.2f} x replicate); idle {idle} (theory "
+            f"{row['idle_theory']:.2f}); peak activations (micro-batches) {peaks}"
         )
     print(f"wrote {args.out}")
 

@@ -28,7 +28,11 @@ def main() -> None:
 
     longboat.seed_everything(0)
     model = reference_gpt()
-    engine = longboat.initialize(model, config=args.config)  # optimizer from the config
+    # With pipeline stages, the layers are timed on one micro-batch (4 samples in
+    # gpt_pp2.toml) and split so that the slowest stage is as fast as it can be.
+    example = synthetic_tokens(4, model.seq_len, model.vocab_size, torch.Generator())[0]
+    # the optimizer comes from the config
+    engine = longboat.initialize(model, config=args.config, example_input=example)
     n = engine.batch.train_batch_size * args.steps
     x, y = synthetic_tokens(n, model.seq_len, model.vocab_size, torch.Generator().manual_seed(0))
     loader = engine.loader(TensorDataset(x, y), per_step=True)  # a whole step's samples at a time

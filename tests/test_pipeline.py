@@ -215,7 +215,9 @@ def _train(recipe: reference.Recipe, cfg: dict[str, Any], steps: int) -> dict[st
         with torch.no_grad():  # the data-parallel strategy must start from its root's weights
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-    engine = longboat.initialize(model, opt, cfg, scheduler=sched)
+    # one micro-batch's inputs: the stages are split by the layers' measured cost (the default)
+    example = harness.data_for(recipe, cfg["batch"]["micro_batch_size"]).tensors[1]
+    engine = longboat.initialize(model, opt, cfg, scheduler=sched, example_input=example)
     mesh, coords = engine.topology.mesh, engine.topology.coords
     micro, accum = engine.batch.micro_batch_size, engine.accumulation_steps
     data = harness.data_for(recipe, engine.batch.train_batch_size * steps)
@@ -506,7 +508,8 @@ def _gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _train_gpt(cfg: dict[str, Any], steps: int, tie: bool = False) -> dict[str, Any]:
     model = _small_gpt(tie)
     names = [n for n, _ in model.named_parameters()]
-    engine = longboat.initialize(model, None, cfg)
+    example = _gpt_batches(1, 2)[0][0]  # the default partition times the layers on it
+    engine = longboat.initialize(model, None, cfg, example_input=example)
     dp = engine.topology.data("dp")  # each data-parallel rank its slice of the step's samples
     losses = [
         engine.train_step(

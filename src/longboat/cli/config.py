@@ -88,11 +88,20 @@ def _stages(file: Path, world_size: int, spec: str, model_args: str | None) -> s
         with torch.device("meta"):
             built = resolve(spec, kwargs).build()
         layers = stages.as_layers(built, cfg.pipeline.partition)
-        _, info = stages.plan(layers, n, cfg.pipeline.partition)
+        method = stages.requested(layers, cfg.pipeline.partition)
+        # nothing is timed here: a split by measured time is shown by parameters instead
+        timed = stages.measures(method)
+        _, info = stages.plan(layers, n, "parameters" if timed else method)
     except (PlanInputError, PartitionError, TypeError) as e:
         raise usage_error(f"--model {spec}: {e}") from None
     head = (
         f"pipeline of {spec}: {n} stages (mesh.pp = {mesh.pp} x pipeline.virtual_stages = "
         f"{cfg.pipeline.virtual_stages}); stage s runs on pipeline rank s % {mesh.pp}:"
     )
-    return "\n".join([head, *(f"  {s.describe()}" for s in info)])
+    lines = [head, *(f"  {s.describe()}" for s in info)]
+    if timed:
+        lines.append(
+            "  (split by parameters here; a run given example_input splits by each layer's "
+            "measured time, logged at its start)"
+        )
+    return "\n".join(lines)

@@ -242,7 +242,9 @@ class PipelineConfig(_Section):
     virtual_stages: int = Field(1, ge=1, description="stages per rank; > 1 with interleaved")
     partition: str | list[int] | None = Field(
         None,
-        description="parameters, uniform, type:REGEX or boundaries; default: the model's own",
+        description="measured, parameters, uniform, type:REGEX or boundaries; default: the "
+        "model's own, else measured (each layer timed on initialize's example_input; "
+        "parameters without one)",
     )
 
 

@@ -50,6 +50,7 @@ def initialize(
     scheduler: LRScheduler | None = None,
     world: World | None = None,
     param_init_fn: Callable[[nn.Module], object] | None = None,
+    example_input: Any = None,
 ) -> Engine:
     """Make ``model`` train under the strategy the config asks for.
 
@@ -63,6 +64,11 @@ def initialize(
     the model's own initialiser does (``zero.init_method``, found by itself for transformers
     models and :class:`longboat.models.GPT`), else each module's ``reset_parameters()``
     ([Note: deferred init] in ``longboat/strategies/zero/init.py``).
+
+    ``example_input`` is one micro-batch's positional inputs to the model (a tensor, or a
+    tuple of them): with pipeline stages, the default partition times each layer on it and
+    splits the layers so that the slowest stage is as fast as it can be
+    (``docs/pipeline.md``); without it, the stages balance parameters.
     """
     cfg, world, owns, service, mesh, options = _join(config, world)
     if service is None:
@@ -82,6 +88,7 @@ def initialize(
         owns_group=owns,
         service=service,
         param_init_fn=param_init_fn,
+        example_input=example_input,
     )
 
 
@@ -156,6 +163,7 @@ def assemble(
     device: torch.device | None = None,
     service: Any = None,
     param_init_fn: Callable[[nn.Module], object] | None = None,
+    example_input: Any = None,
 ) -> Engine:
     """The engine of ``model`` on ``topology``: this rank's pipeline stages, activation
     checkpointing, the optimizer (the user's restricted to the stages held, or the config's)
@@ -170,7 +178,7 @@ def assemble(
     compiler = Compiler.plan(cfg.compile, compiled)
     schedule = build_schedule(cfg.pipeline, topology, device)
     # With pipeline stages, this rank's stages only, from here on (specs built here).
-    model = schedule.prepare(model)
+    model = schedule.prepare(model, example_input)
     # Then tensor parallelism divides the layers the plan names (before the optimizer is built
     # from the parameters, which keep their objects: a user's optimizer stays valid).
     tensor = TensorParallel(

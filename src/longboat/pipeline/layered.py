@@ -21,6 +21,7 @@ from torch import nn
 
 from longboat.pipeline import partition as partitions
 from longboat.pipeline import transformers_layers
+from longboat.pipeline.measure import LayerCosts
 from longboat.pipeline.partition import StageInfo, describe_stages
 from longboat.pipeline.tied import Tie, find_ties, place_ties
 
@@ -90,18 +91,30 @@ def layer_classes(model: nn.Module, entries: Sequence[Entry]) -> list[str]:
 
 
 def plan(
-    model: nn.Module, stages: int, method: str | Sequence[int]
+    model: nn.Module,
+    stages: int,
+    method: str | Sequence[int] | None,
+    costs: LayerCosts | None = None,
 ) -> tuple[list[int], list[StageInfo]]:
-    """The boundaries ``method`` chooses for ``model``'s layers and what each stage then
-    holds (the layers counted once)."""
+    """The boundaries ``method`` chooses for ``model``'s layers (given their measured
+    ``costs``, if any) and what each stage then holds (the layers counted once)."""
     entries = _entries(model)
     params, classes = layer_parameters(model, entries), layer_classes(model, entries)
-    bounds = partitions.partition(method, stages, parameters=params, class_names=classes)
-    return bounds, describe_stages(params, classes, bounds)
+    seconds = None if costs is None else costs.total_s
+    bounds = partitions.partition(
+        method, stages, parameters=params, class_names=classes, seconds=seconds
+    )
+    saved = None if costs is None else costs.activation_bytes
+    return bounds, describe_stages(params, classes, bounds, seconds, saved)
 
 
-def boundaries(model: nn.Module, stages: int, method: str | Sequence[int]) -> list[int]:
+def boundaries(model: nn.Module, stages: int, method: str | Sequence[int] | None) -> list[int]:
     return plan(model, stages, method)[0]
+
+
+def runnable_layers(model: nn.Module) -> list[Callable[[Any], Any]]:
+    """The model's layers as callables, in order, before :func:`split` (for measuring)."""
+    return [fn for _, fn in _entries(model)]
 
 
 def split(

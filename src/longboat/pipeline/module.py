@@ -14,7 +14,7 @@ builds only the specs among them: a rank never builds another stage's layers.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longboat.pipeline import partition as partitions
+from longboat.pipeline.measure import LayerCosts
 from longboat.pipeline.partition import StageInfo, describe_stages
 from longboat.pipeline.tied import Holder, Tie, find_ties, place_ties
 
@@ -75,15 +76,16 @@ Layer = nn.Module | LayerSpec | Callable[[Any], Any]
 
 
 class PipelineModule(nn.Module):
-    """Layers run in order, split into pipeline stages by ``partition`` (``"parameters"``,
-    ``"uniform"``, ``"type:REGEX"`` or a list of boundaries; see
+    """Layers run in order, split into pipeline stages by ``partition`` (``"measured"``,
+    ``"parameters"``, ``"uniform"``, ``"type:REGEX"`` or a list of boundaries; see
     :mod:`longboat.pipeline.partition`).
 
     Args:
         layers: modules, :class:`LayerSpec` s, or functions without parameters
             (``lambda x: x.flatten(1)``), applied in order.
         partition: how to split them (DeepSpeed's ``partition_method``); the config's
-            ``pipeline.partition`` overrides it when set.
+            ``pipeline.partition`` overrides it when set. None: by measured cost when the
+            layers can be measured, else by parameters.
         activation_checkpoint_interval: DeepSpeed's: each stage's layers, from its first, in
             runs of this many, each run recomputed in the backward as one checkpoint
             ([Note: checkpoint interval]); 0: none.
@@ -96,7 +98,7 @@ class PipelineModule(nn.Module):
     def __init__(
         self,
         layers: Sequence[Layer],
-        partition: str | Sequence[int] = "parameters",
+        partition: str | Sequence[int] | None = None,
         *,
         activation_checkpoint_interval: int = 0,
         checkpointable_layers: Sequence[str] | None = None,
@@ -176,18 +178,42 @@ class PipelineModule(nn.Module):
         return describe_stages(self.layer_parameters(), self.layer_classes(), bounds)
 
     def plan(
-        self, stages: int, method: str | Sequence[int] | None = None
+        self,
+        stages: int,
+        method: str | Sequence[int] | None = None,
+        costs: LayerCosts | None = None,
     ) -> tuple[list[int], list[StageInfo]]:
-        """The boundaries ``method`` chooses and what each stage then holds (the layers
-        counted once)."""
+        """The boundaries ``method`` chooses (None: this module's) given the layers' measured
+        ``costs`` if any, and what each stage then holds (the layers counted once)."""
         params, classes = self.layer_parameters(), self.layer_classes()
+        seconds = None if costs is None else costs.total_s
         bounds = partitions.partition(
             self.partition if method is None else method,
             stages,
             parameters=params,
             class_names=classes,
+            seconds=seconds,
         )
-        return bounds, describe_stages(params, classes, bounds)
+        saved = None if costs is None else costs.activation_bytes
+        return bounds, describe_stages(params, classes, bounds, seconds, saved)
+
+    def runnable_layers(self) -> Iterator[Callable[[Any], Any]]:
+        """Every layer as a callable, in order, before :meth:`bind`, for measuring: each spec
+        is built as it is reached and dropped after (a tied key's module once, shared)."""
+        if self._bound:
+            raise RuntimeError("PipelineModule.runnable_layers() is for the unsplit module")
+        tied: dict[str, nn.Module] = {}
+        for layer in self._layers:
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in tied:
+                    tied[layer.key] = layer.build()
+                fn = layer.forward_fn
+                module = tied[layer.key]
+                yield module if fn is None else functools.partial(fn, module)
+            elif isinstance(layer, LayerSpec):
+                yield layer.build()
+            else:
+                yield layer
 
     def bind(
         self, bounds: Sequence[int], held: Sequence[int]

@@ -1,13 +1,18 @@
 """Which layers each pipeline stage holds: contiguous runs of the layer list, chosen by a method
-with DeepSpeed's ``partition_method`` meanings. Pure arithmetic on per-layer weights; nothing
-here builds a layer or touches a process group.
+with DeepSpeed's ``partition_method`` meanings, or by each layer's measured cost. Pure
+arithmetic on per-layer weights; nothing here builds a layer or touches a process group.
 
+- ``measured`` (the default when the layers' costs were measured, :mod:`.measure`): balance
+  each layer's forward plus backward time, so that the slowest stage, which sets the
+  pipeline's pace, is as fast as it can be;
 - ``uniform``: balance the number of layers (the first ``n % stages`` stages take one more);
 - ``parameters``: balance the trainable parameters (DeepSpeed's default);
 - ``type:REGEX``: balance the layers whose class name matches ``REGEX`` (case-insensitive, as in
   DeepSpeed), e.g. ``type:Block``; an error if no layer matches;
 - explicit boundaries: ``[0, 3, 8]`` gives stage 0 layers 0-2 and stage 1 layers 3-7 (the last
   boundary, the number of layers, may be left out).
+
+No method (None) is ``measured`` when costs are given and ``parameters`` otherwise.
 
 A partition is a list of ``stages + 1`` increasing boundaries: stage ``s`` holds layers
 ``bounds[s]`` to ``bounds[s + 1] - 1``. Every stage holds at least one layer.
@@ -19,6 +24,7 @@ import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class PartitionError(ValueError):
@@ -73,6 +79,23 @@ def _pack(weights: Sequence[int], stages: int, limit: int) -> list[int] | None:
     return bounds if i == n else None
 
 
+#: the method that balances measured time
+MEASURED = "measured"
+
+#: the resolution of measured seconds: costs are balanced as whole nanoseconds, so that the
+#: exact integer search of :func:`balanced` applies and every rank rounds alike
+_NS = 1e9
+
+
+def measured(seconds: Sequence[float], stages: int) -> list[int]:
+    """Boundaries whose slowest stage (sum of its layers' ``seconds``) is as fast as it can be,
+    to the nanosecond; among equally slow splits, earlier stages take as much as they can."""
+    _check_counts(len(seconds), stages, MEASURED)
+    if any(not s >= 0 for s in seconds):  # also refuses NaN
+        raise PartitionError(f"partition {MEASURED}: layer costs must be >= 0 s: {list(seconds)}")
+    return balanced([round(s * _NS) for s in seconds], stages)
+
+
 def by_type(class_names: Sequence[str], pattern: str, stages: int) -> list[int]:
     """Balance the layers whose class name matches ``pattern``."""
     try:
@@ -111,18 +134,28 @@ def explicit(bounds: Sequence[int], n_layers: int, stages: int) -> list[int]:
 
 
 def partition(
-    method: str | Sequence[int],
+    method: str | Sequence[int] | None,
     stages: int,
     *,
     parameters: Sequence[int],
     class_names: Sequence[str],
+    seconds: Sequence[float] | None = None,
 ) -> list[int]:
     """Boundaries by ``method`` (see the module docstring), given each layer's trainable
-    parameter count and class name."""
+    parameter count and class name, and its measured forward plus backward seconds if known."""
     n = len(parameters)
+    if method is None:
+        method = MEASURED if seconds is not None else "parameters"
     if not isinstance(method, str):
         return explicit(method, n, stages)
     m = method.strip()
+    if m.lower() == MEASURED:
+        if seconds is None:
+            raise PartitionError(
+                f"partition {MEASURED!r} needs each layer's measured cost: give "
+                "longboat.initialize(..., example_input=...) one micro-batch's model inputs"
+            )
+        return measured(seconds, stages)
     if m.lower() == "uniform":
         return uniform(n, stages)
     if m.lower() == "parameters":
@@ -130,8 +163,8 @@ def partition(
     if m.lower().startswith("type:"):
         return by_type(class_names, m[len("type:") :], stages)
     raise PartitionError(
-        f"partition method {method!r} is unknown; choose 'parameters', 'uniform', "
-        "'type:REGEX' or a list of boundaries"
+        f"partition method {method!r} is unknown; choose 'measured', 'parameters', "
+        "'uniform', 'type:REGEX' or a list of boundaries"
     )
 
 
@@ -147,29 +180,46 @@ def _check_counts(n_layers: int, stages: int, method: str) -> None:
 
 @dataclass(frozen=True)
 class StageInfo:
-    """Which layers a stage holds and its trainable parameter count (for logs and explain)."""
+    """Which layers a stage holds and its trainable parameter count (for logs and explain),
+    with its measured forward plus backward seconds and saved activation bytes if known."""
 
     stage: int
     first: int
     last: int  # inclusive
     classes: tuple[str, ...]
     parameters: int
+    seconds: float | None = None
+    activation_bytes: int | None = None
 
     def describe(self) -> str:
         kinds: dict[str, int] = {}
         for c in self.classes:
             kinds[c] = kinds.get(c, 0) + 1
         what = ", ".join(f"{n} {c}" if n > 1 else c for c, n in kinds.items())
-        return (
+        out = (
             f"stage {self.stage}: layers {self.first}-{self.last} ({what}), "
             f"{self.parameters:,} trainable parameters"
         )
+        if self.seconds is not None:
+            out += f", measured {1e3 * self.seconds:.3g} ms forward+backward per micro-batch"
+        if self.activation_bytes is not None:
+            out += f", {self.activation_bytes / 2**20:.3g} MiB saved for the backward"
+        return out
 
 
 def describe_stages(
-    params: Sequence[int], classes: Sequence[str], bounds: Sequence[int]
+    params: Sequence[int],
+    classes: Sequence[str],
+    bounds: Sequence[int],
+    seconds: Sequence[float] | None = None,
+    activation_bytes: Sequence[int] | None = None,
 ) -> list[StageInfo]:
-    """What each stage holds, from each layer's trainable parameters and class name."""
+    """What each stage holds, from each layer's trainable parameters and class name (and its
+    measured cost, if known)."""
+
+    def total(xs: Sequence[Any] | None, s: int) -> Any:
+        return None if xs is None else sum(xs[bounds[s] : bounds[s + 1]])
+
     return [
         StageInfo(
             s,
@@ -177,6 +227,8 @@ def describe_stages(
             bounds[s + 1] - 1,
             tuple(classes[bounds[s] : bounds[s + 1]]),
             sum(params[bounds[s] : bounds[s + 1]]),
+            total(seconds, s),
+            total(activation_bytes, s),
         )
         for s in range(len(bounds) - 1)
     ]

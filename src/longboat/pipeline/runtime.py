@@ -26,8 +26,9 @@ from torch import nn
 
 from longboat.comm.protocol import Comm, Handle
 from longboat.config.errors import ConfigError
-from longboat.pipeline import layered, schedules
+from longboat.pipeline import layered, measure, schedules
 from longboat.pipeline import stages as staging
+from longboat.pipeline.measure import LayerCosts
 from longboat.pipeline.module import PipelineModule
 from longboat.pipeline.p2p import Link, Message
 from longboat.pipeline.partition import StageInfo
@@ -59,21 +60,31 @@ class Pipeline:
         self.device = device
         self.link = Link(self.data, self.control, device)
         self._plans: dict[int, schedules.PipelineSchedule] = {}
+        self.bounds: list[int] = []  # the stages' layer boundaries, chosen by prepare()
+        # each stage's measured forward and backward seconds (the measured partition only)
+        self.stage_costs: tuple[list[float], list[float]] | None = None
         self.log = logging.getLogger("longboat")
 
     # -- setting up ----------------------------------------------------------------------------
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, example_input: Any = None) -> nn.Module:
         """Split ``model`` into ``pp x virtual_stages`` stages and keep this rank's: the module
         the engine trains. ``model`` is a :class:`PipelineModule`, an ``nn.Sequential``, or a
-        model with ``pipeline_layers()`` (:mod:`longboat.pipeline.layered`)."""
+        model with ``pipeline_layers()`` (:mod:`longboat.pipeline.layered`).
+        ``example_input`` (one micro-batch's model inputs) lets the ``measured`` partition,
+        the default, time each layer first (:mod:`longboat.pipeline.measure`)."""
         stages = self.ranks * self.stages_per_rank
         held = [c * self.ranks + self.rank for c in range(self.stages_per_rank)]
         try:
             model = staging.as_layers(model, self.partition)
         except TypeError as e:
             raise TypeError(f"mesh.pp = {self.ranks}: {e}") from None
-        bounds, info = staging.plan(model, stages, self.partition)
+        method = staging.requested(model, self.partition)
+        costs = self._measure(model, method, example_input)
+        bounds, info = staging.plan(model, stages, method, costs)
+        self.bounds = bounds
+        if costs is not None:
+            self.stage_costs = costs.stage_sums(bounds)
         self._announce(info)
         if isinstance(model, PipelineModule):
             tied = model.bind(bounds, held)
@@ -81,6 +92,43 @@ class Pipeline:
             model, tied = layered.split(model, bounds, held)
         self._tie(tied)
         return model
+
+    def _measure(self, model: nn.Module, method: staging.Method, example: Any) -> LayerCosts | None:
+        """The layers' costs, measured by world rank 0 and the same on every rank ([Note: one
+        measurement for every rank] in ``measure.py``); None where the method does not
+        need them, or (the default only) where nothing can be measured."""
+        if not staging.measures(method):
+            return None
+        meta = any(p.is_meta for p in model.parameters())
+        if example is None or meta:
+            why = (
+                "the model is on the meta device"
+                if meta
+                else "no example input: pass longboat.initialize(..., example_input=...) one "
+                "micro-batch's model inputs"
+            )
+            if method is not None:
+                raise ConfigError(
+                    f"key 'pipeline.partition' = {method!r} times each layer, but {why}; or "
+                    "choose another partition ('parameters', 'uniform', 'type:REGEX', "
+                    "boundaries)"
+                )
+            if self.rank == 0:
+                self.log.info("pipeline: stages split by parameters (%s to split by time)", why)
+            return None
+        world = self.topology.control("world")
+        local = None
+        try:
+            if world.rank == 0:
+                local = measure.measure(staging.runnable(model), example, model)
+        finally:  # reached on error too, so that no rank waits for rank 0 in vain
+            costs = measure.agree(local, staging.layer_count(model), world)
+        if costs is None:
+            raise RuntimeError(
+                "pipeline: world rank 0 could not time the layers on example_input (its own "
+                "error says why); fix the example input or set pipeline.partition"
+            )
+        return costs
 
     def _tie(self, tied: list[tuple[Tie, nn.Parameter | None]]) -> None:
         """A doorway per tied weight over the pipeline ranks whose stages hold it (created by
@@ -136,7 +184,21 @@ class Pipeline:
                 micro_batches,
                 100 * bubble,
             )
+            if self.stage_costs is not None:
+                idle = self.predicted_idle(micro_batches)
+                self.log.info(
+                    "pipeline: predicted idle with the measured stages: %s",
+                    ", ".join(f"rank {r} {100 * b:.0f}%" for r, b in enumerate(idle)),
+                )
             self.log.debug("%s", plan.describe())
+
+    def predicted_idle(self, micro_batches: int) -> tuple[float, ...]:
+        """Per pipeline rank, the idle fraction of a step that the schedule simulator predicts
+        from the stages' measured forward and backward times (transfers free)."""
+        if self.stage_costs is None:
+            raise ValueError("the stages were not measured (partition other than 'measured')")
+        forward, backward = self.stage_costs
+        return self.plan(micro_batches).simulate(forward, backward).bubble
 
     def plan(self, micro_batches: int) -> schedules.PipelineSchedule:
         if micro_batches not in self._plans:

@@ -41,7 +41,8 @@ class Steps(Protocol):
 class Schedule(Protocol):
     """Runs one optimizer step's micro-batches; returns their losses.
 
-    ``prepare`` gives the module this rank trains (a pipeline keeps its stages' layers);
+    ``prepare`` gives the module this rank trains (a pipeline keeps its stages' layers; it may
+    time the model's layers on ``example_input``, one micro-batch's model inputs);
     ``restrict`` drops from the user's optimizer what this rank does not train;
     ``stages_per_rank`` backwards run per micro-batch on a rank; ``norm_groups`` are the groups
     over which ranks hold disjoint parameters (beside the strategy's)."""
@@ -49,7 +50,7 @@ class Schedule(Protocol):
     stages_per_rank: int
     ties: TiedWeights  # weights whose copies on other ranks must stay equal to this rank's
 
-    def prepare(self, model: nn.Module) -> nn.Module: ...
+    def prepare(self, model: nn.Module, example_input: Any = None) -> nn.Module: ...
 
     def restrict(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None: ...
 
@@ -76,7 +77,7 @@ class Sequential:
     def __init__(self) -> None:
         self.ties = TiedWeights()  # nothing is tied across ranks without stages
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, example_input: Any = None) -> nn.Module:
         build = getattr(model, "build_all", None)  # a PipelineModule: build its layer specs
         if callable(build):
             build()

@@ -23,7 +23,7 @@ refuses one that would deadlock and names the ranks and the actions they would w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -174,12 +174,18 @@ class PipelineSchedule:
                         f"{first}, where rank {dst} expects {inbound[first]}"
                     )
 
-    def simulate(self, forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
+    def simulate(
+        self,
+        forward_cost: float | Sequence[float] = 1.0,
+        backward_cost: float | Sequence[float] = 2.0,
+    ) -> Timeline:
         """Run the action lists with fixed costs and free, instant transfers: each action starts
         when its rank is free and its inputs exist (the forward of the stage before; for a
-        backward, the backward of the stage after). Raises :class:`ScheduleError` on a
-        deadlock."""
+        backward, the backward of the stage after). A cost is the same for every stage, or one
+        per stage (e.g. measured). Raises :class:`ScheduleError` on a deadlock."""
         last = self.stages - 1
+        fwd = _per_stage(forward_cost, self.stages, "forward")
+        bwd = _per_stage(backward_cost, self.stages, "backward")
         done: dict[Action, float] = {}
         start: dict[Action, float] = {}
         free = [0.0] * self.ranks
@@ -206,7 +212,7 @@ class PipelineSchedule:
                     if any(d not in done for d in deps):
                         break
                     t0 = max([free[r], *(done[d] for d in deps)])
-                    cost = forward_cost if a.op == "F" else backward_cost
+                    cost = fwd[a.stage] if a.op == "F" else bwd[a.stage]
                     start[a] = t0
                     done[a] = free[r] = t0 + cost
                     busy[r] += cost
@@ -222,6 +228,14 @@ class PipelineSchedule:
         if stuck:
             raise ScheduleError(f"{self.kind} would deadlock: " + "; ".join(stuck))
         return Timeline(max(free), tuple(busy), tuple(peak), start)
+
+
+def _per_stage(cost: float | Sequence[float], stages: int, what: str) -> list[float]:
+    if isinstance(cost, (int, float)):
+        return [float(cost)] * stages
+    if len(cost) != stages:
+        raise ValueError(f"{len(cost)} {what} costs given for {stages} stages")
+    return [float(c) for c in cost]
 
 
 def bubble_theory(ranks: int, micro_batches: int, virtual: int = 1) -> float:
