@@ -234,6 +234,8 @@ def test_a_node_that_never_joins_is_named_by_both_sides() -> None:
         (["run", "--local-ranks-filter", "2", "{script}"], "--local-ranks-filter '2'"),
         (["run", "--local-ranks-filter", "a", "{script}"], "--local-ranks-filter 'a' is invalid"),
         (["run", "--standalone", "--nnodes", "2", "{script}"], "--standalone with --nnodes 2"),
+        (["run", "--nnodes", "1:2", "{script}"], "--nnodes 1:2: a range of nodes"),
+        (["run", "--nnodes", "x", "{script}"], "--nnodes 'x' is not a number of nodes"),
         (["config", "explain", "no_such.toml", "--world-size", "2"], "'no_such.toml'"),
         (["config", "explain", "{bad_config}", "--world-size", "2"], "'batch.micro_batch_size'"),
     ],

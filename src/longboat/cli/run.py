@@ -33,7 +33,7 @@ def run(
         None, metavar="ARGS", help="arguments for the script, passed as given"
     ),
     nproc: str = options.RUN_NPROC,
-    nnodes: int | None = options.RUN_NNODES,
+    nnodes_text: str | None = options.RUN_NNODES,
     node_rank: int | None = options.RUN_NODE_RANK,
     master_addr: str | None = options.RUN_MASTER_ADDR,
     master_port: int | None = options.RUN_MASTER_PORT,
@@ -107,6 +107,7 @@ def run(
     except nproc_values.NprocError as e:
         raise usage_error(str(e)) from None
     nproc_per_node = workers.most
+    nnodes = _nnodes(nnodes_text)
     if standalone and nnodes not in (None, 1):
         raise usage_error(
             f"--standalone with --nnodes {nnodes}: standalone is one node; drop one of them"
@@ -273,6 +274,25 @@ def _node_flags(
             flush=True,
         )
     return filled
+
+
+def _nnodes(text: str | None) -> int | None:
+    """``--nnodes N``; torchrun's elastic ``MIN:MAX`` is refused with what works instead."""
+    if text is None:
+        return None
+    if ":" in text:
+        low, _, high = text.partition(":")
+        if low.strip() == high.strip() and low.strip().isdigit():
+            return int(low)  # torchrun writes a fixed count as N:N too
+        raise usage_error(
+            f"--nnodes {text}: a range of nodes (torchrun's elastic rendezvous) is not "
+            "supported; give a fixed --nnodes, and -n MIN:MAX to let each node restart with "
+            "fewer workers"
+        )
+    try:
+        return int(text)
+    except ValueError:
+        raise usage_error(f"--nnodes {text!r} is not a number of nodes: e.g. --nnodes 2") from None
 
 
 def _ranks(text: str | None, nproc_per_node: int) -> frozenset[int] | None:
