@@ -60,8 +60,9 @@ def test_stopped_rank_is_named_with_its_last_collective(tmp_path: Path, n: int) 
     assert f"longboat: collective timeout reported by rank(s) {names}" in err, err
     assert (
         f"longboat:   rank {stopped} did not arrive (named by rank(s) {names}); last "
-        "collective known: all_reduce(" in err
+        "collective all ranks agreed on: all_reduce(" in err
     ), err
+    assert f"(where rank {stopped} called it is not known)" in err, err
     assert "failed with exit code 1" in err, err
     # Every process ended (the stopped rank too: SIGCONT follows the launcher's SIGTERM).
     time.sleep(0.2)
@@ -114,6 +115,40 @@ def test_lost_peer_report_names_the_missing_rank() -> None:
     assert text.startswith("longboat: a peer was lost during a collective on rank 0 of 3"), text
     assert "waiting in: all_reduce(float32[1]) #5 at t.py:9 in main" in text, text
     assert "did not arrive: rank(s) 1, 2" in text and "Connection closed by peer" in text, text
+
+
+def test_a_rank_that_finished_is_not_placed_on_the_reporters_line() -> None:
+    """Rank 0 runs a collective alone while rank 1 has already finished, its last collective
+    called from another line than rank 0's (an equal all-reduce in another branch): the ranks
+    agreed on the collective, not on the line, so neither rank 0's block nor the launcher's
+    merged report may place rank 1 on rank 0's line."""
+    from longboat.launch.hangs import merge
+
+    def rec(seq: int, source: str) -> CallRecord:
+        return CallRecord(
+            seq=seq, op="all_reduce", dtype="float32", shape=(22,), out_shape=None,
+            reduce_op="sum", group="default", source=source, caller="",
+        )  # fmt: skip
+
+    mine, agreed = rec(5, "alone.py:17 in <module>"), rec(4, "alone.py:11 in <module>")
+    err = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
+    rep = build_report(
+        rank=0, world_size=2, namespace="x", current=mine, last_done=agreed, peer_last=agreed,
+        error=err, timeout_s=3,
+    )  # fmt: skip
+    text = format_report(rep)
+    assert (
+        "did not arrive: rank(s) 1 (last collective all ranks agreed on: all_reduce(float32[22])"
+        " #4 at alone.py:11 in <module>; the line is this rank's, theirs is not known)" in text
+    ), text
+    assert "rank 1: no answer within 0.5 s (stopped, dead, exited, or busy" in text, text
+    lines = merge([rep])
+    culprit = [ln for ln in lines if "rank 1 did not arrive" in ln]
+    assert culprit == [
+        "longboat:   rank 1 did not arrive (named by rank(s) 0); last collective all ranks "
+        "agreed on: all_reduce(float32[22]) #4, called at alone.py:11 in <module> on rank 0 "
+        "(where rank 1 called it is not known)"
+    ], lines
 
 
 def _line(marker: str) -> int:

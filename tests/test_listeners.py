@@ -1,24 +1,33 @@
-"""Every socket the tools open listens on loopback (or the job's interface), never on the
-wildcard: ``longboat bench``, ``longboat tune``, ``longboat doctor`` and the test pool's ranks are
-sampled while they run, and any listener on 0.0.0.0 or :: fails the test. torch's stores have no
-authentication, so a wildcard listener is open to the whole network for as long as it lives."""
+"""Every socket the tools open listens on loopback, never on the wildcard nor on the LAN:
+``longboat bench``, ``longboat tune``, ``longboat doctor``, ``longboat run -n 2`` and the test
+pool's ranks are sampled while they run, and any listener off loopback fails the test. torch's
+stores have no authentication, so such a listener is open to the network for as long as it
+lives ([Note: listeners] in longboat/network.py).
+
+gloo's pairs listen on the address the hostname resolves to unless told otherwise; here the
+hostname resolves to 127.0.0.1, which would hide that. Where ``unshare`` can give a command a
+hostname of its own, each command runs under a hostname that is one of this machine's LAN
+addresses, so a rank left to gloo's default shows up on it."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 import time
+from functools import cache
 from pathlib import Path
 
 import psutil
 import pytest
 
-from longboat.testing import RankPool
+from longboat.network import interfaces
 
 REPO = Path(__file__).resolve().parents[1]
-WILDCARDS = {"0.0.0.0", "::"}
 TIMEOUT_S = 300
 Listener = tuple[int, str, int]  # pid, address, port
 
@@ -43,19 +52,55 @@ def _tree(pid: int) -> list[int]:
         return []
 
 
-def _sampled(*args: str) -> tuple[subprocess.CompletedProcess[str], set[Listener]]:
-    """Run ``longboat ARGS`` and collect its process tree's listeners every 20 ms until it ends."""
-    cmd = [sys.executable, "-m", "longboat.cli", *args]
+@cache
+def _lan_hostname() -> list[str]:
+    """A command prefix that runs it under a hostname resolving to a LAN address of this
+    machine (a UTS namespace of its own), or [] where that cannot be done."""
+    lan = [
+        a
+        for addrs in interfaces().values()
+        for a in addrs
+        if ":" not in a and not ipaddress.ip_address(a).is_loopback
+    ]
+    unshare = shutil.which("unshare")
+    if not lan or unshare is None:
+        return []
+    prefix = [unshare, "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', lan[0]]
+    probe = subprocess.run([*prefix, "hostname"], capture_output=True, text=True)
+    return prefix if probe.returncode == 0 and probe.stdout.strip() == lan[0] else []
+
+
+def _sampled(
+    cmd: list[str], ready: str | None = None
+) -> tuple[subprocess.CompletedProcess[str], set[Listener]]:
+    """Run ``cmd`` (under the LAN hostname) and collect its process tree's listeners every
+    20 ms until it ends. With ``ready``, sample once more when the command prints that line,
+    then close its stdin (the pool's script waits for that)."""
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
+        [*_lan_hostname(), *cmd],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()))  # type: ignore[union-attr]
-    reader.start()
     seen: set[Listener] = set()
+    output: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None and proc.stdin is not None
+        for line in proc.stdout:
+            output.append(line)
+            if ready is not None and line.strip() == ready:
+                seen.update(_listeners(_tree(proc.pid)))
+                proc.stdin.close()
+
+    reader = threading.Thread(target=read)
+    reader.start()
     deadline = time.monotonic() + TIMEOUT_S
     while proc.poll() is None and time.monotonic() < deadline:
-        seen |= _listeners(_tree(proc.pid))
+        seen.update(_listeners(_tree(proc.pid)))
         time.sleep(0.02)
     if proc.poll() is None:
         proc.kill()
@@ -64,17 +109,21 @@ def _sampled(*args: str) -> tuple[subprocess.CompletedProcess[str], set[Listener
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(output)), seen
 
 
+def _longboat(*args: str) -> tuple[subprocess.CompletedProcess[str], set[Listener]]:
+    return _sampled([sys.executable, "-m", "longboat.cli", *args])
+
+
 def _check(res: subprocess.CompletedProcess[str], seen: set[Listener]) -> None:
     assert res.returncode == 0, res.stdout
     # The ranks' stores and gloo's pairs were seen: an empty sample would prove nothing.
     assert len({pid for pid, _, _ in seen}) >= 2, (seen, res.stdout)
-    wild = sorted(x for x in seen if x[1] in WILDCARDS)
-    assert not wild, f"listeners on every interface (pid, address, port): {wild}"
+    off = sorted(x for x in seen if not ipaddress.ip_address(x[1]).is_loopback)
+    assert not off, f"listeners off loopback (pid, address, port): {off}"
 
 
 def test_bench_listens_on_loopback_only(tmp_path: Path) -> None:
     _check(
-        *_sampled(
+        *_longboat(
             "bench", "--out", str(tmp_path), "--model", "tiny-gpt", "--strategies",
             "replicate", "--peers", "", "--world-sizes", "2", "--micro-batch", "2",
             "--seq-len", "8", "--warmup", "1", "--steps", "1", "--threads", "1",
@@ -85,7 +134,7 @@ def test_bench_listens_on_loopback_only(tmp_path: Path) -> None:
 def test_tune_listens_on_loopback_only(tmp_path: Path) -> None:
     # The link measurement's ranks and one measured candidate's.
     _check(
-        *_sampled(
+        *_longboat(
             "tune", "--model", "tiny-gpt", "--seq-len", "8", "--world-size", "2",
             "--global-batch", "4", "--micro-batches", "2", "--bucket-mb", "25",
             "--no-recompute", "--top", "1", "--warmup", "1", "--steps", "1", "--time", "5m",
@@ -95,19 +144,42 @@ def test_tune_listens_on_loopback_only(tmp_path: Path) -> None:
 
 
 def test_doctor_listens_on_loopback_only() -> None:
-    _check(*_sampled("doctor", "-n", "2"))
+    _check(*_longboat("doctor", "-n", "2"))
+
+
+def test_run_listens_on_loopback_only(tmp_path: Path) -> None:
+    """A torchrun-style script: the agent's store, the workers' gloo pairs."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time
+            import torch
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            dist.all_reduce(torch.ones(1))
+            time.sleep(0.5)  # the pairs stay up a few samples long
+            dist.destroy_process_group()
+            """
+        )
+    )
+    _check(*_longboat("run", "-n", "2", str(script)))
 
 
 def test_pool_ranks_listen_on_loopback_only() -> None:
-    pool = RankPool(2, timeout=60)
-    try:
-        pids = pool.run(os.getpid)  # the group is up: rank 0's store serves
-        seen = _listeners(pids)
-    finally:
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from longboat.testing import RankPool
+        pool = RankPool(2, timeout=60)
+        pool.run(os.getpid)  # the group is up: rank 0's store serves
+        print("ready", flush=True)
+        sys.stdin.read()
         pool.close()
-    assert {pid for pid, _, _ in seen} == set(pids), seen  # every rank's gloo pairs listen
-    wild = sorted(x for x in seen if x[1] in WILDCARDS)
-    assert not wild, f"listeners on every interface (pid, address, port): {wild}"
+        """
+    )
+    res, seen = _sampled([sys.executable, "-c", script], ready="ready")
+    _check(res, seen)
 
 
 def test_a_busy_port_is_an_error_not_a_wildcard_store() -> None:

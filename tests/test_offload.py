@@ -107,8 +107,38 @@ def test_a_path_that_is_not_a_writable_directory_is_refused(ranks, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     cfg = {**harness.QUIET, **_zero(2, not_a_dir), "batch": {"train_batch_size": 8}}
-    with pytest.raises(Exception, match=r"zero.offload_optimizer.path = .* is not a writable"):
+    with pytest.raises(Exception, match=r"zero.offload_optimizer.path = .* is a file, not a dir"):
         ranks(1, _offloaded_run, cfg, 1)
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_a_path_whose_parent_does_not_exist_is_refused_when_the_config_loads(tmp_path, key):
+    """Before any rank builds anything ([Note: offload path]), in both dialects, by the key the
+    user wrote; a path left unused (device none) is not looked at."""
+    missing = tmp_path / "no-such-mount" / "swap"
+    fix = f"create the parent first (mkdir -p {missing.parent})"
+    native = {"strategy": "zero", "zero": {"stage": 3, key: {"device": "disk", "path": ""}}}
+    native["zero"][key]["path"] = str(missing)
+    with pytest.raises(ConfigError) as e:
+        load_config(native)
+    assert f"zero.{key}.path = {str(missing)!r}: its parent {str(missing.parent)!r} does not" in (
+        str(e.value)
+    )
+    assert fix in str(e.value)
+    ds = {"train_batch_size": 8, "zero_optimization": {"stage": 3, key: {"device": "nvme"}}}
+    ds["zero_optimization"][key]["nvme_path"] = str(missing)
+    with pytest.raises(ConfigError) as e:
+        load_config(ds)
+    assert f"DeepSpeed key 'zero_optimization.{key}.nvme_path' = {str(missing)!r}: its " in (
+        str(e.value)
+    )
+    assert fix in str(e.value)
+    assert not missing.parent.exists()  # nothing made
+    native["zero"][key]["device"] = "none"
+    load_config(native)
+    # The last level alone is made later, by the swap: its parent exists.
+    native["zero"][key] = {"device": "disk", "path": str(tmp_path / "swap")}
+    assert load_config(native).zero.stage == 3
 
 
 def _initialize_error(cfg: dict) -> str:

@@ -4,11 +4,14 @@ faults and state."""
 from __future__ import annotations
 
 import signal
+import socket
 from pathlib import Path
 
 import harness
 import pytest
 import reference
+
+from longboat.ps import service
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 
@@ -182,23 +185,28 @@ def test_async_job_whose_workers_all_die_fails_naming_them(how):
     # Each dead worker is dropped and the server goes on, but with none left the job trained
     # nothing to its end: it must exit non-zero naming every worker. Killed, the workers leave
     # the server waiting for a message no one sends (its watch ends it); raising, they still
-    # say goodbye from the engine's exit handler (the launcher, which saw them fail, decides).
+    # say goodbye from the engine's exit handler with their host and error, and the server
+    # names them and exits 1 ([Note: workers that fail]); the launcher may see the server's
+    # failure before the last worker's exit, so only the server's line is certain then.
     script = SCRIPTS / "ps_worker_dies.py"
     args = ("--die-rank", "-1", "--die-at", "3", "--die-how", how)
     res = harness.longboat_run("-n", "3", str(script), *args, timeout=120)
     out = res.stdout
     assert res.returncode != 0, out
-    for r in (0, 1):
-        assert f"longboat: rank {r} (parameter-server worker {r} (async)) " in out, out
     if how == "kill":
+        for r in (0, 1):
+            assert f"longboat: rank {r} (parameter-server worker {r} (async)) " in out, out
         assert (
             "parameter server 0: every worker died (worker 0 (rank 0), worker 1 (rank 1)), "
             "none finished its training: the job failed" in out
         ), out
-    else:
+    else:  # the server, the rank that survives, names each worker, its host and its error
+        host = socket.gethostname()
         assert (
-            "longboat: every parameter-server worker failed (rank 0 failed with exit code 1, "
-            "rank 1 failed with exit code 1); none finished its training" in out
+            f"[rank2]: longboat ERROR [rank 2] parameter server 0: no worker finished its "
+            f"training (worker 0 (rank 0 on {host}) failed: RuntimeError: rank 0 fails at step "
+            f"3; worker 1 (rank 1 on {host}) failed: RuntimeError: rank 1 fails at step 3): "
+            "the job failed" in out
         ), out
     assert "the job finished without" not in out, out
 
@@ -270,6 +278,70 @@ def test_kvstore_dist_sync_averages_pushes_and_applies_the_servers_optimizer(ran
         assert r["type"] == "dist_sync"
         assert r["clocks"] == [1, 1]  # one push of each key by each worker
     assert got[2]["served"]["traffic"]["push"]["messages"] == 4
+
+
+def _kv_failing(failing: list[int]) -> dict:
+    """Async workers that push once; those in ``failing`` then raise, leaving from a
+    ``finally`` as a script's cleanup does; no launcher watches (the ranks of a pool)."""
+    import torch
+
+    import longboat.ps
+
+    try:
+        kv = longboat.ps.connect(
+            "dist_async", servers=1, optimizer=lambda ts: torch.optim.SGD(ts, lr=1.0)
+        )
+    except longboat.ps.ServerExit as served:
+        return {"served": served.summary, "code": served.code}
+    try:
+        try:
+            kv.init("w", torch.zeros(4))
+            kv.barrier()
+            kv.push("w", torch.ones(4))
+            if kv.rank in failing:
+                raise RuntimeError(f"worker {kv.rank} gives up")
+        finally:
+            kv.close()
+    except RuntimeError as e:
+        return {"raised": str(e)}
+    return {"finished": True}
+
+
+def test_async_job_none_of_whose_workers_finish_fails_on_the_server(ranks):
+    host = socket.gethostname()
+    server = ranks(3, _kv_failing, [0, 1])[2]
+    assert server["code"] == 1, server
+    fates = [service.worker_fate(i, w) for i, w in enumerate(server["served"]["workers"])]
+    assert fates == [
+        f"worker 0 (rank 0 on {host}) failed: RuntimeError: worker 0 gives up",
+        f"worker 1 (rank 1 on {host}) failed: RuntimeError: worker 1 gives up",
+    ]
+    # one worker that finishes is enough: the job did its training
+    server = ranks(3, _kv_failing, [1])[2]
+    assert server["code"] == 0, server
+    fates = [service.worker_fate(i, w) for i, w in enumerate(server["served"]["workers"])]
+    assert fates == [
+        f"worker 0 (rank 0 on {host}) finished",
+        f"worker 1 (rank 1 on {host}) failed: RuntimeError: worker 1 gives up",
+    ]
+
+
+def test_the_servers_report_names_every_worker_that_did_not_finish(caplog):
+    summary = {
+        "server": 0,
+        "aborted": None,
+        "workers": [
+            {"rank": 0, "clock": 3, "dead": True, "lost_updates": 0, "host": ""},
+            {"rank": 1, "clock": 3, "dead": False, "host": "h1", "error": "ValueError: bad"},
+        ],
+    }
+    with caplog.at_level("WARNING", logger="longboat"):
+        service.report(summary)
+    assert service.ServerExit(summary).code == 1
+    assert (
+        "parameter server 0: no worker finished its training (worker 0 (rank 0) died at clock "
+        "3; worker 1 (rank 1 on h1) failed: ValueError: bad): the job failed" in caplog.text
+    )
 
 
 def _ssp_leaver(steps_by_worker: list[int]) -> dict:

@@ -18,6 +18,18 @@ IFNAME_VARS = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 HOSTS_VAR = "LONGBOAT_HOSTS"
 
 
+# [Note: listeners] torch's stores and backends have no authentication, so every socket a job
+# listens on must sit on the address the user chose (loopback on one machine), never on the
+# wildcard. Three kinds of listener and what keeps each there:
+# * the TCPStore: given a host and port it listens on every interface whatever the host; a
+#   socket bound first (bind_listener) and handed over as ``master_listen_fd`` does not;
+# * gloo's pairs: each rank listens on its device's address, which is the interface named by
+#   GLOO_SOCKET_IFNAME, else whatever the hostname resolves to (often an address of the LAN);
+# * NCCL's bootstrap: NCCL_SOCKET_IFNAME, else the first interface that is not loopback.
+# So every group longboat opens gets a pre-bound store and the interface variables of the
+# route to its master (master_route_interface; on one machine that route is loopback).
+
+
 def bind_listener(addr: str, port: int) -> socket.socket:
     """Bind and listen on ``addr:port`` (port 0: a free one); raise ``OSError`` if impossible.
 
@@ -82,7 +94,7 @@ def interface_of(ip: str | None, found: Mapping[str, list[str]]) -> str | None:
 
 
 def master_route_interface(master_addr: str, env: Mapping[str, str]) -> tuple[dict[str, str], str]:
-    """The interface variables for a process of a multi-node job, and why.
+    """The interface variables for a process of a job, and why ([Note: listeners]).
 
     Left alone, gloo binds to whatever the host's name resolves to (often 127.0.0.1, or a docker
     bridge's address that exists on every host) and NCCL to the first interface that is not

@@ -208,9 +208,9 @@ def init_process_group(world: World, backend: str | None = None, timeout_s: floa
     # Variables a launcher set win; Slurm and Open MPI runs get theirs filled in from `world`.
     for key, value in world.env_vars().items():
         os.environ.setdefault(key, value)
-    if world.world_size > world.local_world_size:  # several nodes: see master_route_interface
-        chosen, _ = master_route_interface(world.master_addr, os.environ)
-        os.environ.update(chosen)
+    # One node or several: gloo's pairs listen on the route to the master ([Note: listeners]).
+    chosen, _ = master_route_interface(world.master_addr, os.environ)
+    os.environ.update(chosen)
     dist.init_process_group(
         backend=backend,
         store=_own_store(world, timeout),

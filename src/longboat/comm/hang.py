@@ -210,14 +210,15 @@ def format_report(rep: dict[str, Any]) -> str:
         known = _describe(rep["peer_last_known"]) if rep["peer_last_known"] else "unknown"
         lines.append(
             f"  did not arrive: rank(s) {', '.join(map(str, rep['not_arrived']))}"
-            f" (last collective all ranks agreed on: {known}; line as on this rank)"
+            f" (last collective all ranks agreed on: {known}; the line is this rank's, theirs"
+            " is not known)"
         )
     for r in range(rep["world_size"]):
         state = rep["ranks"].get(str(r))
         if state is None:
             lines.append(
-                f"  rank {r}: no answer within {_ANSWER_WAIT_S:g} s (stopped, dead, or"
-                " busy outside a collective)"
+                f"  rank {r}: no answer within {_ANSWER_WAIT_S:g} s (stopped, dead, exited, or"
+                " busy outside a collective: where it is is not known)"
             )
             continue
         lines.append(

@@ -11,6 +11,7 @@ from typing import Any
 
 from longboat.config import deepspeed_keys as keys
 from longboat.config.errors import ConfigError
+from longboat.config.sections_parallel import swap_path_problem
 
 log = logging.getLogger("longboat")
 
@@ -151,6 +152,10 @@ def _offload(block: Any, name: str, stage: Any, put: Any) -> None:
             f"(got {stage!r}): offload moves sharded state"
         )
     put(f"zero.{name}.device", _OFFLOAD_DEVICES[device], f"{key}.device")
+    path = b.get("nvme_path")
+    problem = swap_path_problem(path) if device == "nvme" and isinstance(path, str) else None
+    if problem:  # named by the key the user wrote ([Note: offload path])
+        raise ConfigError(f"DeepSpeed key '{key}.nvme_path' = {path!r}: {problem}")
     if "nvme_path" in b:
         put(f"zero.{name}.path", b["nvme_path"], f"{key}.nvme_path")
     if "buffer_count" in b:

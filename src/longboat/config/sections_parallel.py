@@ -4,6 +4,7 @@ tensor parallelism, the collectives and gradient compression."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -23,6 +24,27 @@ class ReplicateConfig(_Section):
         description="step the optimizer bucket by bucket as each all-reduce completes "
         "(only without clipping, and only for per-parameter optimizers)",
     )
+
+
+def swap_path_problem(path: str) -> str | None:
+    """What is wrong with ``path`` as a disk offload directory (None when nothing is), said after
+    ``<key> = <value>``, fix included.
+
+    [Note: offload path] The path itself may be created, the directories above it never are: a
+    mistyped mount point (``/mnt/nvme`` for ``/mnt/nvme0``) would otherwise become a tree of
+    new directories on whatever disk holds ``/``, and the swap would fill that disk instead of
+    the one meant. Checked when the config loads, on every rank (each loads it), and again by
+    the swap when it opens the directory (``strategies/zero/offload.py``)."""
+    root = Path(path).absolute()
+    if root.exists() and not root.is_dir():
+        return "is a file, not a directory: give a directory (it may be created inside one)"
+    if not root.parent.is_dir():
+        return (
+            f"its parent {str(root.parent)!r} does not exist (the path itself is created, not "
+            f"the directories above it); create the parent first (mkdir -p {root.parent}), or "
+            "give a directory on the disk meant for the swap"
+        )
+    return None
 
 
 class OffloadConfig(_Section):
@@ -53,6 +75,9 @@ class OffloadConfig(_Section):
                 f"{self._key}.device = 'disk' needs {self._key}.path: a directory on a disk "
                 f"with room for {self._what}"
             )
+        problem = swap_path_problem(self.path) if self.device == "disk" and self.path else None
+        if problem:  # [Note: offload path]
+            raise ValueError(f"{self._key}.path = {self.path!r}: {problem}")
         return self
 
 

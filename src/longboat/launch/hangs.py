@@ -38,10 +38,17 @@ def merge(reports: list[dict[str, Any]]) -> list[str]:
     for r, by in sorted(named.items()):
         if r in reporters:
             continue
-        known = next(
-            (rep.get("peer_last_known") for rep in reports if rep.get("peer_last_known")), None
+        # The ranks agree on a collective's kind, shape and number, not on the line that
+        # called it: the line is the reporter's own, and the missing rank, stopped or gone,
+        # cannot say which line it ran (it may have exited from another branch altogether).
+        teller = next((rep for rep in reports if rep.get("peer_last_known")), None)
+        last = (
+            f"; last collective all ranks agreed on: {_agreed(teller['peer_last_known'])}, "
+            f"called at {teller['peer_last_known']['source']} on rank {teller['rank']} "
+            f"(where rank {r} called it is not known)"
+            if teller is not None
+            else ""
         )
-        last = f"; last collective known: {_sig(known)}" if known else ""
         lines.append(
             f"longboat:   rank {r} did not arrive (named by rank(s) "
             f"{', '.join(map(str, by))}){last}"
@@ -52,6 +59,12 @@ def merge(reports: list[dict[str, Any]]) -> list[str]:
     if silent:
         lines.append(f"longboat:   rank(s) {', '.join(map(str, silent))} wrote no report")
     return lines
+
+
+def _agreed(rec: dict[str, Any]) -> str:
+    """``all_reduce(float32[20]) #4``: what every rank agreed on, without a line."""
+    dims = ",".join(map(str, rec.get("shape", ())))
+    return f"{rec['op']}({rec['dtype']}[{dims}]) #{rec['seq']}"
 
 
 def _sig(rec: dict[str, Any] | None) -> str:

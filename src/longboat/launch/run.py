@@ -200,11 +200,13 @@ def _agent_environment(opts: RunOptions, marker: str, roles_dir: Path) -> Iterat
     # As torchrun: N processes each spawning one OpenMP thread per core overload the machine.
     if "OMP_NUM_THREADS" not in os.environ and opts.nproc_per_node > 1:
         wanted["OMP_NUM_THREADS"] = "1"
-    if opts.nnodes > 1:
-        chosen, why = master_route_interface(opts.master_addr, os.environ)
-        wanted.update(chosen)
-        if chosen:
-            report(f"longboat: node {opts.node_rank}: gloo and NCCL use {why}")
+    # On one node too: left alone, gloo listens on whatever the hostname resolves to (an
+    # address of the LAN on many machines) for as long as the job lives; the master's route
+    # keeps a loopback job on loopback ([Note: listeners] in longboat/network.py).
+    chosen, why = master_route_interface(opts.master_addr, os.environ)
+    wanted.update(chosen)
+    if chosen and opts.nnodes > 1:
+        report(f"longboat: node {opts.node_rank}: gloo and NCCL use {why}")
     saved = {key: os.environ.get(key) for key in wanted}
     os.environ.update(wanted)
     try:

@@ -8,6 +8,8 @@ Every worker must declare (``init``) the same keys in the same order.
 from __future__ import annotations
 
 import contextlib
+import socket
+import sys
 import threading
 import time
 from collections.abc import Hashable, Sequence
@@ -269,17 +271,22 @@ class Connection:
                 except RuntimeError:
                     return  # the server is gone: the main thread's next request says so
 
-    def close(self) -> int:
+    def close(self, error: str | None = None) -> int:
         """Leave: say goodbye to every server and wait until the servers are done (every
-        worker has left or died); returns the pushes the servers took in all."""
+        worker has left or died); returns the pushes the servers took in all. ``error``: why
+        this worker leaves when it failed, told to the servers with its host, so that a job
+        none of whose workers finished says so on the servers too ([Note: workers that
+        fail])."""
         if self.closed:
             return 0
         self.closed = True
         applied = 0
         gone: set[int] = set()  # a server already lost has nothing to say goodbye to
+        note = encode_json({"host": socket.gethostname(), "error": error})
         for server in self.servers:
             try:
-                self.link.request(Header(Op.BYE, worker=self.worker), server)
+                self.link.request(Header(Op.BYE, worker=self.worker, a=note.numel()), server)
+                self.link.send(note, server, PAYLOAD)
             except ServerLost:
                 gone.add(server)
         # A server answers once every worker has left or died; the heartbeats go on until
@@ -292,6 +299,18 @@ class Connection:
         self._stop.set()
         self._beats.join()
         return applied
+
+
+def uncaught_error() -> str | None:
+    """The exception this process is failing with, as ``Type: message`` (None when none).
+
+    Workers leave from ``close()``: in a ``finally`` while the exception propagates
+    (``sys.exc_info``), or from the engine's exit handler once the interpreter has printed the
+    script's uncaught exception and kept it as ``sys.last_value``."""
+    exc = sys.exc_info()[1] or getattr(sys, "last_value", None)
+    if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+        return None
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _flat(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -358,5 +377,5 @@ class KVStore:
 
     def close(self) -> None:
         """Leave the servers (they stop when every worker has left)."""
-        self.connection.close()
+        self.connection.close(uncaught_error())
         self._service.close()

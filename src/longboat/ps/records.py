@@ -50,6 +50,8 @@ class WorkerRecord:
     last_seen: float = 0.0
     finished: bool = False
     dead: bool = False
+    host: str = ""  # where it ran, as it said when it left
+    error: str | None = None  # why it left, when it left by failing (see Op.BYE)
     max_staleness: int = 0
 
     def live(self) -> bool:

@@ -198,6 +198,11 @@ class Server:
         elif h.op == Op.BARRIER:
             self._barrier.add(h.worker)
         elif h.op == Op.BYE:
+            if h.a:  # where it ran and, when it left by failing, its error
+                said = torch.empty(int(h.a), dtype=torch.uint8)
+                self.link.recv(said, w.rank, PAYLOAD)
+                note = decode_json(said)
+                w.host, w.error = str(note.get("host", "")), note.get("error")
             w.finished = True
             self._leaving.add(h.worker)
             for held in self.held.values():  # clocks that waited for it complete without it
@@ -434,6 +439,8 @@ class Server:
                     "pulls": w.pulls,
                     "clock": w.clock,
                     "dead": w.dead,
+                    "host": w.host,
+                    "error": w.error,
                     "lost_updates": top - w.clock if w.dead else 0,
                     "max_staleness": w.max_staleness,
                 }

@@ -44,19 +44,35 @@ log = logging.getLogger("longboat")
 
 class ServerExit(SystemExit):
     """Raised on a server rank when its work is done (exit code 0, or 1 if it stopped the
-    job or every worker died); ``summary`` is what it served."""
+    job or no worker finished); ``summary`` is what it served."""
 
     def __init__(self, summary: dict[str, Any]) -> None:
-        super().__init__(1 if summary.get("aborted") or all_died(summary) else 0)
+        super().__init__(1 if summary.get("aborted") or none_finished(summary) else 0)
         self.summary = summary
 
 
-def all_died(summary: dict[str, Any]) -> bool:
-    """True when no worker finished: each one died. In async and ssp the servers drop dead
-    workers and go on, and the launcher lets them ([Note: keeping survivors]); with none left
-    the job trained nothing to its end, and its exit status must say so."""
+# [Note: workers that fail] In async and ssp the servers drop dead workers and go on, and the
+# launcher lets the others run ([Note: keeping survivors]); a worker whose script raised still
+# says goodbye (from the engine's exit handler) and tells the servers its host and its error.
+# With no worker left that finished, the job trained nothing to its end: each server names
+# every worker (rank, host, error or death) and exits 1, so the job's status says so on every
+# node, also where no launcher sees the workers (the servers on another host, or srun).
+
+
+def none_finished(summary: dict[str, Any]) -> bool:
+    """True when no worker finished its training: each one died or failed."""
     workers = summary.get("workers") or []
-    return bool(workers) and all(w["dead"] for w in workers)
+    return bool(workers) and all(w["dead"] or w.get("error") for w in workers)
+
+
+def worker_fate(i: int, w: dict[str, Any]) -> str:
+    """``worker 0 (rank 0 on h1) failed: RuntimeError: ...`` from a summary's worker entry."""
+    where = f"rank {w['rank']} on {w['host']}" if w.get("host") else f"rank {w['rank']}"
+    if w["dead"]:
+        return f"worker {i} ({where}) died at clock {w['clock']}"
+    if w.get("error"):
+        return f"worker {i} ({where}) failed: {w['error']}"
+    return f"worker {i} ({where}) finished"
 
 
 class ParameterServerService:
@@ -276,8 +292,11 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: Config) -> None:
 
 
 def report(summary: dict[str, Any]) -> None:
-    """One line per worker the server lost, and the summary as JSON (debug)."""
+    """One line per worker the server lost or that failed, and the summary as JSON (debug)."""
+    failed = none_finished(summary) and not summary.get("aborted")
     for i, w in enumerate(summary["workers"]):
+        if w.get("error") and not w["dead"] and not failed:  # the others went on
+            log.warning("parameter server %d: %s", summary["server"], worker_fate(i, w))
         if w["dead"]:
             log.warning(
                 "parameter server %d: worker %d (rank %d) died at clock %d and lost %d "
@@ -289,14 +308,13 @@ def report(summary: dict[str, Any]) -> None:
                 w["lost_updates"],
                 w["clock"] + w["lost_updates"],
             )
-    if all_died(summary) and not summary.get("aborted"):
-        names = ", ".join(
-            f"worker {i} (rank {w['rank']})" for i, w in enumerate(summary["workers"])
-        )
+    if failed:
+        # [Note: workers that fail]
+        names = "; ".join(worker_fate(i, w) for i, w in enumerate(summary["workers"]))
         log.error(
-            "parameter server %d: every worker died (%s), none finished its training: the job "
-            "failed; restart it from the last checkpoint (longboat run --max-restarts N "
-            "restarts it for you)",
+            "parameter server %d: no worker finished its training (%s): the job failed; "
+            "restart it from the last checkpoint (longboat run --max-restarts N restarts it "
+            "for you)",
             summary["server"],
             names,
         )

@@ -46,7 +46,7 @@ class Op(IntEnum):
     PULL = 3  # reply (when the mode allows): values, or the aggregated gradient
     BARRIER = 4  # reply when every live worker has arrived
     BEAT = 5  # a worker's heartbeat: no reply
-    BYE = 6  # a worker leaves; reply: the server's counts
+    BYE = 6  # a worker leaves; a: bytes of a JSON payload (host, error); reply: the counts
     STATE = 7  # reply: values and optimizer state, as JSON names + a flat payload
     SET_STATE = 8  # payload: JSON names + a flat payload, as STATE replies
     STATS = 9  # reply: every worker's clock, as JSON

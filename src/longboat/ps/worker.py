@@ -33,7 +33,7 @@ from torch import nn
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
 from longboat.pieces import PieceSource, RankState, members
-from longboat.ps.client import Connection
+from longboat.ps.client import Connection, uncaught_error
 from longboat.strategies.base import StrategyContext, StrategyDefaults, full_gradient
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.whole_state import (
@@ -359,7 +359,7 @@ class ParameterServer(WholeModel, StrategyDefaults):
         if self._buffers is not None:
             self._buffers.close()
             self._buffers = None
-        self.conn.close()
+        self.conn.close(uncaught_error())
         if self.conn.commlog is not None and self.worker == 0:  # comm.log: worker 0's view
             print(self.conn.commlog.table("parameter servers"), end="", flush=True)
         self.service.close()

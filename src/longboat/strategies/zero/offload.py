@@ -37,6 +37,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from longboat.config.errors import ConfigError
+from longboat.config.sections_parallel import swap_path_problem
 from longboat.strategies.zero.flat import FlatUnit
 
 SWAP_DIR = "longboat-swap"
@@ -104,17 +105,12 @@ def _as_bytes(t: torch.Tensor) -> Any:
 def open_dir(path: str, key: str) -> Path:
     """``<path>/longboat-swap``, made and probed; a crashed run's files in it removed.
 
-    ``path`` itself may be made, its parent must exist: a mistyped mount point (``/mnt/nvme``
-    for ``/mnt/nvme0``) would otherwise become a tree of new directories on whatever disk
-    holds ``/``, and the swap would fill that disk instead of the one meant."""
-    root = Path(path).absolute()
-    if not root.parent.is_dir():
-        raise ConfigError(
-            f"{key}.path = {path!r}: its parent {str(root.parent)!r} does not exist (the path "
-            "itself is created, not the directories above it); create the parent first, or "
-            "give a directory on the disk meant for the swap"
-        )
-    directory = root / SWAP_DIR
+    ``path`` itself may be made, its parent must exist ([Note: offload path]); checked when the
+    config loads, and again here, where a directory removed since would be made again."""
+    problem = swap_path_problem(path)
+    if problem:
+        raise ConfigError(f"{key}.path = {path!r}: {problem}")
+    directory = Path(path).absolute() / SWAP_DIR
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".probe.{os.getpid()}"
