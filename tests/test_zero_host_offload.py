@@ -83,6 +83,28 @@ def test_host_offload_zoo_equals_plain_pytorch(host_ranks, stage):
     )
 
 
+def test_host_offload_with_hybrid_sharding_equals_plain_pytorch(host_ranks):
+    # The replicas' average changes the gradient shard after its reduction landed: the host
+    # copy must be made after it ([Note: host offload]).
+    recipe = reference.Recipe(model="tiny", optimizer="adamw", clip=0.5)
+    harness.run_and_compare(
+        host_ranks, 4, _zero(2), recipe, 4, 2, 16, tol=1e-5, mesh={"dp_replicate": 2}
+    )
+
+
+def test_host_offload_skips_an_fp16_overflow_as_the_plain_loop_does(host_ranks):
+    # Rank 1 alone meets an inf in a gradient it owns after communication, at step 4: every
+    # rank skips that step (no master stepped, none copied back changed) and the scale halves.
+    recipe = reference.Recipe(
+        model="tiny", optimizer="sgd", precision="fp16", loss_scale=2.0**8, loss_scale_window=4
+    )
+    results, plain = harness.run_and_compare(
+        host_ranks, 2, _zero(2), recipe, 6, 1, 16, 4 * 2.0**-11, poison=(4, 1), poison_how="grad"
+    )
+    assert plain.skipped == [4]
+    assert all(r["skipped"] == [4] and r["scales"][3] == 128.0 for r in results)
+
+
 def _where_state_lives(stage: int) -> dict[str, Any]:
     """Two steps of the zoo model; where its optimizer's parameters and state are."""
     cfg = {**harness.QUIET, **_zero(stage), "batch": {"train_batch_size": 8}}
