@@ -301,6 +301,12 @@ def summary_lines(check: Check, done: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(
             f"zero.offload_optimizer.device='cpu': {o.get('outcome') or o.get('status')}"
             + (" (not implemented)" if o.get("not_implemented") else "")
+            + (
+                f", home {o['home']}, step {o['median_step_s_offload']:.3f} s"
+                f" vs {o['median_step_s_in_memory']:.3f} s in device memory"
+                if o.get("outcome") == "trained"
+                else ""
+            )
         )
     if "step_time" in done:
         lines.append("step time (median; ratio to plain):")

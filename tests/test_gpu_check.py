@@ -187,7 +187,7 @@ def test_the_dry_run_measures_memory_and_step_time_sides(dry_run):
         assert entry["predicted_peak_bytes"] > 0
         assert entry["measured_peak_bytes"] is None  # no CUDA: not measured, and said so
     # On the CPU the state is there already: longboat takes 'cpu' as it is.
-    assert mem["offload_optimizer_cpu"]["outcome"] == "ran one step"
+    assert mem["offload_optimizer_cpu"]["outcome"] == "trained"
     steps = _read(dry_run, "step_time")["results"]
     assert set(steps["eager"]["ratio_of_medians"]) == {
         "plain",
@@ -235,6 +235,7 @@ def test_memory_and_step_time_are_measured_on_cuda():
     mem = memory.measure(args, _cuda())
     assert mem["measured_peak_bytes"] > 0 and mem["ratio_predicted_over_measured"] > 0
     offload = memory.offload_cpu(args, _cuda())
-    assert offload["outcome"] == "refused" and offload["not_implemented"]
+    assert offload["outcome"] == "trained" and offload["home"] == "OnHost"
+    assert offload["optimizer_devices"] == ["cpu"] and offload["optimizer_pinned"]
     timed = steptime.measure(steptime.tasks(dry=True)[0].args, _cuda())
     assert set(timed["median_s"]) == {"plain", "plain-read-loss", "single", "replicate"}

@@ -11,8 +11,10 @@ the planner's peak for the same model, batch, optimizer and config (planned on f
 the same process, before). ``engine.memory_report()``'s model state is recorded beside the
 planner's.
 
-Offload: ``zero.offload_optimizer.device = 'cpu'`` with the parameters on a GPU is refused by
-longboat today ("not implemented yet"); the check records what happens, nothing more.
+Offload: ``zero.offload_optimizer.device = 'cpu'`` with the parameters on a GPU (masters and
+optimizer state in pinned host memory, [Note: host offload] in ``zero/host.py``): ZeRO-2 trains
+the same model with it and then in device memory, and the check records the home built, where
+the optimizer's tensors are, and each run's median step time and peak device memory.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ DRY_TARGET = {
 def tasks(dry: bool) -> list[Task]:
     base = dict(DRY_TARGET if dry else GPU_TARGET, warmup=2, steps=2)
     out = [Task(s, "gpucheck.memory:measure", dict(base, strategy=s), 120.0) for s in STRATEGIES]
-    out.append(Task("offload-optimizer-cpu", "gpucheck.memory:offload_cpu", dict(base), 60.0))
+    out.append(Task("offload-optimizer-cpu", "gpucheck.memory:offload_cpu", dict(base), 90.0))
     return out
 
 
@@ -113,24 +115,67 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     }
 
 
+def _timed(engine: Any, vocab: int, args: dict[str, Any], device: torch.device) -> list[float]:
+    """Seconds of each of ``warmup + steps`` steps, the device synchronised around each."""
+    import time
+
+    times = []
+    for _ in range(args["warmup"] + args["steps"]):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        _train(engine, vocab, args, 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times[args["warmup"] :]
+
+
 def offload_cpu(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
-    """What ``zero.offload_optimizer.device = 'cpu'`` does with the model on this device."""
+    """ZeRO-2 with ``zero.offload_optimizer.device = 'cpu'`` beside this device, then the same
+    model in device memory: the home built, where the optimizer's tensors are, each run's median
+    step time and peak of ``torch.cuda.max_memory_allocated``."""
+    import statistics
+
     import longboat
     from longboat.config import ConfigError
 
-    cfg = _config("zero-2", args["micro_batch"])
-    cfg["zero"]["offload_optimizer"] = {"device": "cpu"}
-    torch.manual_seed(0)
-    model = _target(args).build()
-    try:
-        engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg)
-    except ConfigError as e:
-        return {
-            "outcome": "refused",
-            "not_implemented": "not implemented" in str(e),
-            "message": str(e),
-            "device": ctx.device,
-        }
-    _train(engine, model.vocab_size, args, 1)
-    engine.close()
-    return {"outcome": "ran one step", "not_implemented": False, "device": ctx.device}
+    device = torch.device(ctx.device)
+    cuda = device.type == "cuda"
+    out: dict[str, Any] = {"device": ctx.device, "not_implemented": False}
+    for name, offload in (("offload", True), ("in_memory", False)):
+        cfg = _config("zero-2", args["micro_batch"])
+        if offload:
+            cfg["zero"]["offload_optimizer"] = {"device": "cpu"}
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        torch.manual_seed(0)
+        model = _target(args).build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        try:
+            engine = longboat.initialize(model, opt, cfg)
+        except ConfigError as e:
+            return {
+                **out,
+                "outcome": "refused",
+                "not_implemented": "not implemented" in str(e),
+                "message": str(e),
+            }
+        times = _timed(engine, model.vocab_size, args, device)
+        if offload:
+            out["home"] = type(engine.strategy.home).__name__
+            tensors = [p for g in opt.param_groups for p in g["params"]]
+            tensors += [t for st in opt.state.values() for t in st.values() if t.dim() > 0]
+            out["optimizer_devices"] = sorted({t.device.type for t in tensors})
+            out["optimizer_pinned"] = all(t.is_pinned() for t in tensors) if cuda else None
+        out[f"median_step_s_{name}"] = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated(device) - before if cuda else None
+        out[f"peak_bytes_{name}"] = peak
+        engine.close()
+        del engine, model, opt
+    out["outcome"] = "trained"
+    return out

@@ -12,7 +12,6 @@ from longboat.config.compositions.rule import (
     axes,
     compressing,
     compression_with,
-    cpu_keys,
     disk_key,
     low_params,
     named,
@@ -361,18 +360,42 @@ FEATURES: tuple[Rule, ...] = (
         Facts(device="cuda"),
     ),
     Rule(
-        "cpu-offload-accelerator",
-        "zero offload to CPU memory",
+        "host-offload-step-hooks",
+        "zero offload to CPU memory beside an accelerator",
+        "optimizer step hooks",
+        "by nature",
+        "build",
+        lambda c, f: (
+            zero(c, f)
+            and c.zero.offload_optimizer.device == "cpu"
+            and f.device not in (None, "cpu", "meta")
+            and bool(f.step_hooks)
+        ),
+        lambda c, f: (
+            "zero.offload_optimizer.device = 'cpu' beside an accelerator steps the optimizer "
+            "unit by unit on the host, which step hooks would see several times per step; "
+            "remove the hooks or the offload key"
+        ),
+        {"strategy": "zero", "zero": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        Facts(device="cuda", step_hooks=True),
+    ),
+    Rule(
+        "cpu-param-offload-accelerator",
+        "zero.offload_param to CPU memory",
         "parameters on an accelerator",
         "not built yet",
         "build",
-        lambda c, f: zero(c, f) and bool(cpu_keys(c)) and f.device not in (None, "cpu", "meta"),
         lambda c, f: (
-            f"zero.{cpu_keys(c)[0]}.device = 'cpu' with parameters on an accelerator: "
-            "keeping state in CPU memory beside an accelerator is not implemented yet; remove "
-            "the key"
+            zero(c, f)
+            and c.zero.offload_param.device == "cpu"
+            and f.device not in (None, "cpu", "meta")
         ),
-        {"strategy": "zero", "zero": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        lambda c, f: (
+            "zero.offload_param.device = 'cpu' with parameters on an accelerator: keeping "
+            "parameter shards in CPU memory beside an accelerator is not implemented yet; "
+            "remove the key (zero.offload_optimizer.device = 'cpu' is)"
+        ),
+        {"strategy": "zero", "zero": {"stage": 3, "offload_param": {"device": "cpu"}}},
         Facts(device="cuda"),
     ),
 )

@@ -62,12 +62,6 @@ def disk_key(c: Config) -> str:
     return "offload_optimizer" if c.zero.offload_optimizer.device == "disk" else "offload_param"
 
 
-def cpu_keys(c: Config) -> list[str]:
-    z = c.zero
-    keys = (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param))
-    return [k for k, s in keys if s.device == "cpu"]
-
-
 def strategy_of(c: Config, f: Facts) -> str:
     return f.strategy or c.strategy
 

@@ -57,6 +57,10 @@ class Home(Protocol):
     def step(self, optimizer: torch.optim.Optimizer, step_unit: StepUnit) -> None:
         """``step_unit(u)`` for every unit, in order, its state brought in around it."""
 
+    def stepped(self, u: FlatUnit, optimizer: torch.optim.Optimizer) -> None:
+        """``u``'s pieces just stepped, before anything reads its parameter shard (stages 1-2
+        all-gather it next)."""
+
     def step_over(self) -> None:
         """Every unit stepped: the gradient shards start the next step from zero."""
 

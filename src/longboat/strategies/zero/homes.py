@@ -3,8 +3,13 @@
 [Note: homes] A unit's optimizer state, parameter shard and gradient shard live in one home,
 chosen from ``zero.offload_optimizer`` and ``zero.offload_param`` when the strategy is set up:
 
-- :class:`InMemory`: with the parameters (``device = "none"``, or ``"cpu"`` where the compute
-  device is the CPU, where that is so already);
+- :class:`InMemory` (``in_memory.py``): with the parameters (``device = "none"``, or ``"cpu"``
+  where the compute device is the CPU: the state is there already, [Note: host copies on CPU] in
+  ``host.py``);
+- :class:`OnHost` (``host.py``): ``offload_optimizer.device = "cpu"`` beside an accelerator
+  (ZeRO-Offload): master shards and optimizer state in pinned host memory, the optimizer
+  stepping on the CPU, gradients copied out and masters copied back unit by unit ([Note: host
+  offload]);
 - :class:`OnDisk`: the optimizer state in swap files ([Note: optimizer state offload] in
   ``offload.py``), stage 3's parameter and gradient shards too with ``offload_param`` ([Note:
   parameter offload] in ``shard_swap.py``); units step one by one through a
@@ -12,8 +17,8 @@ chosen from ``zero.offload_optimizer`` and ``zero.offload_param`` when the strat
 
 The strategy asks a home the same questions whichever it is (:class:`Home`): how a reduction
 joins the gradient shard, which gradients the optimizer sees, how units step, what a checkpoint
-reads and writes, what is on disk. Keeping state in CPU memory beside an accelerator
-(ZeRO-Offload) would be a third home; until it exists the config is refused by name.
+reads and writes, what is on disk. ``offload_param.device = "cpu"`` beside an accelerator is
+not built yet and is refused by name ([Note: compositions]).
 """
 
 from __future__ import annotations
@@ -31,97 +36,38 @@ from longboat.pieces import RankState
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.zero.flat import FlatUnit
 from longboat.strategies.zero.home import Home, StepUnit
+from longboat.strategies.zero.host import OnHost
+from longboat.strategies.zero.in_memory import InMemory, wait_reduction
 from longboat.strategies.zero.offload import StateSwap, UnitHome, UnitStream, check_room
 from longboat.strategies.zero.policy import ZeroPolicy
 from longboat.strategies.zero.shard_swap import ShardSwap
+from longboat.world import device_for
 
 
 def build(
-    ctx: StrategyContext, policy: ZeroPolicy, model: nn.Module, params: list[nn.Parameter]
+    ctx: StrategyContext,
+    policy: ZeroPolicy,
+    model: nn.Module,
+    params: list[nn.Parameter],
+    host_copies: bool = False,
 ) -> Home:
-    """The home ``ctx.section`` asks for ([Note: homes])."""
+    """The home ``ctx.section`` asks for ([Note: homes]). ``host_copies``: build
+    :class:`OnHost` for ``offload_optimizer.device = "cpu"`` on a CPU rank too, with real
+    copies ([Note: host copies on CPU] in ``host.py``); not a config key."""
     cfg = ctx.section
     if "disk" in (cfg.offload_optimizer.device, cfg.offload_param.device):
         return OnDisk(ctx, policy, model, params)
+    if cfg.offload_optimizer.device == "cpu" and (host_copies or _on_accelerator(ctx, params)):
+        return OnHost(ctx, policy)
     return InMemory(ctx, policy)
 
 
-class InMemory:
-    """Every unit's state beside its parameters ([Note: homes])."""
-
-    grads_in_memory = True
-    steps_by_unit = False
-
-    def __init__(self, ctx: StrategyContext, policy: ZeroPolicy) -> None:
-        self.cfg = ctx.section
-        self.policy = policy
-        self.units: list[FlatUnit] = []
-
-    def adopt(self, u: FlatUnit) -> None:
-        self.units.append(u)
-
-    def start(self, optimizer: torch.optim.Optimizer) -> None:
-        # Offload beside an accelerator is refused by the engine ([Note: compositions]).
-        pass
-
-    def bring_param(self, u: FlatUnit) -> None:
-        pass
-
-    def drop_param(self, u: FlatUnit) -> None:
-        pass
-
-    def launched(self, units: list[FlatUnit], index: int) -> None:
-        pass
-
-    def land(self, u: FlatUnit) -> None:
-        reduced = _wait(u)
-        if self.policy.shard_grads:
-            assert u.grad_shard is not None
-            if reduced is not u.grad_shard:  # [Note: reduce in place] in ``reduce.py``
-                u.grad_shard.add_(reduced)
-            u.flat_grad = None
-        else:
-            assert u.flat_grad is not None
-            u.flat_grad[u.lo : u.hi].copy_(reduced)
-
-    def grad_pieces(self, u: FlatUnit) -> list[torch.Tensor]:
-        grad = u.grad_view()
-        return [grad[a:b] for _, a, b, _ in u.pieces]
-
-    def local_gradients(self) -> list[torch.Tensor]:
-        return [u.grad_view() for u in self.units]
-
-    def step(self, optimizer: torch.optim.Optimizer, step_unit: StepUnit) -> None:
-        for u in self.units:
-            step_unit(u)
-
-    def step_over(self) -> None:
-        for u in self.units:
-            u.grad_view().zero_()
-
-    @contextlib.contextmanager
-    def reading(
-        self, optimizer: torch.optim.Optimizer
-    ) -> Iterator[Callable[[RankState], RankState]]:
-        yield lambda state: state
-
-    @contextlib.contextmanager
-    def loading(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        yield
-
-    def held_gradients(self) -> ShardSwap | None:
-        return None
-
-    @property
-    def on_disk(self) -> dict[str, int]:
-        return {}
-
-    @property
-    def offloaded(self) -> dict[str, int] | None:
-        return None
-
-    def close(self) -> None:
-        pass
+def _on_accelerator(ctx: StrategyContext, params: list[nn.Parameter]) -> bool:
+    """Whether the units compute on an accelerator: where the parameters are, or for a model
+    on the meta device ([Note: deferred init] in ``init.py``) where this rank computes."""
+    real = [p for p in params if not p.is_meta]
+    device = real[0].device if real else device_for(ctx.world)
+    return device.type != "cpu"
 
 
 class OnDisk(InMemory):
@@ -199,7 +145,7 @@ class OnDisk(InMemory):
     def land(self, u: FlatUnit) -> None:
         if self.shards is None:
             return super().land(u)
-        self.shards.land(u, _wait(u))  # [Note: parameter offload]: to the unit's file
+        self.shards.land(u, wait_reduction(u))  # [Note: parameter offload]: to the unit's file
         u.flat_grad = None
 
     def grad_pieces(self, u: FlatUnit) -> list[torch.Tensor]:
@@ -291,13 +237,3 @@ class OnDisk(InMemory):
         if self.stream is not None:
             self.stream.close()
             self.stream = None
-
-
-def _wait(u: FlatUnit) -> torch.Tensor:
-    """``u``'s reduction, over."""
-    assert u.reduce_handle is not None  # a reduction is in flight
-    u.reduce_handle.wait()
-    u.reduce_handle = None
-    reduced, u.reduced = u.reduced, None
-    assert reduced is not None
-    return reduced

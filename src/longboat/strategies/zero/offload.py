@@ -207,17 +207,26 @@ class UnitStream:
     runs on one I/O thread up to ``ahead`` units ahead of the unit stepping, and its
     :meth:`store` behind it, so the disk works while the optimizer computes."""
 
-    def __init__(self, homes: list[UnitHome], units: list[FlatUnit], ahead: int, dry: bool):
+    def __init__(
+        self,
+        homes: list[UnitHome],
+        units: list[FlatUnit],
+        ahead: int,
+        dry: bool,
+        io_thread: bool = True,
+    ) -> None:
         self.homes = homes
         self.units = units
         self.ahead = ahead
         self.dry = dry
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="longboat-swap")
+        # Without one (homes whose bring and store only start asynchronous copies, [Note:
+        # host offload] in ``host.py``), everything runs on this thread.
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="longboat-swap") if io_thread else None
 
     def submit(self, fn: Any, *args: Any) -> Future[Any]:
-        """On the I/O thread; in the planner's run on this one (its fake tensors are this
-        thread's)."""
-        if not self.dry:
+        """On the I/O thread; in the planner's run, or without an I/O thread, on this one (the
+        planner's fake tensors are this thread's)."""
+        if not self.dry and self._io is not None:
             return self._io.submit(fn, *args)
         done: Future[Any] = Future()
         done.set_result(fn(*args))
@@ -252,7 +261,8 @@ class UnitStream:
             w.result()
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        if self._io is not None:
+            self._io.shutdown(wait=True)
 
 
 class StateSwap(SwapFiles):

@@ -19,13 +19,15 @@ def step_units(
     after: Callable[[FlatUnit], None],
     by_unit: bool,
 ) -> None:
-    """Step every unit, then ``after(unit)``. Unit by unit where ``by_unit`` asks or the home
-    needs it ([Note: homes] in ``homes.py``): every piece's gradient is set aside and each
-    unit's given back for its own ``step()`` (an element-wise optimizer steps only pieces with
-    a gradient), with the unit's state brought in around it; else one ``step()`` for all."""
+    """Step every unit, then ``home.stepped(unit)`` and ``after(unit)``. Unit by unit where
+    ``by_unit`` asks or the home needs it ([Note: homes] in ``homes.py``): every piece's
+    gradient is set aside and each unit's given back for its own ``step()`` (an element-wise
+    optimizer steps only pieces with a gradient), with the unit's state brought in around it;
+    else one ``step()`` for all."""
     if not (by_unit or home.steps_by_unit):
         optimizer.step()
         for u in units:
+            home.stepped(u, optimizer)
             after(u)
         return
     grads = {id(pc): pc.grad for u in units for *_, pc in u.pieces}
@@ -39,6 +41,7 @@ def step_units(
         optimizer.step()
         for *_, pc in u.pieces:
             pc.grad = None
+        home.stepped(u, optimizer)
         after(u)
 
     home.step(optimizer, step_unit)

@@ -64,6 +64,7 @@ from longboat.strategies.zero import state as zero_state
 from longboat.strategies.zero.flat import FlatUnit, UnitState
 from longboat.strategies.zero.gather import Gathering, Removable
 from longboat.strategies.zero.home import Home
+from longboat.strategies.zero.in_memory import InMemory
 from longboat.strategies.zero.init import DeferredInit
 from longboat.strategies.zero.policy import ZeroPolicy
 from longboat.strategies.zero.reduce import Reduction
@@ -99,7 +100,7 @@ class Zero(StrategyDefaults):
         self._buffers: BufferSync | None = None
         self._shadow = Shadow(self.policy.shard_params)  # [Note: stage-3 shadow]
         self.compressor = compression.build(ctx.compression)  # [Note: compressed ZeRO]
-        self.home: Home = homes.InMemory(ctx, self.policy)  # [Note: homes], set up below
+        self.home: Home = InMemory(ctx, self.policy)  # [Note: homes], set up below
         self._reduction = self._reducing()
 
     def _reducing(self) -> Reduction:
