@@ -35,7 +35,7 @@ from longboat.config.deepspeed import looks_like_deepspeed
 from longboat.config.errors import ConfigError
 from longboat.config.loading import read_mapping
 from longboat.config.sections import Config
-from longboat.deepspeed import pipe
+from longboat.deepspeed import accelerator, checkpointing, comm, pipe, utils
 from longboat.deepspeed.distributed import _backend as _backend  # importable where it was
 from longboat.deepspeed.distributed import init_distributed
 from longboat.deepspeed.engine import DeepSpeedEngine
@@ -182,8 +182,12 @@ def _all_of(params: list[Any], model: nn.Module) -> bool:
 __all__ = [
     "DeepSpeedEngine",
     "PipelineModule",
+    "accelerator",
     "add_config_arguments",
+    "checkpointing",
+    "comm",
     "init_distributed",
     "initialize",
     "pipe",
+    "utils",
 ]

@@ -225,6 +225,14 @@ class DeepSpeedEngine:
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.engine.optimizer.param_groups]
 
+    def get_global_grad_norm(self) -> float | None:
+        """The norm of all gradients (over every rank's shard) at the last optimizer step, or
+        None before the first one and where none is computed: longboat computes it when it
+        clips (``gradient_clipping`` above 0, DeepSpeed's default 1.0). DeepSpeed's answer at
+        ZeRO stage 0 without fp16 is None even when it clips; here it is the norm."""
+        norm = self.engine.last_grad_norm
+        return None if norm is None else float(norm)
+
     def train_batch_size(self) -> int:
         return self.engine.batch.train_batch_size
 
