@@ -173,3 +173,16 @@ def test_global_grad_norm_is_the_whole_batchs_norm(ranks):
     for r in ranks(2, _grad_norm):
         assert r["before"] is None
         assert r["got"] == pytest.approx(r["want"], rel=1e-5)
+
+
+def test_a_deepspeed_config_without_gradient_clipping_clips_at_deepspeeds_default():
+    """DeepSpeed 0.19.8 clips at 1.0 when the key is absent ([Note: DeepSpeed clips by
+    default]); tests/test_deepspeed_side_by_side.py shows it against real DeepSpeed."""
+    from longboat.config.loading import explain, load
+
+    assert load({"train_batch_size": 8}).config.gradient_clipping == 1.0
+    assert load({"train_batch_size": 8, "gradient_clipping": 0}).config.gradient_clipping == 0
+    assert load({"train_batch_size": 8, "gradient_clipping": 0.5}).config.gradient_clipping == 0.5
+    assert load({"batch": {"train_batch_size": 8}}).config.gradient_clipping == 0  # longboat's
+    line = next(ln for ln in explain({"train_batch_size": 8}, 2).splitlines() if "clipping" in ln)
+    assert "DeepSpeed's default (no 'gradient_clipping' in dict)" in line
