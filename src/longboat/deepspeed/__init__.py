@@ -35,7 +35,7 @@ from longboat.config.deepspeed import looks_like_deepspeed
 from longboat.config.errors import ConfigError
 from longboat.config.loading import read_mapping
 from longboat.config.sections import Config
-from longboat.deepspeed import accelerator, checkpointing, comm, pipe, utils
+from longboat.deepspeed import accelerator, checkpointing, comm, pipe, utils, zero
 from longboat.deepspeed.distributed import _backend as _backend  # importable where it was
 from longboat.deepspeed.distributed import init_distributed
 from longboat.deepspeed.engine import DeepSpeedEngine
@@ -190,4 +190,5 @@ __all__ = [
     "initialize",
     "pipe",
     "utils",
+    "zero",
 ]

@@ -5,6 +5,7 @@ sites] in ``deepspeed/__init__.py``)."""
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,18 @@ from longboat.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from longboat.engine import Engine
+
+
+# The engines deepspeed.initialize made that are still alive: DeepSpeed's
+# zero.GatheredParameters(params) names parameters only, and the engine sharding them is found
+# here ([Note: DeepSpeed zero contexts] in deepspeed/zero.py). Weak, so an engine dropped by the
+# script is not kept alive by it.
+_LIVE: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
+
+
+def live_engines() -> list[DeepSpeedEngine]:
+    """The engines made by ``deepspeed.initialize`` that are alive and not destroyed."""
+    return list(_LIVE)
 
 
 def _repeating(loader: Iterable[Any]) -> Iterator[Any]:
@@ -32,6 +45,7 @@ class DeepSpeedEngine:
         self.training_dataloader: Any = None  # set by initialize() from training_data
         self._data_iter: Iterator[Any] | None = None  # train_batch()'s own, over that loader
         self._applied = True  # whether the last optimizer step was applied
+        _LIVE.add(self)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -254,4 +268,5 @@ class DeepSpeedEngine:
         return self._applied
 
     def destroy(self) -> None:
+        _LIVE.discard(self)
         self.engine.close()
