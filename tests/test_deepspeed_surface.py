@@ -186,3 +186,100 @@ def test_a_deepspeed_config_without_gradient_clipping_clips_at_deepspeeds_defaul
     assert load({"batch": {"train_batch_size": 8}}).config.gradient_clipping == 0  # longboat's
     line = next(ln for ln in explain({"train_batch_size": 8}, 2).splitlines() if "clipping" in ln)
     assert "DeepSpeed's default (no 'gradient_clipping' in dict)" in line
+
+
+def _no_sync(stage: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 4, generator=g), torch.randn(24, 1, generator=g)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0,
+        "zero_optimization": {"stage": stage},
+    }
+    model = build()
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg
+    )
+    rank = deepspeed.comm.get_rank()
+
+    def part(step: int, half: int, r: int) -> slice:
+        i = step * 8 + half * 4 + r * 2
+        return slice(i, i + 2)
+
+    refused = ""
+    for step in range(3):
+        with engine.no_sync():  # the first half stays on this rank
+            a = part(step, 0, rank)
+            engine.backward(nn.functional.mse_loss(engine(x[a]), y[a]))
+            if step == 0:  # ZeRO-1 keeps gradients in its flat buffers, not in .grad
+                inside = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                try:
+                    engine.step()
+                except ConfigError as e:
+                    refused = str(e)
+        b = part(step, 1, rank)
+        engine.backward(nn.functional.mse_loss(engine(x[b]), y[b]))
+        engine.step()
+    # the plain loop: each step's gradient is the mean over ranks of both halves' sum
+    plain = build()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        for half in range(2):
+            for r in range(2):
+                s = part(step, half, r)
+                (nn.functional.mse_loss(plain(x[s]), y[s]) / 2).backward()
+        opt.step()
+    got = engine.engine.state_dict()
+    diff = max((got[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    # inside, the gradient is this rank's own (nothing reduced): the plain one of its batch
+    local = build()
+    a = part(0, 0, rank)
+    nn.functional.mse_loss(local(x[a]), y[a]).backward()
+    own = stage > 0 or all(
+        torch.equal(g, p.grad) for g, p in zip(inside, local.parameters(), strict=True)
+    )
+    out = {
+        "diff": diff,
+        "steps": engine.global_steps,
+        "micro": engine.micro_steps,
+        "refused": refused,
+        "own": own,
+    }
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_accumulates_locally_until_the_next_backward(ranks, stage):
+    for r in ranks(2, _no_sync, stage):
+        assert r["diff"] < 1e-6 and r["steps"] == 3
+        assert r["micro"] == 3 and r["own"]  # no micro-step and no reduction inside
+        assert "step() inside no_sync()" in r["refused"]
+
+
+def _no_sync_at_stage_2() -> str:
+    model = nn.Linear(4, 1)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg
+    )
+    try:
+        with engine.no_sync():
+            pass
+    except ConfigError as e:
+        return str(e)
+    finally:
+        engine.destroy()
+    return ""
+
+
+def test_no_sync_is_refused_where_gradients_are_partitioned(ranks):
+    for msg in ranks(2, _no_sync_at_stage_2):
+        assert "incompatible with ZeRO stage 2" in msg

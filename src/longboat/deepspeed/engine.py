@@ -4,6 +4,7 @@ sites] in ``deepspeed/__init__.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -45,6 +46,7 @@ class DeepSpeedEngine:
         self.training_dataloader: Any = None  # set by initialize() from training_data
         self._data_iter: Iterator[Any] | None = None  # train_batch()'s own, over that loader
         self._applied = True  # whether the last optimizer step was applied
+        self._no_sync = False  # inside no_sync()
         _LIVE.add(self)
 
     # -- training ------------------------------------------------------------------------------
@@ -55,11 +57,48 @@ class DeepSpeedEngine:
     forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+        if not self._no_sync:
+            self.engine.backward(loss)
+            return
+        # [Note: DeepSpeed no_sync] Inside no_sync(), a backward adds this rank's gradients to
+        # what it holds and reduces nothing, and is not a micro-step (DeepSpeed: "tracking of
+        # gradient accumulation steps is disabled"): the strategy is told, as for a micro-batch
+        # before the accumulation boundary, not to synchronise; the next backward outside the
+        # context reduces the sum. The loss is divided by the accumulation, as every backward's.
+        e = self.engine
+        e.strategy.before_backward(sync=False)
+        scaled = e.precision.scale(loss / e.accumulation_steps)
+        scaled.backward()  # type: ignore[no-untyped-call]
+        e.strategy.after_backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's ``no_sync()``: backwards inside accumulate this rank's gradients without
+        reducing them (see [Note: DeepSpeed no_sync]); ``step()`` inside, entering it twice, and
+        ZeRO stages 2-3 (whose gradients are partitioned as they are reduced) are refused, as in
+        DeepSpeed."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise ConfigError(
+                f"no_sync() is incompatible with ZeRO stage {stage}, which partitions gradients "
+                "as it reduces them (as in DeepSpeed); use gradient_accumulation_steps instead"
+            )
+        if self._no_sync:
+            raise ConfigError("no_sync() entered again inside no_sync(): not supported")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def step(self) -> None:
         """The optimizer step at an accumulation boundary; between boundaries nothing (as
         DeepSpeed's ``step()``, called after every micro-batch)."""
+        if self._no_sync:
+            raise ConfigError(
+                "step() inside no_sync(): leave the context first (as DeepSpeed requires); the "
+                "backward after it reduces the gradients accumulated inside"
+            )
         skipped = self.engine.skipped_steps
         if self.engine.step():
             self._applied = self.engine.skipped_steps == skipped
