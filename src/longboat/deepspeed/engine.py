@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from longboat.config.errors import ConfigError
+from longboat.pipeline.schedule import default_inputs
 
 if TYPE_CHECKING:
     from longboat.engine import Engine
@@ -131,6 +132,55 @@ class DeepSpeedEngine:
         batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
         mean = self.engine.train_step(batch, lambda out, mb: loss_fn(out, mb[1]))
         return torch.tensor(mean)
+
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> torch.Tensor:
+        """DeepSpeed's pipeline ``eval_batch``: the module in eval mode without gradients on
+        ``num_micro_batches`` (default ``gradient_accumulation_steps()``) ``(inputs, labels)``
+        micro-batches from ``data_iter``, through the pipeline's stages when ``mesh.pp > 1``;
+        returns the loss (the module's ``loss_fn``) averaged over them and over the
+        data-parallel ranks, on every rank, as DeepSpeed's ``reduce_output='avg'`` with
+        ``bcast_loss`` does. The module's mode is restored afterwards. ``return_logits``,
+        ``compute_loss=False`` and another ``reduce_output`` are refused by name."""
+        del bcast_loss  # the losses are on every rank of the pipeline here
+        for name, bad in (
+            ("return_logits=True", return_logits),
+            ("compute_loss=False", not compute_loss),
+            (f"reduce_output={reduce_output!r}", reduce_output != "avg"),
+        ):
+            if bad:
+                raise ConfigError(
+                    f"eval_batch({name}) is not supported: it returns the average loss; leave "
+                    "it at its default"
+                )
+        loss_fn = getattr(self.module, "loss_fn", None)
+        if loss_fn is None:
+            raise ConfigError(
+                "eval_batch() needs the module's loss_fn (DeepSpeed's PipelineModule(loss_fn=...))"
+            )
+        count = num_micro_batches or self.gradient_accumulation_steps()
+        micro = list(itertools.islice(data_iter, count))
+        if len(micro) < count:
+            raise StopIteration("data_iter ran out within eval_batch")
+        training = self.engine.model.training
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                losses = self.engine.schedule.evaluate(
+                    self.engine, micro, lambda out, mb: loss_fn(out, mb[1]), default_inputs
+                )
+        finally:
+            self.engine.train(training)
+        mean = sum(losses) / len(losses)
+        total = self.engine.reduce_metrics({"loss": mean})["loss"]
+        return torch.tensor(total / self.engine.topology.mesh.dp)
 
     def deepspeed_io(
         self,
