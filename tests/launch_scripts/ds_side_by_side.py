@@ -67,15 +67,26 @@ def micro_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(engine, rank: int, first: int, last: int) -> dict:
-    losses, lrs = [], []
+    losses, lrs, boundaries, norms, samples = [], [], [], [], []
     for step in range(first, last):
         x, y = micro_batch(step, rank)
         loss = F.mse_loss(engine(x), y)
+        boundaries.append(engine.is_gradient_accumulation_boundary())
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
         lrs.append([float(lr) for lr in engine.get_lr()])
-    return {"losses": losses, "lrs": lrs, "global_steps": engine.global_steps}
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+        samples.append(engine.global_samples)
+    return {
+        "losses": losses,
+        "lrs": lrs,
+        "global_steps": engine.global_steps,
+        "boundaries": boundaries,
+        "norms": norms,
+        "samples": samples,
+    }
 
 
 def params(engine) -> list[list[float]]:
