@@ -348,3 +348,48 @@ def test_a_deepspeed_pipeline_with_recomputation_trains_as_a_plain_loop(ranks):
     assert r0["same"] and r1["same"]
     for losses, want in (r0["losses"], r1["losses"]):
         assert losses == pytest.approx(want, rel=1e-5)
+
+
+# -- a pipeline engine saves and resumes with DeepSpeed's tags and client state ---------------
+
+
+def _pipeline_resume(directory: str) -> dict:
+    g = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+    batches = [(xs[i : i + 2], ys[i : i + 2]) for i in range(0, 32, 2)]
+    cfg = {
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    }
+
+    def engine():
+        model = PipelineModule(
+            _build(), num_stages=2, loss_fn=F.cross_entropy, partition_method="uniform"
+        )
+        return deepspeed.initialize(config=cfg, model=model, model_parameters=None)[0]
+
+    first = engine()
+    data = iter(batches)
+    for _ in range(2):
+        first.train_batch(data)
+    first.save_checkpoint(directory, tag="two", client_state={"epoch": 1, "seen": 16})
+    after = [first.train_batch(data).item() for _ in range(2)]
+    want = {n: p.detach().clone() for n, p in first.module.named_parameters()}
+    first.destroy()
+    second = engine()
+    path, client = second.load_checkpoint(directory, tag="two")
+    data = iter(batches[8:])
+    resumed = [second.train_batch(data).item() for _ in range(2)]
+    got = {n: p.detach() for n, p in second.module.named_parameters()}
+    same = got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
+    out = {"after": after, "resumed": resumed, "client": client, "steps": second.global_steps}
+    out.update(same=same, path=path is not None)
+    second.destroy()
+    return out
+
+
+def test_a_pipeline_engine_saves_and_resumes_with_tag_and_client_state(ranks, tmp_path):
+    for r in ranks(2, _pipeline_resume, str(tmp_path / "ckpt")):
+        assert r["path"] and r["client"] == {"epoch": 1, "seen": 16}
+        assert r["resumed"] == r["after"] and r["same"] and r["steps"] == 4

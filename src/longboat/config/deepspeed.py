@@ -30,6 +30,10 @@ from longboat.config.sections import OWN_OPTIMIZERS
 
 log = logging.getLogger("longboat")
 
+# What DeepSpeed clips the global gradient norm at when its config has no gradient_clipping
+# ([Note: DeepSpeed clips by default]).
+DEFAULT_GRADIENT_CLIPPING = 1.0
+
 # Keys whose presence at the top level marks a mapping as DeepSpeed's (longboat nests these).
 _MARKERS = frozenset(
     {
@@ -222,6 +226,13 @@ def translate(
     ):
         if ds_key in data and data[ds_key] != "auto":
             put(key, data[ds_key], ds_key)
+    if "gradient_clipping" not in data:
+        # [Note: DeepSpeed clips by default] DeepSpeed 0.19.8 clips the global gradient norm at
+        # 1.0 when its config says nothing (GRADIENT_CLIPPING_DEFAULT in its constants), so a
+        # DeepSpeed config without the key clips here too; "gradient_clipping": 0 turns it off,
+        # as there. Caught by tests/test_deepspeed_side_by_side.py.
+        out["gradient_clipping"] = DEFAULT_GRADIENT_CLIPPING
+        src["gradient_clipping"] = f"DeepSpeed's default (no 'gradient_clipping' in {where})"
 
     for ds_key in ("optimizer", "scheduler"):
         if ds_key not in data:

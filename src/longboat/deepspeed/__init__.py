@@ -9,11 +9,15 @@ answers ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``, ``engine.tr
 client_state)``, ``engine.module``, ``global_steps``, ``get_lr()`` and the batch getters, with
 DeepSpeed's meanings; ``deepspeed.init_distributed()`` before them joins the process group, and
 ``deepspeed.pipe`` (also ``deepspeed.PipelineModule``) builds a pipeline model with DeepSpeed's
-arguments (:mod:`longboat.deepspeed.pipe`). Underneath it is :func:`longboat.initialize` and its
-:class:`~longboat.engine.Engine`: the config is read in DeepSpeed's dialect
-(``config/deepspeed.py``) or longboat's own, the process group is joined from the launcher's
-environment (``longboat run``, torchrun; ``deepspeed``'s own launcher sets the same variables),
-and checkpoints are longboat's (they load at any world size and strategy, not into DeepSpeed).
+arguments (:mod:`longboat.deepspeed.pipe`). The module-level helpers scripts reach for are here
+too: ``deepspeed.comm``, ``deepspeed.accelerator.get_accelerator()``,
+``deepspeed.utils.RepeatingLoader``, ``deepspeed.checkpointing`` and ``deepspeed.zero.Init`` /
+``GatheredParameters``, each in the module of that name. Underneath it is
+:func:`longboat.initialize` and its :class:`~longboat.engine.Engine`: the config is read in
+DeepSpeed's dialect (``config/deepspeed.py``) or longboat's own, the process group is joined from
+the launcher's environment (``longboat run``, torchrun; ``deepspeed``'s own launcher sets the
+same variables), and checkpoints are longboat's (they load at any world size and strategy, not
+into DeepSpeed).
 
 The engine object is :mod:`longboat.deepspeed.engine`'s, ``init_distributed``
 :mod:`longboat.deepspeed.distributed`'s; ``initialize`` is here.
@@ -35,7 +39,7 @@ from longboat.config.deepspeed import looks_like_deepspeed
 from longboat.config.errors import ConfigError
 from longboat.config.loading import read_mapping
 from longboat.config.sections import Config
-from longboat.deepspeed import pipe
+from longboat.deepspeed import accelerator, checkpointing, comm, pipe, utils, zero
 from longboat.deepspeed.distributed import _backend as _backend  # importable where it was
 from longboat.deepspeed.distributed import init_distributed
 from longboat.deepspeed.engine import DeepSpeedEngine
@@ -182,8 +186,13 @@ def _all_of(params: list[Any], model: nn.Module) -> bool:
 __all__ = [
     "DeepSpeedEngine",
     "PipelineModule",
+    "accelerator",
     "add_config_arguments",
+    "checkpointing",
+    "comm",
     "init_distributed",
     "initialize",
     "pipe",
+    "utils",
+    "zero",
 ]

@@ -4,7 +4,9 @@ sites] in ``deepspeed/__init__.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,9 +15,22 @@ import torch
 from torch import nn
 
 from longboat.config.errors import ConfigError
+from longboat.pipeline.schedule import default_inputs
 
 if TYPE_CHECKING:
     from longboat.engine import Engine
+
+
+# The engines deepspeed.initialize made that are still alive: DeepSpeed's
+# zero.GatheredParameters(params) names parameters only, and the engine sharding them is found
+# here ([Note: DeepSpeed zero contexts] in deepspeed/zero.py). Weak, so an engine dropped by the
+# script is not kept alive by it.
+_LIVE: weakref.WeakSet[DeepSpeedEngine] = weakref.WeakSet()
+
+
+def live_engines() -> list[DeepSpeedEngine]:
+    """The engines made by ``deepspeed.initialize`` that are alive and not destroyed."""
+    return list(_LIVE)
 
 
 def _repeating(loader: Iterable[Any]) -> Iterator[Any]:
@@ -32,6 +47,8 @@ class DeepSpeedEngine:
         self.training_dataloader: Any = None  # set by initialize() from training_data
         self._data_iter: Iterator[Any] | None = None  # train_batch()'s own, over that loader
         self._applied = True  # whether the last optimizer step was applied
+        self._no_sync = False  # inside no_sync()
+        _LIVE.add(self)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -41,11 +58,48 @@ class DeepSpeedEngine:
     forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+        if not self._no_sync:
+            self.engine.backward(loss)
+            return
+        # [Note: DeepSpeed no_sync] Inside no_sync(), a backward adds this rank's gradients to
+        # what it holds and reduces nothing, and is not a micro-step (DeepSpeed: "tracking of
+        # gradient accumulation steps is disabled"): the strategy is told, as for a micro-batch
+        # before the accumulation boundary, not to synchronise; the next backward outside the
+        # context reduces the sum. The loss is divided by the accumulation, as every backward's.
+        e = self.engine
+        e.strategy.before_backward(sync=False)
+        scaled = e.precision.scale(loss / e.accumulation_steps)
+        scaled.backward()  # type: ignore[no-untyped-call]
+        e.strategy.after_backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's ``no_sync()``: backwards inside accumulate this rank's gradients without
+        reducing them (see [Note: DeepSpeed no_sync]); ``step()`` inside, entering it twice, and
+        ZeRO stages 2-3 (whose gradients are partitioned as they are reduced) are refused, as in
+        DeepSpeed."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise ConfigError(
+                f"no_sync() is incompatible with ZeRO stage {stage}, which partitions gradients "
+                "as it reduces them (as in DeepSpeed); use gradient_accumulation_steps instead"
+            )
+        if self._no_sync:
+            raise ConfigError("no_sync() entered again inside no_sync(): not supported")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def step(self) -> None:
         """The optimizer step at an accumulation boundary; between boundaries nothing (as
         DeepSpeed's ``step()``, called after every micro-batch)."""
+        if self._no_sync:
+            raise ConfigError(
+                "step() inside no_sync(): leave the context first (as DeepSpeed requires); the "
+                "backward after it reduces the gradients accumulated inside"
+            )
         skipped = self.engine.skipped_steps
         if self.engine.step():
             self._applied = self.engine.skipped_steps == skipped
@@ -78,6 +132,55 @@ class DeepSpeedEngine:
         batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
         mean = self.engine.train_step(batch, lambda out, mb: loss_fn(out, mb[1]))
         return torch.tensor(mean)
+
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> torch.Tensor:
+        """DeepSpeed's pipeline ``eval_batch``: the module in eval mode without gradients on
+        ``num_micro_batches`` (default ``gradient_accumulation_steps()``) ``(inputs, labels)``
+        micro-batches from ``data_iter``, through the pipeline's stages when ``mesh.pp > 1``;
+        returns the loss (the module's ``loss_fn``) averaged over them and over the
+        data-parallel ranks, on every rank, as DeepSpeed's ``reduce_output='avg'`` with
+        ``bcast_loss`` does. The module's mode is restored afterwards. ``return_logits``,
+        ``compute_loss=False`` and another ``reduce_output`` are refused by name."""
+        del bcast_loss  # the losses are on every rank of the pipeline here
+        for name, bad in (
+            ("return_logits=True", return_logits),
+            ("compute_loss=False", not compute_loss),
+            (f"reduce_output={reduce_output!r}", reduce_output != "avg"),
+        ):
+            if bad:
+                raise ConfigError(
+                    f"eval_batch({name}) is not supported: it returns the average loss; leave "
+                    "it at its default"
+                )
+        loss_fn = getattr(self.module, "loss_fn", None)
+        if loss_fn is None:
+            raise ConfigError(
+                "eval_batch() needs the module's loss_fn (DeepSpeed's PipelineModule(loss_fn=...))"
+            )
+        count = num_micro_batches or self.gradient_accumulation_steps()
+        micro = list(itertools.islice(data_iter, count))
+        if len(micro) < count:
+            raise StopIteration("data_iter ran out within eval_batch")
+        training = self.engine.model.training
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                losses = self.engine.schedule.evaluate(
+                    self.engine, micro, lambda out, mb: loss_fn(out, mb[1]), default_inputs
+                )
+        finally:
+            self.engine.train(training)
+        mean = sum(losses) / len(losses)
+        total = self.engine.reduce_metrics({"loss": mean})["loss"]
+        return torch.tensor(total / self.engine.topology.mesh.dp)
 
     def deepspeed_io(
         self,
@@ -225,6 +328,14 @@ class DeepSpeedEngine:
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.engine.optimizer.param_groups]
 
+    def get_global_grad_norm(self) -> float | None:
+        """The norm of all gradients (over every rank's shard) at the last optimizer step, or
+        None before the first one and where none is computed: longboat computes it when it
+        clips (``gradient_clipping`` above 0, DeepSpeed's default 1.0). DeepSpeed's answer at
+        ZeRO stage 0 without fp16 is None even when it clips; here it is the norm."""
+        norm = self.engine.last_grad_norm
+        return None if norm is None else float(norm)
+
     def train_batch_size(self) -> int:
         return self.engine.batch.train_batch_size
 
@@ -246,4 +357,5 @@ class DeepSpeedEngine:
         return self._applied
 
     def destroy(self) -> None:
+        _LIVE.discard(self)
         self.engine.close()

@@ -256,3 +256,35 @@ class Pipeline:
             h.wait()
         # The last stage's losses, on every rank of the pipeline.
         return link.share_losses(losses, len(micro_batches), src=self.ranks - 1)
+
+    def evaluate(
+        self,
+        steps: Steps,
+        micro_batches: Sequence[Any],
+        loss_fn: LossFn,
+        inputs: Callable[[Any], tuple[Any, ...]],
+    ) -> list[float]:
+        """The forward actions of the step's plan alone, in its order on each rank (a stage
+        waits only for activations an earlier stage sent without waiting): the last stage's
+        losses, on every rank of the pipeline."""
+        plan = self.plan(len(micro_batches))
+        last = plan.stages - 1
+        sends: list[Handle] = []
+        losses: list[torch.Tensor] = []
+        for a in plan.actions[self.rank]:
+            if a.op != "F":
+                continue
+            mb, s = a.micro_batch, a.stage
+            if s == 0:
+                out = steps.forward(*inputs(micro_batches[mb]), stage=s)
+            else:
+                x = self.link.recv(plan.rank_of(s - 1), Message("activation", mb, s - 1, s))
+                out = steps.forward(x, stage=s)
+            if s == last:
+                losses.append(loss_fn(out, micro_batches[mb]))
+            else:
+                msg = Message("activation", mb, s, s + 1)
+                sends += self.link.send(out, plan.rank_of(s + 1), msg)
+        for h in sends:
+            h.wait()
+        return self.link.share_losses(losses, len(micro_batches), src=self.ranks - 1)

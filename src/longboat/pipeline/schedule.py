@@ -68,6 +68,17 @@ class Schedule(Protocol):
         inputs: Callable[[Any], tuple[Any, ...]],
     ) -> list[float]: ...
 
+    def evaluate(
+        self,
+        steps: Steps,
+        micro_batches: Sequence[Any],
+        loss_fn: LossFn,
+        inputs: Callable[[Any], tuple[Any, ...]],
+    ) -> list[float]:
+        """The forwards of :meth:`run` alone (the caller disables gradients): each
+        micro-batch's loss, on every rank."""
+        ...
+
 
 class Sequential:
     """Forward and backward of each micro-batch in turn."""
@@ -105,6 +116,15 @@ class Sequential:
             steps.backward(loss)
             losses.append(float(loss.detach()))
         return losses
+
+    def evaluate(
+        self,
+        steps: Steps,
+        micro_batches: Sequence[Any],
+        loss_fn: LossFn,
+        inputs: Callable[[Any], tuple[Any, ...]],
+    ) -> list[float]:
+        return [float(loss_fn(steps.forward(*inputs(mb)), mb)) for mb in micro_batches]
 
 
 def default_inputs(micro_batch: Any) -> tuple[Any, ...]:
