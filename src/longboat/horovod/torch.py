@@ -17,6 +17,7 @@ operations by name across a different issue order, the C++ timeline.
 from __future__ import annotations
 
 import atexit
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,11 @@ from longboat.world import World, destroy_process_group, init_process_group
 
 # -- the job -------------------------------------------------------------------------------------
 
+# How many groups init() has created in this process: every rank runs the same init/shutdown
+# cycles, so the count agrees between ranks and names each later group's keys in the
+# launcher's store apart from the earlier ones' (see ``store_prefix`` in world.py).
+_GROUPS = itertools.count()
+
 
 def init(*_: object, **__: object) -> None:
     """Join the job (a world of one without a launcher); again after :func:`shutdown`. As
@@ -69,7 +75,11 @@ def init(*_: object, **__: object) -> None:
     interpreter shuts down ([Note: dynamo before the group] in world.py says why that matters).
     The exit leaves without :func:`shutdown`'s barrier: a rank that exits on an error must not
     wait there for ranks still training."""
-    if init_process_group(World.from_env()):
+    world = World.from_env()
+    if not world.distributed or dist.is_initialized():
+        return
+    n = next(_GROUPS)
+    if init_process_group(world, store_prefix=f"longboat.horovod.{n}/" if n else ""):
         atexit.unregister(destroy_process_group)  # once, however often init() runs
         atexit.register(destroy_process_group)
 
