@@ -10,7 +10,7 @@ broadcast, alltoall, reducescatter, object exchange or barrier) begins with an e
 control plane (a gloo group; the default group itself under gloo):
 
 1. every rank all-gathers a header of four int64s: active (0 when it sits in ``hvd.join()``),
-   "first vote as joined", the length of its request in JSON, and a 56-bit hash of that JSON;
+   "first exchange as joined", the length of its request in JSON, and a 56-bit hash of that JSON;
 2. only when the active ranks' hashes differ, or some rank has joined, every rank all-gathers
    the requests themselves (JSON bytes, padded to the longest): then every rank holds the same
    requests and raises the same :class:`HorovodInternalError` naming what differs, rank by
@@ -97,7 +97,7 @@ class Round:
     """What one exchange found, the same on every rank."""
 
     active: tuple[bool, ...]
-    fresh: tuple[bool, ...]  # whose first vote as joined this was
+    fresh: tuple[bool, ...]  # whose first exchange as joined this was
     request: Request | None  # what the active ranks agreed on; None when every rank joined
 
     @property
