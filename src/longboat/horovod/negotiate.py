@@ -122,6 +122,11 @@ def control() -> dist.ProcessGroup | None:
     return _CONTROL[id(world)]
 
 
+def forget() -> None:
+    """Drop the control group before the default group is destroyed (``hvd.shutdown``)."""
+    _CONTROL.clear()
+
+
 def _hash(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
@@ -189,4 +194,12 @@ def _show(value: object) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-__all__ = ["HorovodInternalError", "Request", "Round", "control", "exchange", "request"]
+__all__ = [
+    "HorovodInternalError",
+    "Request",
+    "Round",
+    "control",
+    "exchange",
+    "forget",
+    "request",
+]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from longboat.horovod import (
     elastic,  # noqa: F401 (hvd.elastic, as in Horovod)
     joining,
+    negotiate,
 )
 from longboat.horovod.collectives import (
     Adasum,
@@ -90,6 +91,7 @@ def shutdown() -> None:
     # pairs down while a peer still finished was seen to abort the peer (SIGABRT) at exit.
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+    negotiate.forget()
     destroy_process_group()
 
 
