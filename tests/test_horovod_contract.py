@@ -206,3 +206,46 @@ def test_init_works_again_after_shutdown_even_after_a_failed_collective():
         assert "Mismatched allreduce tensor shapes" in first["error"], first
         assert first["sum"] == second["sum"] == 3.0 and first["size"] == second["size"] == 2
         assert second["error"] == ""
+
+
+def _process_sets() -> dict:
+    import longboat.horovod.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    evens = hvd.add_process_set([0, 2])
+    out: dict = {"size": evens.size(), "rank": evens.rank(), "included": evens.included()}
+    try:
+        if evens.included():
+            x = torch.tensor([float(r + 1)])
+            out["sum"] = hvd.allreduce(x, op=hvd.Sum, process_set=evens).item()
+            out["gather"] = hvd.allgather(torch.full((r + 1,), r), process_set=evens).tolist()
+            out["bcast"] = hvd.broadcast(x, root_rank=2, process_set=evens).item()
+            out["object"] = hvd.allgather_object(r, process_set=evens)
+            try:
+                hvd.allreduce(torch.ones(1 + r), process_set=evens)
+            except hvd.HorovodInternalError as e:
+                out["error"] = str(e)
+        else:
+            try:
+                hvd.allreduce(torch.ones(1), process_set=evens)
+            except ValueError as e:
+                out["error"] = str(e)
+        out["global"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    finally:
+        hvd.remove_process_set(evens)
+    return out
+
+
+def test_process_sets_run_and_check_collectives_among_their_ranks(ranks):
+    got = ranks(3, _process_sets)
+    for r in (0, 2):
+        out = got[r]
+        assert out["size"] == 2 and out["rank"] == r // 2 and out["included"]
+        assert out["sum"] == 4.0 and out["bcast"] == 3.0 and out["object"] == [0, 2]
+        assert out["gather"] == [0, 2, 2, 2]
+        assert "Mismatched allreduce tensor shapes" in out["error"], out
+        assert "rank 0: [[1]]; rank 1: [[3]]" in out["error"], out  # ranks within the set
+    assert not got[1]["included"] and got[1]["rank"] == -1
+    assert "rank 1 is not in ProcessSet([0, 2])" in got[1]["error"], got[1]
+    assert all(out["global"] == 3.0 for out in got)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from longboat.horovod import adasum, joining, negotiate, wire
 from longboat.horovod.compression import Compression
+from longboat.horovod.process_sets import ProcessSet, Where, where
 
 # Reduction ops, as Horovod names them.
 Average, Sum, Adasum = "average", "sum", "adasum"
@@ -29,9 +30,14 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _announce(mine: negotiate.Request) -> None:
-    if size() > 1:
-        joining.announce(mine)
+def _announce(mine: negotiate.Request, at: Where) -> None:
+    """The exchange before a round ([Note: Horovod negotiation]); a joined rank follows the
+    global set's rounds only ([Note: Horovod process sets])."""
+    if at.size > 1:
+        if at.is_global:
+            joining.announce(mine)
+        else:
+            negotiate.exchange(mine, group=at.control, size=at.size)
 
 
 class Handle:
@@ -83,27 +89,29 @@ def grouped_allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     compression: Any = Compression.none,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
-    """Start reducing each of ``tensors`` in place across ranks, all in one round (one buffer
-    per dtype); the handle's result is the list of tensors."""
+    """Start reducing each of ``tensors`` in place across ranks (of ``process_set``), all in
+    one round (one buffer per dtype); the handle's result is the list of tensors."""
     op = _op(average, op)
+    at = where(process_set, "allreduce")
     if op == Adasum:
-        _announce(negotiate.request("allreduce", tensors, name=name, reduce=Adasum))
+        _announce(negotiate.request("allreduce", tensors, name=name, reduce=Adasum), at)
         for t in tensors:
-            t.copy_(_adasum(t))
+            t.copy_(_adasum(t, at))
         return Handle([], lambda: tensors)
     wires = [
         compression.compress(t * prescale_factor if prescale_factor != 1 else t) for t in tensors
     ]
-    _announce(negotiate.request("allreduce", [w for w, _ in wires], name=name, reduce=op))
+    _announce(negotiate.request("allreduce", [w for w, _ in wires], name=name, reduce=op), at)
     works, finish_sum = (
-        joining.start_flat_allreduce([w for w, _ in wires]) if size() > 1 else ([], None)
+        joining.start_flat_allreduce([w for w, _ in wires], at.group) if at.size > 1 else ([], None)
     )
 
     def finish() -> list[torch.Tensor]:
         if finish_sum is not None:
             finish_sum()
-        scale = postscale_factor / (size() if op == Average else 1)
+        scale = postscale_factor / (at.size if op == Average else 1)
         for t, (w, dtype) in zip(tensors, wires, strict=True):
             out = compression.decompress(w, dtype)
             if scale != 1:
@@ -151,16 +159,21 @@ def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return allreduce_async(tensor, *args, **kwargs).wait()  # type: ignore[no-any-return]
 
 
-def _adasum(tensor: torch.Tensor) -> torch.Tensor:
+def _adasum(tensor: torch.Tensor, at: Where) -> torch.Tensor:
     """Every rank's ``tensor`` combined by [Note: Adasum], the same on every rank."""
-    if size() == 1:
+    if at.size == 1:
         return tensor.clone()
-    parts = [torch.empty_like(tensor) for _ in range(size())]
-    dist.all_gather(parts, tensor.detach().contiguous())
+    parts = [torch.empty_like(tensor) for _ in range(at.size)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=at.group)
     return adasum.tree(parts)
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None, op: str = Average) -> torch.Tensor:
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: str = Average,
+    process_set: ProcessSet | None = None,
+) -> torch.Tensor:
     """``tensor`` reduced across ranks, split along dim 0: rank r gets its part, the first
     ``rows % size`` ranks one row more than the others, as in Horovod."""
     op = _op(None, op)
@@ -168,64 +181,83 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, op: str = Avera
         raise ValueError("reducescatter: op=hvd.Adasum is not supported; use Average or Sum")
     if tensor.dim() == 0:
         raise ValueError("reducescatter: a 0-d tensor has no first dimension to scatter")
-    whole = allreduce(tensor, name=name, op=op) if size() > 1 else tensor.clone()
-    base, extra = divmod(tensor.shape[0], size())
-    start = rank() * base + min(rank(), extra)
-    return whole[start : start + base + (rank() < extra)].clone()
+    at = where(process_set, "reducescatter")
+    whole = allreduce(tensor, name=name, op=op, process_set=process_set)
+    base, extra = divmod(tensor.shape[0], at.size)
+    start = at.rank * base + min(at.rank, extra)
+    return whole[start : start + base + (at.rank < extra)].clone()
 
 
 # -- moves -----------------------------------------------------------------------------------------
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None
+) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dim 0 in rank order (first dims may differ)."""
-    if size() == 1:
+    at = where(process_set, "allgather")
+    if at.size == 1:
         return tensor.clone()
-    _announce(negotiate.request("allgather", [tensor], name=name, ragged=True))
+    _announce(negotiate.request("allgather", [tensor], name=name, ragged=True), at)
     rows = wire.as_rows(tensor)
-    counts = [torch.empty(1, dtype=torch.int64) for _ in range(size())]
-    dist.all_gather(
-        counts, torch.tensor([rows.shape[0]], dtype=torch.int64), group=negotiate.control()
-    )
+    counts = [torch.empty(1, dtype=torch.int64) for _ in range(at.size)]
+    dist.all_gather(counts, torch.tensor([rows.shape[0]], dtype=torch.int64), group=at.control)
     n = [int(c) for c in counts]
     padded = torch.zeros((max(n), rows.shape[1]), dtype=rows.dtype, device=tensor.device)
-    padded[: n[rank()]] = rows
-    parts = [torch.empty_like(padded) for _ in range(size())]
-    dist.all_gather(parts, padded)
+    padded[: n[at.rank]] = rows
+    parts = [torch.empty_like(padded) for _ in range(at.size)]
+    dist.all_gather(parts, padded, group=at.group)
     out = torch.cat([p[:k] for p, k in zip(parts, n, strict=True)])
     return wire.from_rows(out, tensor.dtype, tuple(tensor.shape[1:]))
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """``root_rank``'s ``tensor`` copied into ``tensor`` on every rank."""
-    _check_root(root_rank)
-    if size() > 1:
-        _announce(negotiate.request("broadcast", [tensor], name=name, root=root_rank))
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` copied into ``tensor`` on every rank (of ``process_set``;
+    ``root_rank`` is the root's global rank, as in Horovod)."""
+    at = where(process_set, "broadcast")
+    _check_root(root_rank, process_set)
+    if at.size > 1:
+        _announce(negotiate.request("broadcast", [tensor], name=name, root=root_rank), at)
         if wire.carried(tensor.dtype) and tensor.is_contiguous():
-            dist.broadcast(tensor, src=root_rank)
+            dist.broadcast(tensor, src=root_rank, group=at.group)
         else:
             rows = wire.as_rows(tensor).clone()
-            dist.broadcast(rows, src=root_rank)
+            dist.broadcast(rows, src=root_rank, group=at.group)
             tensor.copy_(rows.view(tensor.dtype).reshape(tensor.shape))
     return tensor
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> torch.Tensor:
     """``root_rank``'s ``tensor`` on every rank, as a new tensor."""
-    return broadcast_(tensor.detach().clone(), root_rank, name)
+    return broadcast_(tensor.detach().clone(), root_rank, name, process_set)
 
 
-def _check_root(root_rank: int) -> None:
-    if not 0 <= root_rank < size():
-        raise ValueError(f"root_rank={root_rank}: use a rank from 0 to {size() - 1}")
+def _check_root(root_rank: int, process_set: ProcessSet | None) -> None:
+    members = (process_set or ProcessSet()).members()
+    if root_rank not in members:
+        raise ValueError(f"root_rank={root_rank}: use one of the ranks {members}")
 
 
 def alltoall(
-    tensor: torch.Tensor, splits: torch.Tensor | None = None, name: str | None = None
+    tensor: torch.Tensor,
+    splits: torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
 ) -> torch.Tensor:
     """Rank r sends ``splits[j]`` rows (dim 0) of ``tensor`` to rank j (equal parts without
     ``splits``) and gets back the rows every rank sent it, in rank order."""
-    k = size()
+    at = where(process_set, "alltoall")
+    k = at.size
     if splits is None and tensor.shape[0] % k:
         raise ValueError(
             f"alltoall: {tensor.shape[0]} rows do not split evenly over {k} ranks; pass splits"
@@ -238,44 +270,49 @@ def alltoall(
         )
     if k == 1:
         return tensor.clone()
-    _announce(negotiate.request("alltoall", [tensor], name=name, ragged=True))
+    _announce(negotiate.request("alltoall", [tensor], name=name, ragged=True), at)
     recv_counts = torch.empty(k, dtype=torch.int64)
-    dist.all_to_all_single(
-        recv_counts, torch.tensor(send, dtype=torch.int64), group=negotiate.control()
-    )
+    dist.all_to_all_single(recv_counts, torch.tensor(send, dtype=torch.int64), group=at.control)
     recv = [int(c) for c in recv_counts]
     rows = wire.as_rows(tensor)
     out = torch.empty((sum(recv), rows.shape[1]), dtype=rows.dtype, device=tensor.device)
-    dist.all_to_all_single(out, rows, recv, send)
+    dist.all_to_all_single(out, rows, recv, send, group=at.group)
     return wire.from_rows(out, tensor.dtype, tuple(tensor.shape[1:]))
 
 
-def barrier() -> None:
-    if size() > 1:
-        _announce(negotiate.request("barrier"))
-        dist.barrier()
+def barrier(process_set: ProcessSet | None = None) -> None:
+    at = where(process_set, "barrier")
+    if at.size > 1:
+        _announce(negotiate.request("barrier"), at)
+        dist.barrier(group=at.group)
 
 
 # -- objects ---------------------------------------------------------------------------------------
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
+) -> Any:
     """``root_rank``'s ``obj`` (picklable) on every rank."""
-    _check_root(root_rank)
+    at = where(process_set, "broadcast_object")
+    _check_root(root_rank, process_set)
     box = [obj]
-    if size() > 1:
-        _announce(negotiate.request("broadcast_object", name=name, root=root_rank))
-        dist.broadcast_object_list(box, src=root_rank, group=negotiate.control())
+    if at.size > 1:
+        _announce(negotiate.request("broadcast_object", name=name, root=root_rank), at)
+        dist.broadcast_object_list(box, src=root_rank, group=at.control)
     return box[0]
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
+) -> list[Any]:
     """Every rank's ``obj`` (picklable), in rank order."""
-    if size() == 1:
+    at = where(process_set, "allgather_object")
+    if at.size == 1:
         return [obj]
-    _announce(negotiate.request("allgather_object", name=name))
-    out: list[Any] = [None] * size()
-    dist.all_gather_object(out, obj, group=negotiate.control())
+    _announce(negotiate.request("allgather_object", name=name), at)
+    out: list[Any] = [None] * at.size
+    dist.all_gather_object(out, obj, group=at.control)
     return out
 
 
@@ -283,7 +320,10 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 
 
 def sparse_allreduce_async(
-    tensor: torch.Tensor, name: str | None = None, op: str = Average
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: str = Average,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start reducing a sparse COO ``tensor``: every rank's entries gathered (indices and values
     by allgather, as Horovod does), duplicates summed; Average divides by the number of ranks."""
@@ -291,15 +331,20 @@ def sparse_allreduce_async(
     if op == Adasum:
         raise ValueError("sparse_allreduce: op=hvd.Adasum is not supported; use Average or Sum")
     t = tensor.coalesce()
-    indices = allgather(t.indices().t().contiguous(), name=f"{name}.indices" if name else None)
-    values = allgather(t.values(), name=f"{name}.values" if name else None)
+    ps = process_set
+    indices = t.indices().t().contiguous()
+    indices = allgather(indices, f"{name}.indices" if name else None, ps)
+    values = allgather(t.values(), f"{name}.values" if name else None, ps)
     out = torch.sparse_coo_tensor(indices.t(), values, t.shape).coalesce()
-    result = out / size() if op == Average else out
+    result = out / where(ps, "sparse_allreduce").size if op == Average else out
     return Handle([], lambda: result)
 
 
 def sparse_allreduce(
-    tensor: torch.Tensor, name: str | None = None, op: str = Average
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: str = Average,
+    process_set: ProcessSet | None = None,
 ) -> torch.Tensor:
     """A sparse ``tensor`` reduced across ranks (see :func:`sparse_allreduce_async`)."""
-    return sparse_allreduce_async(tensor, name, op).wait()  # type: ignore[no-any-return]
+    return sparse_allreduce_async(tensor, name, op, process_set).wait()  # type: ignore[no-any-return]

@@ -60,18 +60,20 @@ def announce(mine: Request) -> None:
         raise _refuse(_what(mine), r.joined)
 
 
-def start_flat_allreduce(tensors: list[torch.Tensor]) -> tuple[list[Any], Callable[[], None]]:
+def start_flat_allreduce(
+    tensors: list[torch.Tensor], over: dist.ProcessGroup | None = None
+) -> tuple[list[Any], Callable[[], None]]:
     """Start summing ``tensors`` across ranks, flattened into one buffer per dtype in the order
     the dtypes first appear ([Note: Horovod wire dtypes] in wire.py for those gloo lacks);
     returns the works under way and a function that waits for them and writes the sums back
-    into ``tensors``."""
+    into ``tensors``. ``over``: a process set's group (the default group if None)."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     pending = []
     for group in groups.values():
         flat = torch.cat([wire.reduce_form(t).reshape(-1) for t in group])
-        pending.append((group, flat, dist.all_reduce(flat, async_op=True)))
+        pending.append((group, flat, dist.all_reduce(flat, group=over, async_op=True)))
 
     def finish() -> None:
         for group, flat, work in pending:

@@ -131,11 +131,18 @@ def _hash(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
-def exchange(mine: Request | None, fresh: bool = False) -> Round:
+def exchange(
+    mine: Request | None,
+    fresh: bool = False,
+    group: dist.ProcessGroup | None = None,
+    size: int | None = None,
+) -> Round:
     """Every rank's request for this round ([Note: Horovod negotiation]); ``mine`` is None on a
     rank in ``hvd.join()``. Raises :class:`HorovodInternalError` on every rank when the active
-    ranks' requests differ."""
-    size, group = dist.get_world_size(), control()
+    ranks' requests differ. ``group`` and ``size``: a process set's control group and size
+    (the whole world's by default)."""
+    if size is None:
+        size, group = dist.get_world_size(), control()
     body = mine.encode() if mine is not None else b""
     header = torch.tensor([mine is not None, fresh, len(body), _hash(body)], dtype=torch.int64)
     headers = [torch.empty_like(header) for _ in range(size)]

@@ -17,6 +17,7 @@ import torch
 
 from longboat.horovod import collectives as c
 from longboat.horovod.compression import Compression
+from longboat.horovod.process_sets import ProcessSet
 
 
 def _check_names(
@@ -60,10 +61,12 @@ class _DistributedOptimizer:
         backward_passes_per_step: int,
         gradient_predivide_factor: float,
         sparse_as_dense: bool,
+        process_set: ProcessSet | None,
     ) -> None:
         self.optimizer = optimizer
         self.names = _check_names(optimizer, named_parameters)
         self.compression, self.op, self.sparse_as_dense = compression, op, sparse_as_dense
+        self.process_set = process_set
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step}: use 1 or more")
         self.backward_passes_per_step = backward_passes_per_step
@@ -99,10 +102,11 @@ class _DistributedOptimizer:
             postscale_factor=self.predivide,
             compression=self.compression,
             name="DistributedOptimizer",
+            process_set=self.process_set,
         )
         for p in sparse:
             assert p.grad is not None
-            p.grad = c.sparse_allreduce(p.grad, name=self.names.get(id(p)), op=self.op)
+            p.grad = c.sparse_allreduce(p.grad, self.names.get(id(p)), self.op, self.process_set)
 
     def step(self, closure: Any = None) -> Any:
         self.synchronize()
@@ -123,6 +127,7 @@ def DistributedOptimizer(  # Horovod's name
     op: str = c.Average,
     gradient_predivide_factor: float = 1.0,
     sparse_as_dense: bool = False,
+    process_set: ProcessSet | None = None,
     **_: Any,
 ) -> Any:
     """``optimizer`` whose ``step()`` first reduces every gradient across ranks ([Note: Horovod
@@ -130,7 +135,7 @@ def DistributedOptimizer(  # Horovod's name
     are reduced at the ``step()`` that follows them, summed over the passes as Horovod does;
     ``gradient_predivide_factor`` f divides by f before the sum and multiplies by f/size after
     it (op Average only); sparse gradients are gathered (``hvd.sparse_allreduce``), or
-    densified first with ``sparse_as_dense=True``."""
+    densified first with ``sparse_as_dense=True``; ``process_set``: the ranks that average."""
     return _DistributedOptimizer(
         optimizer,
         named_parameters,
@@ -139,4 +144,5 @@ def DistributedOptimizer(  # Horovod's name
         backward_passes_per_step,
         gradient_predivide_factor,
         sparse_as_dense,
+        process_set,
     )

@@ -10,8 +10,9 @@ disagree get Horovod's error on every rank instead of a gloo abort, a hang or a 
 and ranks with fewer batches can stop early with ``hvd.join()`` ([Note: Horovod join] in
 joining.py). ``DistributedOptimizer`` (optimizer.py) reduces the gradients in ``step()``
 ([Note: Horovod optimizer order]). ``hvd.elastic`` resumes from the last commit on longboat's
-restarts ([Note: elastic on restarts] in elastic.py). Not here: process sets, matching
-operations by name across a different issue order, the C++ timeline.
+restarts ([Note: elastic on restarts] in elastic.py); process sets ([Note: Horovod process
+sets] in process_sets.py). Not here: matching operations by name across a different issue
+order, the C++ timeline.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ from longboat.horovod.collectives import (
 from longboat.horovod.compression import Compression
 from longboat.horovod.negotiate import HorovodInternalError
 from longboat.horovod.optimizer import DistributedOptimizer
+from longboat.horovod.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 from longboat.horovod.state import broadcast_optimizer_state, broadcast_parameters
 from longboat.world import World, destroy_process_group, init_process_group
 
@@ -191,7 +198,9 @@ __all__ = [
     "DistributedOptimizer",
     "Handle",
     "HorovodInternalError",
+    "ProcessSet",
     "Sum",
+    "add_process_set",
     "allgather",
     "allgather_object",
     "allreduce",
@@ -210,6 +219,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "global_process_set",
     "gloo_built",
     "gloo_enabled",
     "grouped_allreduce",
@@ -228,6 +238,7 @@ __all__ = [
     "poll",
     "rank",
     "reducescatter",
+    "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
