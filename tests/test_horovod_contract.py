@@ -249,3 +249,32 @@ def test_process_sets_run_and_check_collectives_among_their_ranks(ranks):
     assert not got[1]["included"] and got[1]["rank"] == -1
     assert "rank 1 is not in ProcessSet([0, 2])" in got[1]["error"], got[1]
     assert all(out["global"] == 3.0 for out in got)
+
+
+def _joined_rank_serves() -> dict:
+    import longboat.horovod.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out: dict = {}
+    if r == n - 1:
+        out["last"] = hvd.join()
+        return out
+    a, b = torch.tensor([1.0, 2.0]) * (r + 1), torch.tensor([r + 1], dtype=torch.int16)
+    out["grouped"] = [t.tolist() for t in hvd.grouped_allreduce([a, b], op=hvd.Sum)]
+    out["average"] = hvd.allreduce(a, op=hvd.Average).tolist()
+    try:
+        hvd.broadcast(a, root_rank=0)
+    except hvd.HorovodInternalError as e:
+        out["error"] = str(e)
+    out["last"] = hvd.join()
+    return out
+
+
+def test_a_joined_rank_serves_grouped_allreduces_with_zeros_and_refuses_broadcasts(ranks):
+    got = ranks(3, _joined_rank_serves)
+    for out in got[:2]:  # ranks 0 and 1: rank 2 joined, its zeros count in the average
+        assert out["grouped"] == [[3.0, 6.0], [3]]
+        assert out["average"] == pytest.approx([1.0, 2.0])
+        assert "hvd.broadcast while rank(s) [2] have called hvd.join()" in out["error"], out
+    assert [out["last"] for out in got] == [1, 1, 1]  # 0 and 1 joined together: the highest

@@ -16,7 +16,9 @@ exchange finds every rank joined. A rank outside :func:`join` is active in every
 * **What cannot take part.** Horovod refuses allgather and alltoall while a rank has joined; so
   does this module, and it refuses broadcasts, barriers, reducescatter and Adasum too (a joined
   rank has nothing to broadcast, and Adasum's result depends on which ranks take part): every
-  rank, joined or not, raises the same error naming the collective, instead of hanging.
+  active rank raises the same error naming the collective and the joined ranks, instead of
+  hanging, and the joined ranks stay in :func:`join`, serving the rounds that follow, as
+  Horovod's do.
 * **The rank that joined last.** :func:`join` returns it on every rank: the ranks whose first
   exchange as joined is the one that finds every rank joined joined last; when several did
   (they joined between the same two rounds), the highest of them is returned.
@@ -100,7 +102,7 @@ def join(device: torch.device) -> int:
         if r.request is None:
             return max(i for i, f in enumerate(r.fresh) if f)
         if not _joinable(r.request):
-            raise _refuse(_what(r.request), r.joined)
+            continue  # the active ranks raise (announce); this one goes on serving
         zeros = [
             torch.zeros(tuple(d or 0 for d in shape), dtype=dtype_of(dt), device=device)
             for dt, shape in zip(r.request.dtypes, r.request.shapes, strict=True)

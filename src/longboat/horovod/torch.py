@@ -133,7 +133,8 @@ def join(device: int = -1) -> int:
     While a rank has joined, ``op=Average`` still divides by ``hvd.size()``, all ranks, as
     Horovod does: the result is the sum over the ranks still active, divided by the number of
     all ranks. Other collectives (allgather, broadcast, alltoall, reducescatter, barrier,
-    Adasum) raise on every rank while a rank has joined. ``device``: the CUDA device index for
+    Adasum) raise on the active ranks while a rank has joined; the joined rank goes on
+    serving. ``device``: the CUDA device index for
     the zeros, or -1 (the default) for CPU, as in Horovod.
     """
     if size() == 1:
