@@ -167,11 +167,16 @@ def device_for(world: World) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(world: World, backend: str | None = None, timeout_s: float = 1800.0) -> bool:
+def init_process_group(
+    world: World, backend: str | None = None, timeout_s: float = 1800.0, store_prefix: str = ""
+) -> bool:
     """Join the default process group unless one exists. Returns True when this call created it.
 
     A script that called ``torch.distributed.init_process_group`` itself (torchrun style) keeps
-    its group; a world of one needs no group at all.
+    its group; a world of one needs no group at all. ``store_prefix``: a namespace in the
+    launcher's store for a group that replaces an earlier one in the same processes (the
+    earlier group's rendezvous keys, which name its closed ports, stay in that store: joined
+    again without a new namespace, gloo dials them and fails with "Connection refused").
     """
     if not world.distributed or dist.is_initialized():
         return False
@@ -197,6 +202,19 @@ def init_process_group(world: World, backend: str | None = None, timeout_s: floa
     # (TORCHELASTIC_USE_AGENT_STORE) and chose the interface: env:// joins it. Started otherwise
     # (srun, mpirun, by hand), rank 0 serves the store itself: see _own_store.
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if store_prefix:
+            from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
+
+            url = f"env://?rank={world.rank}&world_size={world.world_size}"
+            store, _, _ = next(rendezvous(url, timeout=timeout))
+            dist.init_process_group(
+                backend=backend,
+                store=PrefixStore(store_prefix, store),
+                rank=world.rank,
+                world_size=world.world_size,
+                timeout=timeout,
+            )
+            return True
         dist.init_process_group(
             backend=backend,
             init_method="env://",
