@@ -77,6 +77,11 @@ def test_gpt_in_two_pipeline_stages_by_config_only():
     pp_loss, pp_out = _gpt("gpt_pp2.toml")
     assert "strategy replicate on 2 rank(s)" in dp_out
     assert "mesh pp 2 x dp 1 x tp 1" in pp_out
-    assert "pipeline stage 0: layers 0-2 (Embedding, 2 _Block)" in pp_out
-    assert "pipeline stage 1: layers 3-5 (2 _Block, LayerNorm)" in pp_out
+    # Split by measured layer time (the config leaves the partition unset): where the cut falls
+    # depends on this machine's timings, so only its shape is checked: two contiguous stages of
+    # the 6 layers (embeddings, 4 blocks, norm and head), each with its measured time.
+    stages = re.findall(r"pipeline stage (\d): layers (\d)-(\d) \(.*measured", pp_out)
+    assert len(stages) == 2, pp_out
+    (s0, a0, b0), (s1, a1, b1) = stages
+    assert (s0, a0, s1, b1) == ("0", "0", "1", "5") and int(a1) == int(b0) + 1, stages
     assert pp_loss == pytest.approx(dp_loss, rel=1e-4)

@@ -94,7 +94,8 @@ class MetaConnection:
     def barrier(self) -> None:
         pass
 
-    def close(self) -> int:
+    def close(self, error: str | None = None) -> int:
+        del error  # a simulated worker has no server to tell why it left
         return 0
 
 

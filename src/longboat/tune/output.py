@@ -72,6 +72,8 @@ def to_deepspeed(mapping: dict[str, Any]) -> dict[str, Any]:
             f"activation_checkpointing.classes = {classes}: DeepSpeed's activation_checkpointing "
             "block does not choose which modules are recomputed"
         )
+    # Said whole: DeepSpeed's dialect clips at 1.0 where the key is absent, longboat at 0 (off).
+    out["gradient_clipping"] = mapping.get("gradient_clipping", 0.0)
     precision = mapping.get("precision", {})
     if precision.get("dtype") == "bf16":
         out["bf16"] = {"enabled": True}
