@@ -4,11 +4,16 @@ the machine."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import socket
 import sys
+import tempfile
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +59,18 @@ def join_loopback(
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     before_group()  # so that leaving the group ends gloo's threads before the exit
     dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
+
+
+def fresh_job(job: Callable[..., None], nprocs: int, *args: Any) -> dict[str, Any]:
+    """Run ``job(rank, *args, port, out)`` in ``nprocs`` fresh processes meeting on a free
+    loopback port; return the JSON one of them wrote to ``out``."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "job.json")
+        mp.spawn(job, args=(*args, free_port(), out), nprocs=nprocs)
+        result: dict[str, Any] = json.loads(Path(out).read_text())
+        return result
 
 
 def package_version(dist_name: str) -> str | None:

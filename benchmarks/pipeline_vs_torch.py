@@ -33,7 +33,6 @@ import datetime
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,8 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from common import free_port, join_loopback, machine, versions
+from common import fresh_job, join_loopback, machine, versions
 from torch import nn
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pipeline.json"
@@ -175,14 +173,6 @@ def _job(rank: int, side: str, args: argparse.Namespace, port: int, out: str) ->
         dist.destroy_process_group()
 
 
-def _run_job(side: str, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "job.json")
-        mp.spawn(_job, args=(side, args, free_port(), out), nprocs=2)
-        result: dict[str, Any] = json.loads(Path(out).read_text())
-        return result
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     schedules = [s for s in args.schedules.split(",") if s]
@@ -193,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         for group in groups:
             for side in group if r % 2 == 0 else tuple(reversed(group)):
-                jobs[side].append(_run_job(side, args))
+                jobs[side].append(fresh_job(_job, 2, side, args))
                 med = statistics.median(jobs[side][-1]["step_s"])
                 print(f"repeat {r} {side}: median step {med:.3f} s", flush=True)
     per_job = {s: [statistics.median(j["step_s"]) for j in js] for s, js in jobs.items()}

@@ -27,16 +27,14 @@ import datetime
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from common import free_port, join_loopback, machine, versions
+from common import fresh_job, join_loopback, machine, versions
 from torch import nn
 
 SIDES = ("longboat", "torch")
@@ -167,21 +165,13 @@ def _job(rank: int, side: str, args: argparse.Namespace, port: int, out: str) ->
         dist.destroy_process_group()
 
 
-def _run_job(side: str, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "job.json")
-        mp.spawn(_job, args=(side, args, free_port(), out), nprocs=args.world_size)
-        result: dict[str, Any] = json.loads(Path(out).read_text())
-        return result
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     jobs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
     for r in range(args.rounds):
         order = SIDES if r % 2 == 0 else tuple(reversed(SIDES))
         for side in order:
-            jobs[side].append(_run_job(side, args))
+            jobs[side].append(fresh_job(_job, args.world_size, side, args))
             med = statistics.median(jobs[side][-1]["times"])
             print(f"round {r} {side}: median step {med:.4f} s", flush=True)
     per_round = {s: [statistics.median(j["times"]) for j in jobs[s]] for s in SIDES}

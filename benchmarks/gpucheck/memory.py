@@ -69,6 +69,18 @@ def _train(engine: Any, vocab: int, args: dict[str, Any], steps: int) -> None:
         engine.step()
 
 
+def _fresh_peak(device: torch.device) -> int:
+    """Collect, empty the CUDA cache and restart its peak counter; the bytes still allocated
+    (0 off CUDA), so a peak read later counts only what came after."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
 def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     """The planner's peak, then the measured one, for ``args['strategy']``."""
     import longboat
@@ -81,12 +93,7 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     planned = make_plan(target, load_config(cfg), 1, micro, "adamw", [strategy]).strategies[0]
     device = torch.device(ctx.device)
     cuda = device.type == "cuda"
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    before = _fresh_peak(device)
     torch.manual_seed(0)
     model = target.build()
     engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg)
@@ -147,12 +154,7 @@ def offload_cpu(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
         cfg = _config("zero-2", args["micro_batch"])
         if offload:
             cfg["zero"]["offload_optimizer"] = {"device": "cpu"}
-        gc.collect()
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
+        before = _fresh_peak(device)
         torch.manual_seed(0)
         model = _target(args).build()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
