@@ -131,8 +131,8 @@ def check_refused(optimizer: str, extra: dict[str, Any], named: list[str]) -> No
         assert n in str(e.value), str(e.value)
 
 
-def check_digits_converge(tmp_path: Path, name: str, optimizer: str) -> None:
+def check_digits_converge(ranks: Any, tmp_path: Path, name: str, optimizer: str) -> None:
     """The digits example at 2 ranks with ``optimizer`` (its TOML section) reaches 0.95."""
     config = harness.digits_config(optimizer)
-    accuracy, out = harness.digits_accuracy(tmp_path, name, config)
+    accuracy, out = harness.digits_accuracy(ranks, tmp_path, name, config)
     assert accuracy >= 0.95, out[-2000:]

@@ -487,7 +487,7 @@ def test_cli_refuses_a_bad_compression_config_with_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["powersgd", "onebit"])
-def test_digits_converges_with_compression(tmp_path, method):
+def test_digits_converges_with_compression(ranks, tmp_path, method):
     """The example's own AdamW (1-bit Adam, which compresses the momentum instead, is
     tests/test_onebit_adam.py's)."""
     extra = "rank = 4\n" if method == "powersgd" else ""
@@ -497,7 +497,7 @@ def test_digits_converges_with_compression(tmp_path, method):
     section = f'\n[compression]\nmethod = "{method}"\nwarmup_steps = {warmup}\n{extra}'
     config = harness.digits_config(extra=section)
     assert config.count("[compression]") == 1
-    accuracy, out = harness.digits_accuracy(tmp_path, f"digits_{method}", config)
+    accuracy, out = harness.digits_accuracy(ranks, tmp_path, f"digits_{method}", config)
     assert accuracy >= 0.95, out[-2000:]
 
 

@@ -183,7 +183,7 @@ def test_deepspeed_onebit_adam_translates():
 # -- the digits example converges ------------------------------------------------------------
 
 
-def test_digits_converges_with_onebit_adam(tmp_path):
+def test_digits_converges_with_onebit_adam(ranks, tmp_path):
     """OneBitAdam freezing after 66 of the 330 steps (20 %), 2 ranks, eps = 1e-4: with
     DeepSpeed's default eps = 1e-8 it diverges here (accuracy 0.10), because ReLU units that
     are (nearly) dead during the warm-up freeze a variance of 0 or ~1e-38, and a 1-bit momentum
@@ -192,4 +192,4 @@ def test_digits_converges_with_onebit_adam(tmp_path):
         'type = "OneBitAdam"\n'
         "params = { lr = 3e-3, weight_decay = 1e-4, freeze_step = 66, eps = 1e-4 }"
     )
-    onebit_helpers.check_digits_converge(tmp_path, "digits_onebit_adam", optimizer)
+    onebit_helpers.check_digits_converge(ranks, tmp_path, "digits_onebit_adam", optimizer)

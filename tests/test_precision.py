@@ -362,9 +362,9 @@ def test_gradients_travel_in_the_communication_dtype(ranks, wire):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_digits_converges_in_low_precision(tmp_path, dtype):
+def test_digits_converges_in_low_precision(ranks, tmp_path, dtype):
     config = harness.digits_config(extra=f'\n[precision]\ndtype = "{dtype}"\n')
     assert config.count("[precision]") == 1
-    accuracy, out = harness.digits_accuracy(tmp_path, f"digits_{dtype}", config)
+    accuracy, out = harness.digits_accuracy(ranks, tmp_path, f"digits_{dtype}", config)
     assert f"precision {dtype}: forward under torch.autocast" in out
     assert accuracy >= 0.95, out[-2000:]

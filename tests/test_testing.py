@@ -125,6 +125,41 @@ def test_rank_error_is_reported_and_pool_recovers(
     assert pool.port == ports_before  # no second restart on the healthy call
 
 
+def _every_rank_raises() -> None:
+    raise ValueError(f"refused on rank {dist.get_rank()}")
+
+
+def _rank_zero_leaves_an_all_reduce_unpaired_then_every_rank_raises() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)  # nobody pairs it: the group is spoilt
+    raise ValueError(f"refused on rank {dist.get_rank()}")
+
+
+def test_a_call_every_rank_raised_in_keeps_the_workers(ranks: RankPools) -> None:
+    ranks(2, _all_reduce_rank_plus_one)
+    pool = ranks.pool(2)
+    pids = pool.pids
+    with pytest.raises(RankFailure) as caught:
+        ranks(2, _every_rank_raises)
+    assert "still usable" in str(caught.value)
+    assert set(caught.value.failures) == {0, 1}
+    assert pool.pids == pids
+    assert ranks(2, _all_reduce_rank_plus_one) == [3.0, 3.0]
+
+
+def test_a_collective_left_unpaired_by_a_failed_call_replaces_the_workers(
+    ranks: RankPools,
+) -> None:
+    ranks(2, _all_reduce_rank_plus_one)
+    pool = ranks.pool(2)
+    pids = pool.pids
+    with pytest.raises(RankFailure) as caught:
+        ranks(2, _rank_zero_leaves_an_all_reduce_unpaired_then_every_rank_raises)
+    assert "the pool was restarted" in str(caught.value)
+    assert set(pool.pids).isdisjoint(pids)
+    assert ranks(2, _all_reduce_rank_plus_one) == [3.0, 3.0]
+
+
 def test_hung_rank_is_reported_and_pool_recovers(ranks: RankPools) -> None:
     pool = ranks.pool(2)
     old_pids = pool.pids

@@ -8,6 +8,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import random
 import socket
 import sys
 import time
@@ -19,7 +20,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from longboat.testing.common import HOST, RankFailure
-from longboat.testing.worker import worker_main
+from longboat.testing.worker import probe_group, worker_main
+
+# Seconds an intact group takes to answer the probe after a failed call: milliseconds, but the
+# workers may share the cores with other jobs.
+PROBE_TIMEOUT_S = 20.0
 
 
 def _free_port() -> int:
@@ -203,7 +208,7 @@ class RankPool:
             assert generation is not None
             if generation.ready:
                 return generation
-            _, failures, _ = self._collect(generation, self.start_timeout, grace=1.0)
+            _, failures, _, _ = self._collect(generation, self.start_timeout, grace=1.0)
             if not failures:
                 generation.ready = True
                 return generation
@@ -226,7 +231,8 @@ class RankPool:
 
         Raises:
             RankFailure: a rank raised, died, or did not answer within ``timeout``. The pool
-                has been restarted by then and can be used again.
+                can be used again: its workers were replaced, unless every rank raised and
+                a probe found the group intact (:meth:`_group_survived`).
             pickle.PicklingError, AttributeError, TypeError: ``fn`` or the arguments cannot
                 be pickled; nothing was sent and the pool is untouched.
         """
@@ -250,7 +256,7 @@ class RankPool:
         message = pickle.dumps(("call", list(sys.path), payload), pickle.HIGHEST_PROTOCOL)
         try:
             generation = self._ensure_ready()
-            results, failures, clean = self._exchange(generation, message, limit)
+            results, failures, clean, raised = self._exchange(generation, message, limit)
         except RankFailure:
             raise  # the pool failed to start; a fresh start is already under way
         except BaseException:
@@ -259,6 +265,8 @@ class RankPool:
             self._kill()
             raise
         if failures:
+            if not clean and len(raised) == self.world_size and self._group_survived(generation):
+                clean = True
             if not clean:
                 self.restart()
             raise RankFailure(
@@ -267,9 +275,26 @@ class RankPool:
             )
         return [results[rank] for rank in range(self.world_size)]
 
+    def _group_survived(self, generation: _Generation) -> bool:
+        """Whether the process group still pairs every rank's collectives after a call in
+        which every rank raised.
+
+        Each worker answered, so none waits in a collective, and restarting them all costs
+        seconds of torch imports per rank (refusal tests do this on purpose, hundreds of
+        times in a suite). What an answer does not show is a collective one rank launched
+        asynchronously before raising: it would pair with the next call's first collective.
+        A probe with a fresh token finds that (a wrong sum, a size mismatch, or no answer
+        within :data:`PROBE_TIMEOUT_S`), and only then are the workers replaced.
+        """
+        token = random.randrange(1, 1 << 20)
+        payload = pickle.dumps((probe_group, (token,), {}), pickle.HIGHEST_PROTOCOL)
+        message = pickle.dumps(("call", list(sys.path), payload), pickle.HIGHEST_PROTOCOL)
+        results, failures, _, _ = self._exchange(generation, message, PROBE_TIMEOUT_S)
+        return not failures and all(results.get(r) is True for r in range(self.world_size))
+
     def _exchange(
         self, generation: _Generation, message: bytes, limit: float
-    ) -> tuple[dict[int, Any], dict[int, str], bool]:
+    ) -> tuple[dict[int, Any], dict[int, str], bool, set[int]]:
         """Send ``message`` to every rank and collect the replies, as :meth:`_collect`."""
         failures: dict[int, str] = {}
         for rank, conn in enumerate(generation.conns):
@@ -278,24 +303,25 @@ class RankPool:
             except OSError as exc:
                 failures[rank] = f"could not be sent the call ({exc!r}); the worker is gone"
         if failures:
-            return {}, failures, False
+            return {}, failures, False, set()
         return self._collect(generation, limit, grace=self.error_grace)
 
     def _collect(
         self, generation: _Generation, limit: float, grace: float
-    ) -> tuple[dict[int, Any], dict[int, str], bool]:
+    ) -> tuple[dict[int, Any], dict[int, str], bool, set[int]]:
         """Read one reply per rank; ranks silent at the deadline become failures.
 
         The deadline is ``limit`` after now, cut to ``grace`` after the first failure.
-        Returns results and failures by rank, and whether every failure left its worker
-        idle and the process group intact (results that could not be pickled or
-        unpickled), so that no restart is needed.
+        Returns results and failures by rank, whether every failure left its worker idle
+        and the process group intact (results that could not be pickled or unpickled), so
+        that no restart is needed, and the ranks whose call raised.
         """
         start = time.monotonic()
         deadline = start + limit
         pending = {conn: rank for rank, conn in enumerate(generation.conns)}
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
+        raised: set[int] = set()
         clean = True
         while pending:
             remaining = deadline - time.monotonic()
@@ -320,6 +346,8 @@ class RankPool:
                     if status in ("error", "unpicklable"):
                         failures[rank] = value
                         clean = clean and status == "unpicklable"
+                        if status == "error":
+                            raised.add(rank)
                     else:
                         results[rank] = value
                 if rank in failures and not clean:
@@ -330,7 +358,7 @@ class RankPool:
             failures[rank] = (
                 f"did not answer within {waited:.1f} s (likely waiting in a collective)"
             )
-        return results, failures, clean
+        return results, failures, clean, raised
 
     def _report(
         self, what: str, failures: Mapping[int, str], limit: float, *, restarted: bool = True

@@ -89,6 +89,21 @@ def _send(conn: Connection, status: str, value: Any) -> None:
     conn.send_bytes(data)
 
 
+def probe_group(token: int) -> bool:
+    """All-reduce ``token`` and the rank, and agree whether every rank saw the exact sums: a
+    collective left unpaired by an earlier call would pair with these and break them."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    seen = torch.tensor([float(token), float(dist.get_rank())], dtype=torch.float64)
+    dist.all_reduce(seen)
+    exact = seen.tolist() == [float(token * world), float(world * (world - 1) // 2)]
+    agreed = torch.tensor([1.0 if exact else 0.0], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item() == 1.0)
+
+
 def worker_main(
     rank: int,
     world_size: int,
