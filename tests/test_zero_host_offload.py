@@ -133,6 +133,14 @@ def _where_state_lives(stage: int) -> dict[str, Any]:
         "state": len(state),
         "state_in_shards": any(inside(t, shards) for t in state),
         "state_devices": sorted({t.device.type for t in state}),
+        "state_bytes": sum(  # every tensor of the state, its scalar step counts too
+            t.untyped_storage().nbytes()
+            for st in engine.optimizer.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        ),
+        "shard_bytes": sum(s.nbytes for s in shards),
+        "report": engine.memory_report(),
     }
     engine.close()
     return out
@@ -145,6 +153,16 @@ def test_the_optimizer_steps_host_buffers_apart_from_the_shards(host_ranks, stag
         assert r["pieces_in_masters"] and not r["pieces_in_shards"]
         assert r["grads_in_host"]
         assert not r["state_in_shards"] and r["state_devices"] == ["cpu"]
+        # The memory report: the state is not beside the parameters, measured or expected;
+        # the host holds it, and a master and a gradient buffer as large as each shard.
+        report = r["report"]
+        assert report.measured["optimizer_state"] == report.expected["optimizer_state"] == 0
+        assert report.on_host == {
+            "optimizer_state": r["state_bytes"],
+            "master_parameters": r["shard_bytes"],
+            "gradient_copies": r["shard_bytes"],
+        }
+        assert r["state_bytes"] > 0 and "optimizer_state in host memory" in str(report)
 
 
 def test_on_a_cpu_rank_the_state_stays_with_the_parameters(ranks):
@@ -157,6 +175,8 @@ def test_on_a_cpu_rank_the_state_stays_with_the_parameters(ranks):
 def _where_state_lives_in_memory(cfg: dict[str, Any]) -> str:
     engine = offload_helpers.train_zoo(cfg, 1)
     name = type(engine.strategy.home).__name__
+    report = engine.memory_report()
+    assert report.on_host == {} and report.measured["optimizer_state"] > 0
     engine.close()
     return name
 

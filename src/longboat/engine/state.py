@@ -150,4 +150,5 @@ class StateMethods:
             measured=measure(self.strategy.memory_tensors(self.optimizer)),
             expected=formula,
             on_disk=dict(self.strategy.on_disk),
+            on_host=dict(self.strategy.on_host),
         )

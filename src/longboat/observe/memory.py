@@ -109,6 +109,8 @@ class MemoryReport:
     expected: dict[str, int]
     #: model state kept on disk, per category (offload; empty without)
     on_disk: dict[str, int] = field(default_factory=dict)
+    #: model state in host memory beside an accelerator, by kind (ZeRO-Offload; empty without)
+    on_host: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -134,6 +136,8 @@ class MemoryReport:
         )
         for c, n in self.on_disk.items():
             rows.append(f"  {c + ' on disk':<22} {n / 2**20:10.2f} MiB")
+        for c, n in self.on_host.items():
+            rows.append(f"  {c + ' in host memory':<22} {n / 2**20:10.2f} MiB")
         return "\n".join(rows)
 
 

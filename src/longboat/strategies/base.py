@@ -136,6 +136,12 @@ class Strategy(Protocol):
         ...
 
     @property
+    def on_host(self) -> dict[str, int]:
+        """Bytes of model state this rank keeps in host memory beside an accelerator, by kind
+        (a category held there instead of on the device, or a host copy)."""
+        ...
+
+    @property
     def offloaded(self) -> dict[str, int] | None:
         """With state offloaded to disk: bytes on disk (``disk``) and read and written so far
         (``moved``); None without."""
@@ -290,6 +296,10 @@ class StrategyDefaults:
 
     @property
     def on_disk(self) -> dict[str, int]:
+        return {}
+
+    @property
+    def on_host(self) -> dict[str, int]:
         return {}
 
     @property

@@ -94,6 +94,10 @@ class TensorParallelStrategy(StrategyDefaults):
         return self.inner.on_disk
 
     @property
+    def on_host(self) -> dict[str, int]:
+        return self.inner.on_host
+
+    @property
     def offloaded(self) -> dict[str, int] | None:
         return self.inner.offloaded
 

@@ -81,6 +81,12 @@ class Home(Protocol):
         """Bytes of model state on disk, per category."""
 
     @property
+    def on_host(self) -> dict[str, int]:
+        """Bytes of model state in host memory beside an accelerator ([Note: host offload]),
+        by kind: a category of ``observe.memory.CATEGORIES`` held there instead of beside the
+        parameters, or a host copy (``master_parameters``, ``gradient_copies``)."""
+
+    @property
     def offloaded(self) -> dict[str, int] | None:
         """Bytes on disk, read and written so far; None without a disk."""
 

@@ -118,6 +118,7 @@ class OnHost(InMemory):
         self.grads: dict[int, torch.Tensor] = {}  # per unit: its gradient shard, on the host
         self.copies: Copies | None = None
         self.stream: UnitStream | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
 
     def _host(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer shaped like ``like``, pinned where CUDA is (not in the planner's run,
@@ -135,6 +136,7 @@ class OnHost(InMemory):
         u.make_pieces(master)  # the optimizer steps the master ([Note: shard pieces])
 
     def start(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
         if not self.units:
             return
         self.copies = Copies(self.units[0].device)
@@ -195,6 +197,27 @@ class OnHost(InMemory):
                 if v.device.type != "cpu" or (self.pin and v.dim() > 0 and not v.is_pinned()):
                     host = self._host(v) if v.dim() > 0 else torch.empty_like(v, device="cpu")
                     st[k] = host.copy_(v)
+
+    @property
+    def on_host(self) -> dict[str, int]:
+        """The optimizer state of every piece, and the masters and gradient buffers (copies
+        of the device shards), in bytes; each storage counted once."""
+        seen: set[int] = set()
+        state = 0
+        if self.optimizer is not None:
+            for u in self.units:
+                for *_, piece in u.pieces:
+                    for v in self.optimizer.state.get(piece, {}).values():
+                        if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor):
+                            storage = v.untyped_storage()
+                            if storage.data_ptr() not in seen:
+                                seen.add(storage.data_ptr())
+                                state += storage.nbytes()
+        return {
+            "optimizer_state": state,
+            "master_parameters": sum(m.nbytes for m in self.masters.values()),
+            "gradient_copies": sum(g.nbytes for g in self.grads.values()),
+        }
 
     # -- checkpoints -----------------------------------------------------------------------------
 

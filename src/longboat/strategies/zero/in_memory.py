@@ -92,6 +92,10 @@ class InMemory:
         return {}
 
     @property
+    def on_host(self) -> dict[str, int]:
+        return {}
+
+    @property
     def offloaded(self) -> dict[str, int] | None:
         return None
 

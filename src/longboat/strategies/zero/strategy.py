@@ -184,6 +184,11 @@ class Zero(StrategyDefaults):
         """Bytes of model state this rank keeps on disk, per category."""
         return self.home.on_disk
 
+    @property
+    def on_host(self) -> dict[str, int]:
+        """Bytes of model state this rank keeps in host memory beside an accelerator."""
+        return self.home.on_host
+
     def held_gradients(self) -> ShardSwap | None:
         """Gradients kept out of memory ([Note: parameter offload]): the engine's clipping
         asks them for their sum of squares and hands them its factor."""
@@ -284,7 +289,8 @@ class Zero(StrategyDefaults):
         return {
             "parameters": params,
             "gradients": grads,
-            "optimizer_state": optimizer_state_tensors(optimizer),
+            # beside an accelerator the state is in host memory: the report's own row
+            "optimizer_state": [] if self.home.on_host else optimizer_state_tensors(optimizer),
             "communication_buffers": comm,
         }
 
@@ -329,10 +335,12 @@ class Zero(StrategyDefaults):
             zero_state.load(self.units, model, optimizer, source)
 
     def expected_memory(self, a: int, k: int) -> dict[str, int]:
-        """[Note: memory formulas] for this stage; offloaded optimizer state is on disk."""
+        """[Note: memory formulas] for this stage; optimizer state offloaded to disk or to host
+        memory is not beside the parameters."""
         out = self.policy.model_state(a, self.comm.world_size, k)
-        for category in self.on_disk:
-            out[category] = 0
+        for category in (*self.on_disk, *self.on_host):
+            if category in out:
+                out[category] = 0
         return out
 
     def close(self) -> None:
