@@ -292,14 +292,19 @@ def _run(ranks, world: int, extra: dict[str, Any], accum: int, optimizer: str = 
     return results, plain
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_pipeline_equals_plain_pytorch(ranks, kind, stages):
     _run(ranks, stages, {"mesh": {"pp": stages}, "pipeline": {"schedule": kind}}, accum=4)
 
 
-def test_pipeline_with_activation_checkpointing_equals_plain_pytorch(ranks):
-    extra = {"mesh": {"pp": 2}, "activation_checkpointing": {"classes": ["Linear", "Gate"]}}
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_pipeline_with_activation_checkpointing_equals_plain_pytorch(ranks, kind):
+    extra = {
+        "mesh": {"pp": 2},
+        "pipeline": {"schedule": kind},
+        "activation_checkpointing": {"classes": ["Linear", "Gate"]},
+    }
     _run(ranks, 2, extra, accum=4)
 
 
@@ -318,6 +323,9 @@ def test_interleaved_equals_plain_pytorch(ranks):
         # two stages per rank: the sync waits for the step's last backward of either
         ("replicate", "interleaved"),
         ("zero2", "interleaved"),
+        # weight passes deferred: the sync waits for the step's last W
+        ("replicate", "zb-h1"),
+        ("zero2", "zb-h1"),
     ],
 )
 def test_pipeline_with_data_parallel_equals_plain_pytorch(ranks, strategy, schedule):
