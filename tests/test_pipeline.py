@@ -358,7 +358,7 @@ class _InfOnStep(nn.Module):
         return x * w
 
 
-def _fp16_overflow_on_the_last_stage() -> dict:
+def _fp16_overflow_on_the_last_stage(kind: str) -> dict:
     torch.manual_seed(0)
     model = PipelineModule(
         [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), _InfOnStep(bad=1, per_step=2)],
@@ -367,6 +367,7 @@ def _fp16_overflow_on_the_last_stage() -> dict:
     cfg = {
         **harness.QUIET,
         "mesh": {"pp": 2},
+        "pipeline": {"schedule": kind},
         "precision": {"dtype": "fp16", "initial_scale_power": 8, "hysteresis": 1},
         "batch": {"train_batch_size": 8, "gradient_accumulation_steps": 2},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
@@ -384,8 +385,9 @@ def _fp16_overflow_on_the_last_stage() -> dict:
     return out
 
 
-def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(ranks):
-    first, last = ranks(2, _fp16_overflow_on_the_last_stage)
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(ranks, kind):
+    first, last = ranks(2, _fp16_overflow_on_the_last_stage, kind)
     # the inf exists on the last stage only; the first stage skips the same step
     assert first["skipped"] == last["skipped"] == 1
     assert first["scales"] == last["scales"] == [256.0, 128.0, 128.0]
