@@ -167,7 +167,7 @@ def test_interleaved_shrinks_the_bubble_by_the_virtual_stages(p, m, v):
         ("interleaved", 2, 3, 2, ["3 micro-batch(es)", "groups of 2", "multiple of 2"]),
         ("interleaved", 1, 2, 2, ["at least 2 pipeline ranks"]),
         ("gpipe", 2, 4, 2, ["virtual stages", "interleaved"]),
-        ("zigzag", 2, 4, 1, ["'zigzag' is unknown", "gpipe", "1f1b", "interleaved"]),
+        ("zigzag", 2, 4, 1, ["'zigzag' is unknown", "gpipe", "1f1b", "interleaved", "zb-h1"]),
     ],
 )
 def test_schedule_refusals(kind, p, m, v, words):

@@ -99,6 +99,25 @@ def _reused() -> nn.Module:
     return reference.ReusedNet()
 
 
+def _count_runs(out: torch.Tensor, kind: str, runs: list[int]) -> None:
+    """Count, in ``runs``, how often each node of type ``kind`` below ``out`` runs."""
+    todo, seen = [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == kind:
+            i = len(runs)
+            runs.append(0)
+
+            def hook(grads: tuple, i: int = i) -> None:
+                runs[i] += 1
+
+            node.register_prehook(hook)
+        todo += [child for child, _ in node.next_functions]
+
+
 @pytest.mark.parametrize(
     ("build", "input_grad"),
     [
@@ -123,10 +142,12 @@ def test_split_backward_equals_the_unsplit_one(build, input_grad):
                 p.register_post_accumulate_grad_hook(count)
     g = torch.Generator().manual_seed(1)
     passes = []
+    tanh_runs: list[int] = []  # the input path's activations, whose backward has no weight
     for _ in range(3):  # three micro-batches: every I first, then the W's (gradients accumulate)
         x = torch.randn(4, 12, generator=g)
         xa, xb = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
         out_a, out_b = whole(xa), split(xb)
+        _count_runs(out_b, "TanhBackward0", tanh_runs)
         grad = torch.randn(out_a.shape, generator=g)
         torch.autograd.backward(out_a, grad)
         found, weights = backward_input(out_b, grad, [xb], list(split.parameters()))
@@ -136,8 +157,15 @@ def test_split_backward_equals_the_unsplit_one(build, input_grad):
             assert found == [None]
         assert all(p.grad is None for p in split.parameters()), "I leaves the weights alone"
         passes.append(weights)
+    runs_in_i = sum(tanh_runs)
     for weights in passes:
         weights()
+    # I runs the input's path once (a first stage has none to run); W replays only the branches
+    # to parameters, so what lies on the input's path alone ran once in all (but between two
+    # uses of one weight, which W replays together)
+    assert runs_in_i == (len(tanh_runs) if input_grad else 0)
+    if build is not _reused:
+        assert sum(tanh_runs) == len(tanh_runs)
     mine = dict(split.named_parameters())
     for name, p in whole.named_parameters():
         if p.grad is None:  # frozen, or never used
