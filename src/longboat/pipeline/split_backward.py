@@ -108,6 +108,8 @@ class WeightPass:
                 if g is not None
             ]
             values = [g for gs in grads for g in gs if g is not None]
+            if not roots:  # no gradient reached these nodes in I: none for their parameters
+                continue
             handles: list[RemovableHandle] = []
             if len(nodes) > 1:  # pin each node to what I saw: nothing counted twice
                 for n, gs in zip(nodes, grads, strict=True):
