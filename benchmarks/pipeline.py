@@ -16,7 +16,8 @@ Each side runs alone in a fresh pair of processes (``--warmup`` steps, then ``--
 measured), the sides' order reversed every other repeat (ABBA). Per step and rank it records the
 step time (the MAX over ranks is the step time) and the seconds that rank spent blocked in the
 pipeline's doorways (receiving an activation or a gradient its neighbour has not sent yet): the
-*measured idle fraction*, against the theory ``(p - 1) / (m + p - 1)`` (equal stages) and, for
+*measured idle fraction*, against the theory ``(p - 1) / (m + p - 1)`` (equal stages; ZB-H1's
+``(p - 1) / (3 m + p - 1)`` with its backward split half and half, ``--schedules zb-h1``) and, for
 the measured split, the idle the schedule simulator predicts from the stages' measured forward
 and backward times (``Pipeline.predicted_idle``; transfers free). Transfers count as measured
 idle (they are loopback copies here). Activations: during one step, the bytes of tensors autograd
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -59,7 +61,7 @@ GLOBAL_BATCH = 16
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--micro-batches", default="2,4,8", help="pipeline micro-batch counts")
-    ap.add_argument("--schedules", default="gpipe,1f1b")
+    ap.add_argument("--schedules", default="gpipe,1f1b", help="gpipe, 1f1b, zb-h1")
     ap.add_argument(
         "--partitions", default="measured", help="pipeline.partition: measured, parameters"
     )
@@ -132,9 +134,11 @@ def _config(side: str) -> dict[str, Any]:
 
 
 def _side(side: str) -> tuple[str, int, str]:
-    """``"1f1b-m4-measured"`` -> schedule, micro-batches, partition."""
-    schedule, m, partition = side.split("-", 2)
-    return schedule, int(m[1:]), partition
+    """``"1f1b-m4-measured"`` -> schedule, micro-batches, partition (``"zb-h1-m4-measured"``:
+    the schedule's own name has a dash)."""
+    found = re.fullmatch(r"(.+?)-m(\d+)-(.+)", side)
+    assert found is not None, side
+    return found[1], int(found[2]), found[3]
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             "bounds": stages[0]["bounds"],
             "median_step_s": step,
             "vs_replicate": step / rep,
-            "idle_theory": bubble_theory(2, m),
+            "idle_theory": bubble_theory(2, m, kind=schedule),
             "idle_measured": {s: statistics.median(v["idle"]) for s, v in stages.items()},
             "idle_predicted": {
                 s: statistics.median(v["predicted"]) for s, v in stages.items() if v["predicted"]

@@ -167,7 +167,7 @@ def test_interleaved_shrinks_the_bubble_by_the_virtual_stages(p, m, v):
         ("interleaved", 2, 3, 2, ["3 micro-batch(es)", "groups of 2", "multiple of 2"]),
         ("interleaved", 1, 2, 2, ["at least 2 pipeline ranks"]),
         ("gpipe", 2, 4, 2, ["virtual stages", "interleaved"]),
-        ("zigzag", 2, 4, 1, ["'zigzag' is unknown", "gpipe", "1f1b", "interleaved"]),
+        ("zigzag", 2, 4, 1, ["'zigzag' is unknown", "gpipe", "1f1b", "interleaved", "zb-h1"]),
     ],
 )
 def test_schedule_refusals(kind, p, m, v, words):
@@ -292,14 +292,19 @@ def _run(ranks, world: int, extra: dict[str, Any], accum: int, optimizer: str = 
     return results, plain
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_pipeline_equals_plain_pytorch(ranks, kind, stages):
     _run(ranks, stages, {"mesh": {"pp": stages}, "pipeline": {"schedule": kind}}, accum=4)
 
 
-def test_pipeline_with_activation_checkpointing_equals_plain_pytorch(ranks):
-    extra = {"mesh": {"pp": 2}, "activation_checkpointing": {"classes": ["Linear", "Gate"]}}
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_pipeline_with_activation_checkpointing_equals_plain_pytorch(ranks, kind):
+    extra = {
+        "mesh": {"pp": 2},
+        "pipeline": {"schedule": kind},
+        "activation_checkpointing": {"classes": ["Linear", "Gate"]},
+    }
     _run(ranks, 2, extra, accum=4)
 
 
@@ -318,6 +323,9 @@ def test_interleaved_equals_plain_pytorch(ranks):
         # two stages per rank: the sync waits for the step's last backward of either
         ("replicate", "interleaved"),
         ("zero2", "interleaved"),
+        # weight passes deferred: the sync waits for the step's last W
+        ("replicate", "zb-h1"),
+        ("zero2", "zb-h1"),
     ],
 )
 def test_pipeline_with_data_parallel_equals_plain_pytorch(ranks, strategy, schedule):
@@ -350,7 +358,7 @@ class _InfOnStep(nn.Module):
         return x * w
 
 
-def _fp16_overflow_on_the_last_stage() -> dict:
+def _fp16_overflow_on_the_last_stage(kind: str) -> dict:
     torch.manual_seed(0)
     model = PipelineModule(
         [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), _InfOnStep(bad=1, per_step=2)],
@@ -359,6 +367,7 @@ def _fp16_overflow_on_the_last_stage() -> dict:
     cfg = {
         **harness.QUIET,
         "mesh": {"pp": 2},
+        "pipeline": {"schedule": kind},
         "precision": {"dtype": "fp16", "initial_scale_power": 8, "hysteresis": 1},
         "batch": {"train_batch_size": 8, "gradient_accumulation_steps": 2},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
@@ -376,8 +385,9 @@ def _fp16_overflow_on_the_last_stage() -> dict:
     return out
 
 
-def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(ranks):
-    first, last = ranks(2, _fp16_overflow_on_the_last_stage)
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(ranks, kind):
+    first, last = ranks(2, _fp16_overflow_on_the_last_stage, kind)
     # the inf exists on the last stage only; the first stage skips the same step
     assert first["skipped"] == last["skipped"] == 1
     assert first["scales"] == last["scales"] == [256.0, 128.0, 128.0]

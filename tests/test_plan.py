@@ -722,6 +722,11 @@ def test_stage_activations_and_sends_follow_the_schedule():
     for g, f in zip(gpipe, one_f, strict=True):
         assert g.activations == m * f.activations // f.in_flight
     assert gpipe[0].peak > one_f[0].peak and gpipe[1].peak > one_f[1].peak
+    # ZB-H1 defers the last stage's weight passes: it holds p micro-batches there, as the first
+    # stage does under both.
+    zb = rows("zb-h1")
+    assert [r.in_flight for r in zb] == [2, 2]
+    assert zb[0].peak == one_f[0].peak and zb[1].activations == 2 * one_f[1].activations
     # Stage 0 sends each micro-batch's activation, stage 1 its gradient: [B, T, d] fp32 each.
     boundary = 4 * MICRO * GPT_ARGS["seq_len"] * GPT_ARGS["d_model"]
     for r in one_f:

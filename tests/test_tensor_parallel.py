@@ -222,10 +222,16 @@ def _train_stages(cfg: dict[str, Any], steps: int, tie: bool) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_tensor_parallel_within_pipeline_stages_equals_plain_pytorch(ranks, tie):
+@pytest.mark.parametrize(
+    ("tie", "schedule"),
+    [(False, "1f1b"), (True, "1f1b"), (True, "zb-h1")],
+    ids=["untied", "tied", "tied-zb-h1"],
+)
+def test_tensor_parallel_within_pipeline_stages_equals_plain_pytorch(ranks, tie, schedule):
     # pp 2 x tp 2: ranks 0, 1 hold the first stage's layers, divided; ranks 2, 3 the second's.
-    cfg = _config({"mesh": {"pp": 2, "tp": 2}, "pipeline": {"partition": "uniform"}})
+    # zb-h1: the divided layers' backward collectives run in the input-gradient pass.
+    pipeline = {"partition": "uniform", "schedule": schedule}
+    cfg = _config({"mesh": {"pp": 2, "tp": 2}, "pipeline": pipeline})
     results = ranks(4, _train_stages, cfg, STEPS, tie)
     plain, model, _, _ = _plain(STEPS, tie, BATCH // 2)
     want = model.state_dict()

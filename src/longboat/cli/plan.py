@@ -56,7 +56,9 @@ def plan(
         "with --pp, else the number of stages)",
     ),
     schedule: str | None = typer.Option(
-        None, "--schedule", help="gpipe, 1f1b or interleaved (default: the config's, else 1f1b)"
+        None,
+        "--schedule",
+        help="gpipe, 1f1b, interleaved or zb-h1 (default: the config's, else 1f1b)",
     ),
     virtual_stages: int | None = typer.Option(
         None, "--virtual-stages", help="stages per rank with --schedule interleaved"

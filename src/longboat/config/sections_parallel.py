@@ -261,8 +261,10 @@ class PipelineConfig(_Section):
     """How pipeline stages (``mesh.pp > 1``) run a step's micro-batches (the micro-batches are
     ``batch.gradient_accumulation_steps``, as in DeepSpeed)."""
 
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = Field(
-        "1f1b", description="gpipe, 1f1b (PipeDream-Flush) or interleaved (virtual stages)"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = Field(
+        "1f1b",
+        description="gpipe, 1f1b (PipeDream-Flush), interleaved (virtual stages) or zb-h1 "
+        "(1F1B with the backward split, weight gradients filling the idle time)",
     )
     virtual_stages: int = Field(1, ge=1, description="stages per rank; > 1 with interleaved")
     partition: str | list[int] | None = Field(

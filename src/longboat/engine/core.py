@@ -26,6 +26,7 @@ from longboat.config.compositions import refuse_built
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.data import Loader, build_loader
+from longboat.engine.split import SplitBackwardMethods
 from longboat.engine.state import StateMethods
 from longboat.grads import clip_by_global_norm_
 from longboat.join import UNEVEN_HINT, JoinVote, Turn
@@ -44,7 +45,7 @@ from longboat.world import World, destroy_process_group, device_for
 T = TypeVar("T")
 
 
-class Engine(StateMethods):
+class Engine(StateMethods, SplitBackwardMethods):
     """A model trained by a strategy. Create it with :func:`longboat.initialize`."""
 
     def __init__(

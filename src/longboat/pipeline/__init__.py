@@ -1,5 +1,6 @@
 """Pipeline parallelism: a model's layers split into stages over the mesh's ``pp`` axis, and the
-schedules (GPipe, 1F1B, interleaved) that run a step's micro-batches through them."""
+schedules (GPipe, 1F1B, interleaved, zero-bubble ZB-H1) that run a step's micro-batches through
+them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from longboat.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from longboat.pipeline.partition import PartitionError, StageInfo
 from longboat.pipeline.runtime import Pipeline
 from longboat.pipeline.schedule import Schedule, Sequential
-from longboat.pipeline.schedules import Action, PipelineSchedule, ScheduleError, bubble_theory
+from longboat.pipeline.schedules import (
+    Action,
+    PipelineSchedule,
+    ScheduleError,
+    bubble_theory,
+    zero_bubble_theory,
+)
 from longboat.pipeline.schedules import build as build_pipeline_schedule
 from longboat.topology import Topology
 
@@ -43,4 +50,5 @@ __all__ = [
     "bubble_theory",
     "build_pipeline_schedule",
     "build_schedule",
+    "zero_bubble_theory",
 ]

@@ -7,9 +7,10 @@ stage ``s`` takes its input from the micro-batch (first stage) or from the rank 
 where ``loss_fn`` makes the loss. A backward of the last stage is the engine's
 ``backward(loss)`` (the accumulation's ``1 / m`` and the fp16 loss scale are applied there);
 any other stage's backward receives its output's gradient, runs autograd from it, and sends
-its input's gradient back. Everything that depends on how a stage's parameters are held
-(replicate, ZeRO) stays with the data-parallel strategy, which the engine tells when the
-step's last backward begins.
+its input's gradient back. A split backward ([Note: split backward]) does that in its ``I``, and
+runs its ``W`` through the engine as the micro-batch's backward. Everything that depends on how
+a stage's parameters are held (replicate, ZeRO) stays with the data-parallel strategy, which
+the engine tells when the step's last backward begins.
 
 The losses exist on the last stage; they are broadcast over the pipeline's control plane at
 the step's end so that every rank reports the same step loss.
@@ -26,7 +27,7 @@ from torch import nn
 
 from longboat.comm.protocol import Comm, Handle
 from longboat.config.errors import ConfigError
-from longboat.pipeline import layered, measure, schedules
+from longboat.pipeline import layered, measure, schedules, split_backward
 from longboat.pipeline import stages as staging
 from longboat.pipeline.measure import LayerCosts
 from longboat.pipeline.module import PipelineModule
@@ -61,6 +62,7 @@ class Pipeline:
         self.link = Link(self.data, self.control, device)
         self._plans: dict[int, schedules.PipelineSchedule] = {}
         self.bounds: list[int] = []  # the stages' layer boundaries, chosen by prepare()
+        self.trained: list[nn.Parameter] = []  # this rank's stages' parameters (prepare())
         # each stage's measured forward and backward seconds (the measured partition only)
         self.stage_costs: tuple[list[float], list[float]] | None = None
         self.log = logging.getLogger("longboat")
@@ -91,6 +93,7 @@ class Pipeline:
         else:
             model, tied = layered.split(model, bounds, held)
         self._tie(tied)
+        self.trained = list(dict.fromkeys(model.parameters()))
         return model
 
     def _measure(self, model: nn.Module, method: staging.Method, example: Any) -> LayerCosts | None:
@@ -176,7 +179,9 @@ class Pipeline:
                 f"(batch.gradient_accumulation_steps): {e}"
             ) from None
         if self.rank == 0:
-            bubble = schedules.bubble_theory(self.ranks, micro_batches, self.stages_per_rank)
+            bubble = schedules.bubble_theory(
+                self.ranks, micro_batches, self.stages_per_rank, kind=self.kind
+            )
             self.log.info(
                 "pipeline schedule %s, %d micro-batches per step: idle fraction %.0f%% with "
                 "equal stages",
@@ -220,6 +225,7 @@ class Pipeline:
         last = plan.stages - 1
         link = self.link
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        weights: dict[tuple[int, int], split_backward.WeightPass] = {}  # I done, W to come
         sends: list[Handle] = []
         losses: list[torch.Tensor] = []
         for a in plan.actions[self.rank]:
@@ -240,6 +246,23 @@ class Pipeline:
                         out, plan.rank_of(s + 1), Message("activation", mb, s, s + 1)
                     )
                 saved[(mb, s)] = (x, out)
+            elif a.op == "W":
+                steps.backward_with(weights.pop((mb, s)))
+            elif a.op == "I":
+                x, out = saved.pop((mb, s))
+                if s == last:
+                    root, grad = steps.scaled_loss(out), None
+                    losses.append(out.detach())
+                else:
+                    root = out
+                    grad = link.recv(plan.rank_of(s + 1), Message("gradient", mb, s + 1, s))
+                found, weights[(mb, s)] = split_backward.backward_input(
+                    root, grad, [x], self.trained
+                )
+                if s > 0:
+                    assert x is not None
+                    g = found[0] if found[0] is not None else torch.zeros_like(x)
+                    sends += link.send(g, plan.rank_of(s - 1), Message("gradient", mb, s, s - 1))
             else:
                 x, out = saved.pop((mb, s))
                 if s == last:

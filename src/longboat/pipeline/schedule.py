@@ -37,6 +37,15 @@ class Steps(Protocol):
         """Backward from ``output``'s gradient (a pipeline stage before the last)."""
         ...
 
+    def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as :meth:`backward` differentiates it: where a split backward of the last
+        stage starts ([Note: split backward])."""
+        ...
+
+    def backward_with(self, run: Callable[[], None]) -> None:
+        """``run`` (a split backward's weight pass) as a micro-batch's backward."""
+        ...
+
 
 class Schedule(Protocol):
     """Runs one optimizer step's micro-batches; returns their losses.

@@ -13,12 +13,17 @@ flow through; ``F3.1`` is micro-batch 3's forward through stage 1, ``B3.1`` its 
 - ``interleaved``: 1F1B over ``v`` virtual stages per rank (Megatron-LM's layout and order). The
   bubble shrinks by ``v``; micro-batches go in groups of ``p``, so ``m`` must be a multiple of
   ``p``.
+- ``zb-h1``: 1F1B with each backward split in two ([Note: split backward]): ``I3`` computes
+  micro-batch 3's input gradient, sent upstream at once, ``W3`` its weight gradients, which
+  wait to fill the time 1F1B's cool-down spends idle (Qi et al. 2023, "Zero Bubble Pipeline
+  Parallelism", ZB-H1). Same warm-up and peak activations as 1F1B; needs ``m >= p``.
 
 With equal stages and a backward costing ``b`` forwards, GPipe's and 1F1B's bubble fraction is
-``(p - 1) / (m + p - 1)`` on every rank (:func:`bubble_theory`); :meth:`PipelineSchedule.simulate`
-computes it from the action lists. The runtime's sends never block (``isend``) and its receives
-do, so a schedule runs exactly when the simulation finishes: :meth:`PipelineSchedule.validate`
-refuses one that would deadlock and names the ranks and the actions they would wait in.
+``(p - 1) / (m + p - 1)`` on every rank (:func:`bubble_theory`, which also gives ZB-H1's);
+:meth:`PipelineSchedule.simulate` computes it from the action lists. The runtime's sends never
+block (``isend``) and its receives do, so a schedule runs exactly when the simulation finishes:
+:meth:`PipelineSchedule.validate` refuses one that would deadlock and names the ranks and the
+actions they would wait in.
 """
 
 from __future__ import annotations
@@ -32,11 +37,19 @@ class ScheduleError(ValueError):
     """A schedule that cannot run: the message names the kind, the sizes and why."""
 
 
+Op = Literal["F", "B", "I", "W"]
+
+#: The actions that hand a stage's input gradient upstream: the whole backward, or its first part.
+GRADIENT_OPS = ("B", "I")
+
+
 @dataclass(frozen=True, order=True)
 class Action:
-    """One forward (``F``) or backward (``B``) of one micro-batch through one stage."""
+    """One forward (``F``) or backward (``B``) of one micro-batch through one stage, or a
+    backward split in two ([Note: split backward]): ``I``, the input gradient, and ``W``,
+    the weight gradients."""
 
-    op: Literal["F", "B"]
+    op: Op
     micro_batch: int
     stage: int
 
@@ -50,7 +63,8 @@ class Timeline:
 
     makespan: float
     busy: tuple[float, ...]  # per rank
-    peak_in_flight: tuple[int, ...]  # per rank: most forwards whose backward had not run yet
+    # per rank: most forwards whose backward had not run yet (a split backward: its W)
+    peak_in_flight: tuple[int, ...]
     start: dict[Action, float]
 
     @property
@@ -73,6 +87,11 @@ class PipelineSchedule:
     def stages(self) -> int:
         return self.ranks * self.virtual
 
+    @property
+    def split(self) -> bool:
+        """Whether the backwards are split into ``I`` and ``W`` ([Note: split backward])."""
+        return any(a.op == "I" for acts in self.actions for a in acts)
+
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that holds ``stage``."""
         return stage % self.ranks
@@ -84,10 +103,11 @@ class PipelineSchedule:
     def peak_held(self, rank: int, size: Callable[[int], int]) -> int:
         """The most ``rank`` holds at once, in order of its actions, when a forward through
         stage ``s`` keeps ``size(s)`` until its backward (the activations its micro-batch saved:
-        ``size = lambda s: 1`` counts micro-batches in flight)."""
+        ``size = lambda s: 1`` counts micro-batches in flight); a split backward frees them at
+        its ``W``, the last action that reads them."""
         held = peak = 0
         for a in self.actions[rank]:
-            held += size(a.stage) if a.op == "F" else -size(a.stage)
+            held += _holding(a) * size(a.stage)
             peak = max(peak, held)
         return peak
 
@@ -104,11 +124,11 @@ class PipelineSchedule:
 
     def validate(self) -> None:
         """Raise :class:`ScheduleError` unless every micro-batch runs forward and backward
-        exactly once through every stage, on the rank that holds it, and the ranks' orders
-        cannot deadlock."""
+        (or both halves of a split backward) exactly once through every stage, on the rank that
+        holds it, and the ranks' orders cannot deadlock."""
         expected = {
             Action(op, mb, s)
-            for op in ("F", "B")
+            for op in (("F", "I", "W") if self.split else ("F", "B"))
             for mb in range(self.micro_batches)
             for s in range(self.stages)
         }
@@ -131,8 +151,8 @@ class PipelineSchedule:
     def messages(self, rank: int) -> tuple[list[tuple[int, Action]], list[tuple[int, Action]]]:
         """What ``rank``'s actions send and receive, in order: ``(peer rank, action)`` pairs.
         A forward receives its input from the stage before and sends its output to the stage
-        after; a backward receives its output's gradient from the stage after and sends its
-        input's gradient to the stage before."""
+        after; a backward (or the ``I`` of a split one) receives its output's gradient from the
+        stage after and sends its input's gradient to the stage before; a ``W`` moves nothing."""
         sends: list[tuple[int, Action]] = []
         recvs: list[tuple[int, Action]] = []
         last = self.stages - 1
@@ -143,7 +163,7 @@ class PipelineSchedule:
                     recvs.append((self.rank_of(before), a))
                 if a.stage < last:
                     sends.append((self.rank_of(after), a))
-            else:
+            elif a.op in GRADIENT_OPS:
                 if a.stage < last:
                     recvs.append((self.rank_of(after), a))
                 if a.stage > 0:
@@ -178,14 +198,33 @@ class PipelineSchedule:
         self,
         forward_cost: float | Sequence[float] = 1.0,
         backward_cost: float | Sequence[float] = 2.0,
+        weight_cost: float | Sequence[float] | None = None,
     ) -> Timeline:
         """Run the action lists with fixed costs and free, instant transfers: each action starts
         when its rank is free and its inputs exist (the forward of the stage before; for a
         backward, the backward of the stage after). A cost is the same for every stage, or one
-        per stage (e.g. measured). Raises :class:`ScheduleError` on a deadlock."""
+        per stage (e.g. measured). A split backward's ``W`` costs ``weight_cost`` (default:
+        half the backward) and its ``I`` the rest of ``backward_cost``. Raises
+        :class:`ScheduleError` on a deadlock."""
         last = self.stages - 1
         fwd = _per_stage(forward_cost, self.stages, "forward")
         bwd = _per_stage(backward_cost, self.stages, "backward")
+        w_of = (
+            [b / 2 for b in bwd]
+            if weight_cost is None
+            else _per_stage(weight_cost, self.stages, "weight")
+        )
+        if any(w > b for w, b in zip(w_of, bwd, strict=True)):
+            raise ValueError(
+                f"weight costs {w_of} exceed the backward costs {bwd} they are part of"
+            )
+        cost_of = {
+            "F": fwd,
+            "B": bwd,
+            "I": [b - w for b, w in zip(bwd, w_of, strict=True)],
+            "W": w_of,
+        }
+        gradient_op: Op = "I" if self.split else "B"
         done: dict[Action, float] = {}
         start: dict[Action, float] = {}
         free = [0.0] * self.ranks
@@ -197,9 +236,11 @@ class PipelineSchedule:
         def needs(a: Action) -> list[Action]:
             if a.op == "F":
                 return [Action("F", a.micro_batch, a.stage - 1)] if a.stage > 0 else []
+            if a.op == "W":  # the weight gradients need the output's, which its I received
+                return [Action("I", a.micro_batch, a.stage)]
             deps = [Action("F", a.micro_batch, a.stage)]
             if a.stage < last:
-                deps.append(Action("B", a.micro_batch, a.stage + 1))
+                deps.append(Action(gradient_op, a.micro_batch, a.stage + 1))
             return deps
 
         progressed = True
@@ -212,11 +253,11 @@ class PipelineSchedule:
                     if any(d not in done for d in deps):
                         break
                     t0 = max([free[r], *(done[d] for d in deps)])
-                    cost = fwd[a.stage] if a.op == "F" else bwd[a.stage]
+                    cost = cost_of[a.op][a.stage]
                     start[a] = t0
                     done[a] = free[r] = t0 + cost
                     busy[r] += cost
-                    held[r] += 1 if a.op == "F" else -1
+                    held[r] += _holding(a)
                     peak[r] = max(peak[r], held[r])
                     at[r] += 1
                     progressed = True
@@ -230,6 +271,12 @@ class PipelineSchedule:
         return Timeline(max(free), tuple(busy), tuple(peak), start)
 
 
+def _holding(a: Action) -> int:
+    """What ``a`` does to the micro-batches whose activations a rank holds: a forward adds
+    one, the action that ends its backward (``B``, or a split backward's ``W``) frees it."""
+    return {"F": 1, "B": -1, "I": 0, "W": -1}[a.op]
+
+
 def _per_stage(cost: float | Sequence[float], stages: int, what: str) -> list[float]:
     if isinstance(cost, (int, float)):
         return [float(cost)] * stages
@@ -238,11 +285,35 @@ def _per_stage(cost: float | Sequence[float], stages: int, what: str) -> list[fl
     return [float(c) for c in cost]
 
 
-def bubble_theory(ranks: int, micro_batches: int, virtual: int = 1) -> float:
+def bubble_theory(ranks: int, micro_batches: int, virtual: int = 1, kind: str = "1f1b") -> float:
     """The idle fraction with equal stages: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B,
     ``(p - 1) / (v m + p - 1)`` interleaved (each of a rank's ``v`` stages does ``1/v`` of its
-    work)."""
+    work); for ``zb-h1``, :func:`zero_bubble_theory` with the simulator's default costs (a
+    backward of two forwards, split half and half)."""
+    if kind == "zb-h1":
+        return zero_bubble_theory(ranks, micro_batches)
     return (ranks - 1) / (virtual * micro_batches + ranks - 1)
+
+
+def zero_bubble_theory(
+    ranks: int,
+    micro_batches: int,
+    forward: float = 1.0,
+    input_grad: float = 1.0,
+    weight_grad: float = 1.0,
+) -> float:
+    """ZB-H1's idle fraction with equal stages whose forward, ``I`` and ``W`` cost
+    ``forward``, ``input_grad`` and ``weight_grad`` (Qi et al. 2023): each rank idles
+    ``(p - 1) (F + I - W)`` of a step of ``m (F + I + W)`` work, against 1F1B's
+    ``(p - 1) (F + I + W)``. It holds where ``W <= I`` (weight gradients no slower than input
+    gradients, as in matrix products); :meth:`PipelineSchedule.simulate` gives the others."""
+    if weight_grad > input_grad:
+        raise ValueError(
+            f"zero_bubble_theory: W = {weight_grad} > I = {input_grad}; use "
+            "PipelineSchedule.simulate for such costs"
+        )
+    idle = (ranks - 1) * (forward + input_grad - weight_grad)
+    return idle / (micro_batches * (forward + input_grad + weight_grad) + idle)
 
 
 # -- the schedules -----------------------------------------------------------------------------
@@ -278,6 +349,34 @@ def _one_f_one_b(p: int, m: int, v: int) -> list[list[Action]]:
         for i in range(m - warm):
             acts += [Action("F", warm + i, r), Action("B", i, r)]
         acts += [Action("B", mb, r) for mb in range(m - warm, m)]
+        out.append(acts)
+    return out
+
+
+def _zb_h1(p: int, m: int, v: int) -> list[list[Action]]:
+    # [Note: ZB-H1 order] Rank r runs 1F1B's warm-up (p - r - 1 forwards), then forward and
+    # input gradient in turn, sending each input gradient upstream as soon as it exists; its
+    # weight gradients trail its input gradients by r micro-batches (the last rank's by p - 1),
+    # so each rank holds at most p micro-batches' activations, 1F1B's peak on its first rank,
+    # and the W's a rank has deferred fill the time it would wait in 1F1B's cool-down. With
+    # W <= I the idle shrinks from 1F1B's (p - 1)(F + I + W) to (p - 1)(F + I - W).
+    _one_stage_per_rank("zb-h1", v)
+    if m < p:
+        raise ScheduleError(
+            f"zb-h1: {m} micro-batch(es) cannot fill {p} stages; use at least {p} "
+            "(batch.gradient_accumulation_steps) or the gpipe schedule"
+        )
+    out = []
+    for r in range(p):
+        warm = p - r - 1
+        acts = [Action("F", mb, r) for mb in range(warm)]
+        for i in range(m):
+            if i < m - warm:
+                acts.append(Action("F", warm + i, r))
+            acts.append(Action("I", i, r))
+            if i >= r:  # r micro-batches behind
+                acts.append(Action("W", i - r, r))
+        acts += [Action("W", mb, r) for mb in range(m - r, m)]
         out.append(acts)
     return out
 
@@ -319,7 +418,12 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Action]]:
 
 Builder = Callable[[int, int, int], list[list[Action]]]
 #: A new schedule is one function and one line here.
-SCHEDULES: dict[str, Builder] = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}
+SCHEDULES: dict[str, Builder] = {
+    "gpipe": _gpipe,
+    "1f1b": _one_f_one_b,
+    "interleaved": _interleaved,
+    "zb-h1": _zb_h1,
+}
 
 
 def build(kind: str, ranks: int, micro_batches: int, virtual: int = 1) -> PipelineSchedule:

@@ -236,7 +236,7 @@ def _pipeline_facts(base: Config, world_size: int) -> dict[str, Any] | None:
         "schedule": base.pipeline.schedule,
         "virtual_stages": v,
         "micro_batches": m,
-        "idle_fraction": bubble_theory(pp, m, v),
+        "idle_fraction": bubble_theory(pp, m, v, kind=base.pipeline.schedule),
     }
 
 

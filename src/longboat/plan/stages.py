@@ -26,7 +26,7 @@ derived: it is the live-tensor maximum of the simulated schedule ([Note: peak mo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -111,6 +111,16 @@ class _Probe:
         self.mark()
         self._arrival = None
         self.engine.backward_from(output, grad)
+
+    def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self.mark()
+        self._arrival = None
+        return cast(torch.Tensor, self.engine.scaled_loss(loss))
+
+    def backward_with(self, run: Callable[[], None]) -> None:
+        self.mark()
+        self._arrival = None
+        self.engine.backward_with(run)
 
 
 class StageSteps:

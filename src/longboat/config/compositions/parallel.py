@@ -144,6 +144,29 @@ PARALLEL: tuple[Rule, ...] = (
         ),
         {"pipeline": {"virtual_stages": 2}},
     ),
+    Rule(
+        "zero-bubble-zero-3",
+        "pipeline.schedule 'zb-h1'",
+        "zero.stage 3",
+        "not built yet",
+        "config",
+        lambda c, f: (
+            c.mesh.pp > 1 and c.pipeline.schedule == "zb-h1" and zero(c, f) and c.zero.stage == 3
+        ),
+        lambda c, f: (
+            "pipeline.schedule = 'zb-h1' with strategy = 'zero' and zero.stage = 3: stage 3 "
+            "gathers a layer's parameters for its backward and frees them at its end, and "
+            "zb-h1 splits that backward into an input-gradient pass and a weight-gradient pass "
+            "run later, which would need them gathered twice; use zero.stage = 1 or 2, or "
+            "pipeline.schedule = '1f1b'"
+        ),
+        {
+            "strategy": "zero",
+            "zero": {"stage": 3},
+            "mesh": {"pp": 2},
+            "pipeline": {"schedule": "zb-h1"},
+        },
+    ),
     # -- joining ragged data ----------------------------------------------------------------------
     Rule(
         "join-parameter-server",
