@@ -11,8 +11,8 @@ and ranks with fewer batches can stop early with ``hvd.join()`` ([Note: Horovod 
 joining.py). ``DistributedOptimizer`` (optimizer.py) reduces the gradients in ``step()``
 ([Note: Horovod optimizer order]). ``hvd.elastic`` resumes from the last commit on longboat's
 restarts ([Note: elastic on restarts] in elastic.py); process sets ([Note: Horovod process
-sets] in process_sets.py). Not here: matching operations by name across a different issue
-order, the C++ timeline.
+sets] in process_sets.py); asynchronous allreduces matched by name whatever order the ranks
+issue them in ([Note: Horovod pending operations] in pending.py). Not here: the C++ timeline.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch.distributed as dist
 from longboat.horovod import (
     elastic,  # noqa: F401 (hvd.elastic, as in Horovod)
     joining,
-    negotiate,
 )
 from longboat.horovod.collectives import (
     Adasum,
@@ -64,6 +63,7 @@ from longboat.horovod.process_sets import (
     add_process_set,
     global_process_set,
     remove_process_set,
+    where,
 )
 from longboat.horovod.state import broadcast_optimizer_state, broadcast_parameters
 from longboat.world import World, destroy_process_group, init_process_group
@@ -98,7 +98,7 @@ def shutdown() -> None:
     # pairs down while a peer still finished was seen to abort the peer (SIGABRT) at exit.
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-    negotiate.forget()
+    global_process_set.forget()
     destroy_process_group()
 
 
@@ -139,8 +139,8 @@ def join(device: int = -1) -> int:
     """
     if size() == 1:
         return rank()
-    where = torch.device("cpu") if device < 0 else torch.device("cuda", device)
-    return joining.join(where)
+    zeros_on = torch.device("cpu") if device < 0 else torch.device("cuda", device)
+    return joining.join(zeros_on, where(None, "join"))
 
 
 # -- what this build has (Horovod's build queries) -----------------------------------------------
