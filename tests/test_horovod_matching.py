@@ -205,3 +205,34 @@ def test_a_joined_rank_serves_async_ops_the_others_issued_in_different_orders(ra
             want = _tensor(0, k) + _tensor(1, k)
             assert torch.equal(got[r]["got"][k], want), (r, k, got[r]["got"][k], want)
     assert [out["last"] for out in got] == [1, 1, 1]
+
+
+def _shutdown_while_a_peer_waits() -> dict:
+    """Rank 1 waits for "x", which rank 0 has not issued: rank 0 shuts down instead. Both raise,
+    naming what each waits for, instead of hanging; rank 0 stays in the job, so it can then
+    issue "x" and both complete it."""
+    import longboat.horovod.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    handle, error = None, ""
+    try:
+        if r == 0:
+            hvd.shutdown()
+        else:
+            handle = hvd.allreduce_async(torch.ones(1), name="x", op=hvd.Sum)
+            hvd.synchronize(handle)
+    except hvd.HorovodInternalError as e:
+        error = str(e)
+    if r == 0:
+        handle = hvd.allreduce_async(torch.ones(1), name="x", op=hvd.Sum)
+    return {"error": error, "in group": dist.is_initialized(), "x": hvd.synchronize(handle).item()}
+
+
+def test_shutdown_while_a_peer_waits_for_an_async_op_is_an_error_on_both(ranks):
+    got = ranks(2, _shutdown_while_a_peer_waits)
+    for r, out in enumerate(got):
+        assert "No collective can run" in out["error"], (r, out)
+        assert "rank 0 waits in barrier" in out["error"], (r, out)
+        assert "rank 1 waits for 'x'" in out["error"], (r, out)
+        assert out["in group"] and out["x"] == 2.0, (r, out)

@@ -269,7 +269,10 @@ def stalled(offers: dict[int, Offer]) -> HorovodInternalError:
     """The error every rank raises when every active rank waits and no operation can run."""
 
     def waits(o: Offer) -> str:
-        what = f"in {o.now.op} {o.now.name!r}" if o.now is not None else f"for {o.waits_for!r}"
+        if o.now is None:
+            what = f"for {o.waits_for!r}"
+        else:
+            what = f"in {o.now.op}" + (f" {o.now.name!r}" if o.now.name else "")
         names = _show(tuple(q.name for q in o.pending))
         return f"{what}, its async operations not started: {names}"
 

@@ -84,20 +84,27 @@ def init(*_: object, **__: object) -> None:
     The exit leaves without :func:`shutdown`'s barrier: a rank that exits on an error must not
     wait there for ranks still training."""
     world = World.from_env()
-    if not world.distributed or dist.is_initialized():
-        return
-    n = next(_GROUPS)
-    if init_process_group(world, store_prefix=f"longboat.horovod.{n}/" if n else ""):
-        atexit.unregister(destroy_process_group)  # once, however often init() runs
-        atexit.register(destroy_process_group)
+    if world.distributed and not dist.is_initialized():
+        n = next(_GROUPS)
+        if init_process_group(world, store_prefix=f"longboat.horovod.{n}/" if n else ""):
+            atexit.unregister(destroy_process_group)  # once, however often init() runs
+            atexit.register(destroy_process_group)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # The control group (a gloo one beside NCCL) while every rank is here: made at a
+        # rank's first collective instead, an asynchronous one that only queues would wait
+        # there for its peers' first collective ([Note: Horovod process sets]).
+        global_process_set.global_control()
 
 
 def shutdown() -> None:
     """Leave the job cleanly (a gloo group torn down at interpreter exit can abort it)."""
     # Every rank at the end before any closes its connections: a rank that tore its gloo
     # pairs down while a peer still finished was seen to abort the peer (SIGABRT) at exit.
+    # hvd's own barrier, so a peer still waiting for an asynchronous operation (or a round a
+    # poll left under way) meets it in a round and both raise, instead of hanging
+    # ([Note: Horovod pending operations] in pending.py).
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        barrier()
     global_process_set.forget()
     destroy_process_group()
 
