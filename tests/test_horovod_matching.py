@@ -236,3 +236,35 @@ def test_shutdown_while_a_peer_waits_for_an_async_op_is_an_error_on_both(ranks):
         assert "rank 0 waits in barrier" in out["error"], (r, out)
         assert "rank 1 waits for 'x'" in out["error"], (r, out)
         assert out["in group"] and out["x"] == 2.0, (r, out)
+
+
+def _both_poll_in_different_orders(signal: str) -> dict:
+    """Both ranks poll "x" with "x" and "y" issued in different orders (so the round needs the
+    offers themselves); rank 1 then waits for rank 0 to have polled several more times, which
+    must not wait for rank 1's offer."""
+    import longboat.horovod.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    names = ("x", "y") if r == 0 else ("y", "x")
+    handles = {
+        k: hvd.allreduce_async(torch.tensor([float(r + 1)]), name=k, op=hvd.Sum) for k in names
+    }
+    polls = [hvd.poll(handles["x"])]
+    if r == 0:
+        for _ in range(20):  # the headers arrive meanwhile; rank 1 sends its offer only later
+            polls.append(hvd.poll(handles["x"]))
+            time.sleep(0.01)
+        Path(signal).write_text("polled")
+    else:
+        deadline = time.monotonic() + 60
+        while not Path(signal).exists():
+            assert time.monotonic() < deadline, "rank 0 never came back from poll"
+            time.sleep(0.01)
+    return {"polls": polls, "sums": [hvd.synchronize(handles[k]).item() for k in "xy"]}
+
+
+def test_poll_waits_neither_for_the_peers_header_nor_for_their_offer(ranks, tmp_path):
+    got = ranks(2, _both_poll_in_different_orders, str(tmp_path / "signal"))
+    assert not any(got[0]["polls"]) and not any(got[1]["polls"]), got
+    assert all(out["sums"] == [3.0, 3.0] for out in got), got

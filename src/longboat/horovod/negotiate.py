@@ -187,10 +187,11 @@ def _hash(data: bytes) -> int:
 
 
 class Gathering:
-    """One round under way: the headers' all-gather is started at once (``poll`` must not
-    wait for ranks that are not in a round yet); :meth:`finish` waits for it and ends the round
-    ([Note: Horovod negotiation]). ``offer`` is None on a rank in ``hvd.join()``; ``group`` and
-    ``size``: the process set's control group (None: the default group) and size."""
+    """One round under way, started at once and never waited for until :meth:`finish` (``poll``
+    must not wait for ranks that are not in a round yet): the headers' all-gather, then, when
+    they show the offers differ, the offers' ([Note: Horovod negotiation]). ``offer`` is None
+    on a rank in ``hvd.join()``; ``group`` and ``size``: the process set's control group (None:
+    the default group) and size."""
 
     def __init__(
         self, offer: Offer | None, group: dist.ProcessGroup | None, size: int, fresh: bool = False
@@ -201,31 +202,47 @@ class Gathering:
         header = torch.tensor([offer is not None, fresh, len(self.body), agreed], dtype=torch.int64)
         self.headers = [torch.empty_like(header) for _ in range(size)]
         self.work = dist.all_gather(self.headers, header, group=group, async_op=True)
+        self.rows: list[list[int]] | None = None
+        self.bodies: list[torch.Tensor] = []
+        self.bodies_work: Any = None
+
+    def _read_headers(self) -> list[list[int]]:
+        """The headers (they must have arrived); starts the offers' all-gather if needed."""
+        if self.rows is None:
+            self.rows = [h.tolist() for h in self.headers]
+            active = [r[0] for r in self.rows]
+            if any(active) and not (all(active) and len({r[3] for r in self.rows}) == 1):
+                buf = torch.zeros(max(r[2] for r in self.rows), dtype=torch.uint8)
+                if self.body:
+                    buf[: len(self.body)] = torch.frombuffer(
+                        bytearray(self.body), dtype=torch.uint8
+                    )
+                self.bodies = [torch.empty_like(buf) for _ in range(self.size)]
+                self.bodies_work = dist.all_gather(self.bodies, buf, self.group, async_op=True)
+        return self.rows
 
     def done(self) -> bool:
-        """Whether every rank has entered this round (:meth:`finish` then waits only for the
-        offers themselves, which every rank sends as soon as it finishes)."""
-        return bool(self.work is None or self.work.is_completed())
+        """Whether :meth:`finish` would return without waiting."""
+        if self.work is not None and not self.work.is_completed():
+            return False
+        self._read_headers()
+        return bool(self.bodies_work is None or self.bodies_work.is_completed())
 
     def finish(self) -> Round:
         if self.work is not None:
             self.work.wait()
-        rows = [h.tolist() for h in self.headers]
+        rows = self._read_headers()
+        if self.bodies_work is not None:
+            self.bodies_work.wait()
         active = tuple(bool(r[0]) for r in rows)
         fresh = tuple(bool(r[1]) for r in rows)
-        if all(active) and len({r[3] for r in rows}) == 1:
-            assert self.offer is not None
-            return decide(active, fresh, dict.fromkeys(range(self.size), self.offer))
         if not any(active):
             return Round(active, fresh)
-        longest = max(r[2] for r in rows)
-        buf = torch.zeros(longest, dtype=torch.uint8)
-        if self.body:
-            buf[: len(self.body)] = torch.frombuffer(bytearray(self.body), dtype=torch.uint8)
-        bufs = [torch.empty_like(buf) for _ in range(self.size)]
-        dist.all_gather(bufs, buf, group=self.group)
+        if not self.bodies:  # every rank active, every offer the same: this one
+            assert self.offer is not None
+            return decide(active, fresh, dict.fromkeys(range(self.size), self.offer))
         offers = {
-            r: Offer.decode(bytes(bufs[r][: rows[r][2]].tolist()))
+            r: Offer.decode(bytes(self.bodies[r][: rows[r][2]].tolist()))
             for r in range(self.size)
             if active[r]
         }

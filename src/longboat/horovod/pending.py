@@ -11,8 +11,9 @@ and the operations every active rank has are started in one agreed order, the sa
 rank, so the data plane sees the same sequence of collectives everywhere. Rounds happen where
 a rank calls in: every blocking collective (its round starts what is common, then runs it),
 ``synchronize`` (rounds until its operation has started, or an error when every rank waits and
-nothing can run), and ``poll``, which starts a round without waiting for it and finishes it at
-the next call, so it never waits for peers that have not called in. Ranks that issue the same
+nothing can run), and ``poll``, which starts a round and finishes it at a later call once every
+rank's part of it has arrived (the headers, then the offers when they differ), so it never
+waits for peers that have not called in. Ranks that issue the same
 operations in the same order still pay one header exchange per round; the price of matching
 by name is that a reduction starts at the first ``synchronize``, ``poll`` or blocking
 collective after it was issued, not at once.
