@@ -268,3 +268,22 @@ def test_poll_waits_neither_for_the_peers_header_nor_for_their_offer(ranks, tmp_
     got = ranks(2, _both_poll_in_different_orders, str(tmp_path / "signal"))
     assert not any(got[0]["polls"]) and not any(got[1]["polls"]), got
     assert all(out["sums"] == [3.0, 3.0] for out in got), got
+
+
+def _same_name_twice() -> dict:
+    import longboat.horovod.torch as hvd
+
+    hvd.init()
+    first = hvd.allreduce_async(torch.ones(1), name="twice", op=hvd.Sum)
+    try:
+        hvd.allreduce_async(torch.ones(1), name="twice")
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "first": hvd.synchronize(first).item()}
+
+
+def test_a_name_already_pending_on_a_rank_is_refused_there(ranks):
+    for r, out in enumerate(ranks(2, _same_name_twice)):
+        assert f"'twice' is already pending on rank {r}" in out["error"], out
+        assert out["first"] == 2.0
