@@ -2,8 +2,9 @@
 
 Each begins with the exchange of [Note: Horovod negotiation] (negotiate.py), so ranks that
 disagree get an error on every rank, and a rank in ``hvd.join()`` can follow
-([Note: Horovod join] in joining.py); dtypes gloo lacks travel as [Note: Horovod wire dtypes]
-(wire.py) says.
+([Note: Horovod join] in joining.py); asynchronous allreduces wait in their process set's
+queue until the ranks agree on them by name ([Note: Horovod pending operations] in
+pending.py); dtypes gloo lacks travel as [Note: Horovod wire dtypes] (wire.py) says.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from longboat.horovod import adasum, joining, negotiate, wire
 from longboat.horovod.compression import Compression
+from longboat.horovod.pending import Entry
 from longboat.horovod.process_sets import ProcessSet, Where, where
 
 # Reduction ops, as Horovod names them.
@@ -35,25 +37,39 @@ def _announce(mine: negotiate.Request, at: Where) -> None:
     global set's rounds only ([Note: Horovod process sets])."""
     if at.size > 1:
         if at.is_global:
-            joining.announce(mine)
+            joining.announce(mine, at)
         else:
-            negotiate.exchange(mine, group=at.control, size=at.size)
+            at.queue.announce(mine, at.control, at.size)
 
 
 class Handle:
     """An asynchronous operation: :func:`synchronize` gives its result, :func:`poll` says
-    whether it has finished without waiting."""
+    whether it has finished without waiting. ``finish`` waits for the operation's works and
+    gives its result; ``entry``: its place in ``at``'s queue while the ranks have not yet
+    agreed on it ([Note: Horovod pending operations] in pending.py)."""
 
-    def __init__(self, works: list[Any], finish: Callable[[], Any]) -> None:
-        self.works, self.finish = works, finish
+    def __init__(
+        self, finish: Callable[[], Any], entry: Entry | None = None, at: Where | None = None
+    ) -> None:
+        self.works: list[Any] = []
+        self.finish, self.entry, self.at = finish, entry, at
         self._result: Any = None
         self._done = False
 
     def poll(self) -> bool:
-        return self._done or all(w.is_completed() for w in self.works)
+        if self._done:
+            return True
+        if self.entry is not None:
+            assert self.at is not None
+            if not self.at.queue.poll(self.entry, self.at.control, self.at.size):
+                return False
+        return all(w.is_completed() for w in self.works)
 
     def wait(self) -> Any:
         if not self._done:
+            if self.entry is not None:
+                assert self.at is not None
+                self.at.queue.synchronize(self.entry, self.at.control, self.at.size)
             for w in self.works:
                 w.wait()
             self._result, self._done = self.finish(), True
@@ -81,7 +97,7 @@ def _op(average: bool | None, op: str | None) -> str:
 # -- allreduce -------------------------------------------------------------------------------------
 
 
-def grouped_allreduce_async_(
+def _allreduce(
     tensors: list[torch.Tensor],
     average: bool | None = None,
     name: str | None = None,
@@ -90,27 +106,29 @@ def grouped_allreduce_async_(
     postscale_factor: float = 1.0,
     compression: Any = Compression.none,
     process_set: ProcessSet | None = None,
+    *,
+    queued: bool,
+    what: str,
 ) -> Handle:
-    """Start reducing each of ``tensors`` in place across ranks (of ``process_set``), all in
-    one round (one buffer per dtype); the handle's result is the list of tensors."""
+    """Reduce each of ``tensors`` in place across ranks (of ``process_set``), all in one round
+    (one buffer per dtype); the handle's result is the list of tensors. ``queued``: wait in the
+    queue to be matched by name ([Note: Horovod pending operations] in pending.py) instead of
+    being announced now, in issue order."""
     op = _op(average, op)
-    at = where(process_set, "allreduce")
-    if op == Adasum:
+    at = where(process_set, what)
+    if op == Adasum:  # combined at once: Adasum's rounds are blocking ones
         _announce(negotiate.request("allreduce", tensors, name=name, reduce=Adasum), at)
         for t in tensors:
             t.copy_(_adasum(t, at))
-        return Handle([], lambda: tensors)
+        return Handle(lambda: tensors)
     wires = [
         compression.compress(t * prescale_factor if prescale_factor != 1 else t) for t in tensors
     ]
-    _announce(negotiate.request("allreduce", [w for w, _ in wires], name=name, reduce=op), at)
-    works, finish_sum = (
-        joining.start_flat_allreduce([w for w, _ in wires], at.group) if at.size > 1 else ([], None)
-    )
+    finish_sum: list[Callable[[], None]] = []
 
     def finish() -> list[torch.Tensor]:
-        if finish_sum is not None:
-            finish_sum()
+        for f in finish_sum:
+            f()
         scale = postscale_factor / (at.size if op == Average else 1)
         for t, (w, dtype) in zip(tensors, wires, strict=True):
             out = compression.decompress(w, dtype)
@@ -120,43 +138,75 @@ def grouped_allreduce_async_(
                 t.copy_(out)
         return tensors
 
-    return Handle(works, finish)
+    handle = Handle(finish)
+
+    def start() -> None:
+        works, f = joining.start_flat_allreduce([w for w, _ in wires], at.group)
+        handle.works, finish_sum[:] = works, [f]
+
+    if at.size == 1:
+        return handle
+    mine = negotiate.request("allreduce", [w for w, _ in wires], name=name, reduce=op)
+    if queued:
+        handle.entry, handle.at = at.queue.add(mine, start, what), at
+    else:
+        _announce(mine, at)
+        start()
+    return handle
+
+
+def grouped_allreduce_async_(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Handle:
+    """Start reducing each of ``tensors`` in place across ranks, in one round, once every rank
+    has issued an operation of this name (in any order: [Note: Horovod pending operations] in
+    pending.py); the handle's result is the list of tensors."""
+    return _allreduce(tensors, *args, queued=True, what="grouped_allreduce_async_", **kwargs)
 
 
 def grouped_allreduce_async(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Handle:
-    return grouped_allreduce_async_([t.detach().clone() for t in tensors], *args, **kwargs)
+    copies = [t.detach().clone() for t in tensors]
+    return _allreduce(copies, *args, queued=True, what="grouped_allreduce_async", **kwargs)
 
 
 def grouped_allreduce_(
     tensors: list[torch.Tensor], *args: Any, **kwargs: Any
 ) -> list[torch.Tensor]:
-    return grouped_allreduce_async_(tensors, *args, **kwargs).wait()  # type: ignore[no-any-return]
+    handle = _allreduce(tensors, *args, queued=False, what="grouped_allreduce_", **kwargs)
+    return handle.wait()  # type: ignore[no-any-return]
 
 
 def grouped_allreduce(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
     """Each of ``tensors`` reduced across ranks (averaged by default), as new tensors, in one
     round."""
-    return grouped_allreduce_async(tensors, *args, **kwargs).wait()  # type: ignore[no-any-return]
+    return grouped_allreduce_([t.detach().clone() for t in tensors], *args, **kwargs)
+
+
+def _first(handle: Handle) -> Handle:
+    """``handle`` of a one-tensor group, giving the tensor itself."""
+    finish = handle.finish
+    handle.finish = lambda: finish()[0]
+    return handle
 
 
 def allreduce_async_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Handle:
-    """Start reducing ``tensor`` in place across ranks."""
-    group = grouped_allreduce_async_([tensor], *args, **kwargs)
-    return Handle(group.works, lambda: group.wait()[0])
+    """Start reducing ``tensor`` in place across ranks, once every rank has issued an operation
+    of this name ([Note: Horovod pending operations] in pending.py)."""
+    return _first(_allreduce([tensor], *args, queued=True, what="allreduce_async_", **kwargs))
 
 
 def allreduce_async(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Handle:
     """Start reducing a copy of ``tensor``."""
-    return allreduce_async_(tensor.detach().clone(), *args, **kwargs)
+    copy = tensor.detach().clone()
+    return _first(_allreduce([copy], *args, queued=True, what="allreduce_async", **kwargs))
 
 
 def allreduce_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return allreduce_async_(tensor, *args, **kwargs).wait()  # type: ignore[no-any-return]
+    handle = _allreduce([tensor], *args, queued=False, what="allreduce_", **kwargs)
+    return handle.wait()[0]  # type: ignore[no-any-return]
 
 
 def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``tensor`` reduced across ranks (averaged by default), as a new tensor."""
-    return allreduce_async(tensor, *args, **kwargs).wait()  # type: ignore[no-any-return]
+    return allreduce_(tensor.detach().clone(), *args, **kwargs)
 
 
 def _adasum(tensor: torch.Tensor, at: Where) -> torch.Tensor:
@@ -337,7 +387,7 @@ def sparse_allreduce_async(
     values = allgather(t.values(), f"{name}.values" if name else None, ps)
     out = torch.sparse_coo_tensor(indices.t(), values, t.shape).coalesce()
     result = out / where(ps, "sparse_allreduce").size if op == Average else out
-    return Handle([], lambda: result)
+    return Handle(lambda: result)
 
 
 def sparse_allreduce(

@@ -4,7 +4,8 @@
 next, and the joined rank reduces zeros of the same sizes until every rank has joined. Here
 the exchange that begins every round of collectives ([Note: Horovod negotiation] in
 negotiate.py) plays the coordinator: a rank in :func:`join` takes part in each exchange as
-"joined", reads from it what the active ranks reduce (the dtypes and shapes of their request),
+"joined", reads from it what the active ranks reduce (the dtypes and shapes of their requests:
+the asynchronous allreduces the round starts, in its order, then the collective they are in),
 and reduces zeros of those, flattened as theirs are (:func:`start_flat_allreduce`), until an
 exchange finds every rank joined. A rank outside :func:`join` is active in every exchange.
 
@@ -33,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from longboat.horovod import wire
-from longboat.horovod.negotiate import HorovodInternalError, Request, dtype_of, exchange
+from longboat.horovod.negotiate import HorovodInternalError, Request, dtype_of
+from longboat.horovod.process_sets import Where
 
 
 def _joinable(q: Request) -> bool:
@@ -54,10 +56,11 @@ def _refuse(what: str, joined: list[int]) -> HorovodInternalError:
     )
 
 
-def announce(mine: Request) -> None:
-    """An active rank's exchange before a round of collectives. Raises on every rank when the
-    ranks' requests differ, or a rank has joined and the round is not one it can take part in."""
-    r = exchange(mine)
+def announce(mine: Request, at: Where) -> None:
+    """An active rank's exchange before a round of collectives of the global set ``at``. Raises
+    on every rank when the ranks' requests differ, or a rank has joined and the round is not one
+    it can take part in."""
+    r = at.queue.announce(mine, at.control, at.size)
     if r.joined and not _joinable(mine):
         raise _refuse(_what(mine), r.joined)
 
@@ -92,19 +95,23 @@ def start_flat_allreduce(
     return [work for _, _, work in pending], finish
 
 
-def join(device: torch.device) -> int:
-    """Take part in each round as "joined", reducing zeros in the active ranks' allreduces,
-    until every rank has joined; returns the rank that joined last ([Note: Horovod join])."""
+def join(device: torch.device, at: Where) -> int:
+    """Take part in each round of the global set ``at`` as "joined", reducing zeros in the
+    active ranks' allreduces, until every rank has joined; returns the rank that joined last
+    ([Note: Horovod join])."""
     fresh = True
     while True:
-        r = exchange(None, fresh)
+        r = at.queue.round(at.control, at.size, active=False, fresh=fresh)
         fresh = False
-        if r.request is None:
+        if not any(r.active):
             return max(i for i, f in enumerate(r.fresh) if f)
-        if not _joinable(r.request):
-            continue  # the active ranks raise (announce); this one goes on serving
-        zeros = [
-            torch.zeros(tuple(d or 0 for d in shape), dtype=dtype_of(dt), device=device)
-            for dt, shape in zip(r.request.dtypes, r.request.shapes, strict=True)
-        ]
-        start_flat_allreduce(zeros)[1]()
+        # What the active ranks start this round, in their order: their pending asynchronous
+        # allreduces, then the collective they are all in ([Note: Horovod pending operations]
+        # in pending.py); one this rank cannot take part in makes them raise (announce).
+        for q in r.run:
+            if _joinable(q):
+                zeros = [
+                    torch.zeros(tuple(d or 0 for d in shape), dtype=dtype_of(dt), device=device)
+                    for dt, shape in zip(q.dtypes, q.shapes, strict=True)
+                ]
+                start_flat_allreduce(zeros, at.group)[1]()

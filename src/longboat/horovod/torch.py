@@ -11,8 +11,8 @@ and ranks with fewer batches can stop early with ``hvd.join()`` ([Note: Horovod 
 joining.py). ``DistributedOptimizer`` (optimizer.py) reduces the gradients in ``step()``
 ([Note: Horovod optimizer order]). ``hvd.elastic`` resumes from the last commit on longboat's
 restarts ([Note: elastic on restarts] in elastic.py); process sets ([Note: Horovod process
-sets] in process_sets.py). Not here: matching operations by name across a different issue
-order, the C++ timeline.
+sets] in process_sets.py); asynchronous allreduces matched by name whatever order the ranks
+issue them in ([Note: Horovod pending operations] in pending.py). Not here: the C++ timeline.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch.distributed as dist
 from longboat.horovod import (
     elastic,  # noqa: F401 (hvd.elastic, as in Horovod)
     joining,
-    negotiate,
 )
 from longboat.horovod.collectives import (
     Adasum,
@@ -64,6 +63,7 @@ from longboat.horovod.process_sets import (
     add_process_set,
     global_process_set,
     remove_process_set,
+    where,
 )
 from longboat.horovod.state import broadcast_optimizer_state, broadcast_parameters
 from longboat.world import World, destroy_process_group, init_process_group
@@ -84,21 +84,28 @@ def init(*_: object, **__: object) -> None:
     The exit leaves without :func:`shutdown`'s barrier: a rank that exits on an error must not
     wait there for ranks still training."""
     world = World.from_env()
-    if not world.distributed or dist.is_initialized():
-        return
-    n = next(_GROUPS)
-    if init_process_group(world, store_prefix=f"longboat.horovod.{n}/" if n else ""):
-        atexit.unregister(destroy_process_group)  # once, however often init() runs
-        atexit.register(destroy_process_group)
+    if world.distributed and not dist.is_initialized():
+        n = next(_GROUPS)
+        if init_process_group(world, store_prefix=f"longboat.horovod.{n}/" if n else ""):
+            atexit.unregister(destroy_process_group)  # once, however often init() runs
+            atexit.register(destroy_process_group)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # The control group (a gloo one beside NCCL) while every rank is here: made at a
+        # rank's first collective instead, an asynchronous one that only queues would wait
+        # there for its peers' first collective ([Note: Horovod process sets]).
+        global_process_set.global_control()
 
 
 def shutdown() -> None:
     """Leave the job cleanly (a gloo group torn down at interpreter exit can abort it)."""
     # Every rank at the end before any closes its connections: a rank that tore its gloo
     # pairs down while a peer still finished was seen to abort the peer (SIGABRT) at exit.
+    # hvd's own barrier, so a peer still waiting for an asynchronous operation (or a round a
+    # poll left under way) meets it in a round and both raise, instead of hanging
+    # ([Note: Horovod pending operations] in pending.py).
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-    negotiate.forget()
+        barrier()
+    global_process_set.forget()
     destroy_process_group()
 
 
@@ -139,8 +146,8 @@ def join(device: int = -1) -> int:
     """
     if size() == 1:
         return rank()
-    where = torch.device("cpu") if device < 0 else torch.device("cuda", device)
-    return joining.join(where)
+    zeros_on = torch.device("cpu") if device < 0 else torch.device("cuda", device)
+    return joining.join(zeros_on, where(None, "join"))
 
 
 # -- what this build has (Horovod's build queries) -----------------------------------------------
