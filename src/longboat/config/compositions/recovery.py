@@ -64,8 +64,8 @@ RECOVERY: tuple[Rule, ...] = (
         ),
         lambda c, f: (
             f"recovery.in_job = true with mesh.pp = {c.mesh.pp}, mesh.tp = {c.mesh.tp}, "
-            f"mesh.dp_replicate = {c.mesh.dp_replicate or 1}: so far the survivors regroup on plain "
-            "data parallelism only (a lost pipeline stage or tensor slice has no copy on the "
+            f"mesh.dp_replicate = {c.mesh.dp_replicate or 1}: so far the survivors regroup on "
+            "plain data parallelism only (a lost pipeline stage or tensor slice has no copy on the "
             "survivors, and hybrid sharding's replica axis is not built yet); remove the axes "
             "or recovery.in_job"
         ),
