@@ -42,6 +42,8 @@ asks for local gradients, no bucket is filled or launched: ``p.grad`` stays this
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -62,6 +64,8 @@ from longboat.strategies.whole_state import (
     whole_model_state,
     whole_state,
 )
+from longboat.topology import Topology
+from longboat.world import World
 
 _MIB = 1024 * 1024
 
@@ -127,6 +131,21 @@ class Replicate(WholeModel, StrategyDefaults):
             hook = p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             self._hooks.append(hook)
         return model
+
+    def regroup(self, topology: Topology, world: World) -> None:
+        """Go on over ``topology``'s data-parallel axis after in-job recovery ([Note: in-job
+        recovery] in ``longboat/recovery/__init__.py``): every replica's state stays as it is;
+        the failed step's gradients and the reductions in flight on the old group are dropped."""
+        self.ctx = dataclasses.replace(self.ctx, world=world, topology=topology)
+        self.comm = topology.data("dp")
+        assert self._buffers is not None
+        self._buffers.comm = self.comm
+        for b in self._buckets:
+            b.handle = None
+        for s in self._arrived:
+            s.clear()
+        self._order.reset()
+        self._sync = False
 
     # -- the step ------------------------------------------------------------------------------
 
