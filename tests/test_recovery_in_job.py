@@ -23,6 +23,10 @@ import reference
 import torch
 from safetensors.torch import load_file
 
+import longboat
+from longboat.config.errors import ConfigError
+from longboat.config.loading import load_config
+
 SCRIPT = Path(__file__).parent / "launch_scripts" / "train_in_job.py"
 TOL = 1e-5  # fp32, relative
 MICRO = 2
@@ -102,3 +106,27 @@ def test_survivors_regroup_and_match_the_shrinking_plain_loop(tmp_path, world, v
             assert got[k].item() == want.item(), k
         else:
             assert reference.max_rel_diff({k: got[k]}, {k: want}) <= TOL, k
+
+
+def _initialize_in_job(strategy: str) -> str:
+    """On a pool rank (no launcher agent serves the store): what initialize says."""
+    model, optimizer, _ = reference.Recipe("tiny", "adamw").build()
+    cfg = {"strategy": strategy, "batch": {"micro_batch_size": 2}, "recovery": {"in_job": True}}
+    try:
+        engine = longboat.initialize(model, optimizer, cfg)
+    except ConfigError as e:
+        return str(e)
+    engine.close()
+    return "accepted"
+
+
+def test_without_a_launcher_serving_the_store_in_job_recovery_is_refused(ranks):
+    said = ranks(2, _initialize_in_job, "replicate")
+    assert all(
+        "needs the store to outlive any rank: start the job with longboat run" in s for s in said
+    ), said
+
+
+def test_sharded_state_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="only copy of its shard"):
+        load_config({"strategy": "zero", "recovery": {"in_job": True}})
