@@ -123,7 +123,7 @@ class Engine(StateMethods, Recovering):
         # Gradients a strategy keeps out of memory ([Note: parameter offload]).
         self._held = self.strategy.held_gradients()
         self.micro_step = 0
-        self._stepped_at = 0  # micro_step at the last optimizer step
+        self._step_start = 0  # micro_step at the current step's first backward
         self.global_step = 0  # optimizer steps taken or skipped (as DeepSpeed's global_steps)
         self.skipped_steps = 0  # fp16 steps skipped for a gradient overflow
         self.last_grad_norm: torch.Tensor | None = None
@@ -235,6 +235,8 @@ class Engine(StateMethods, Recovering):
         return self.accumulation_steps * turn.count / dp
 
     def _backward(self, run: Callable[[], None]) -> None:
+        if self.micro_step % self._backwards == 0:
+            self._step_start = self.micro_step
         try:
             with self.monitor.phase("backward"):
                 self.strategy.before_backward(sync=self.is_boundary)
@@ -255,7 +257,7 @@ class Engine(StateMethods, Recovering):
         overflow made every rank skip the step: then no parameter, optimizer state or scheduler
         moves, ``skipped_steps`` grows and ``global_step`` still counts it (as in DeepSpeed).
         """
-        if self.micro_step == self._stepped_at or self.micro_step % self._backwards:
+        if self.micro_step == self._step_start or self.micro_step % self._backwards:
             return False
         try:
             with self.monitor.phase("optimizer"):
@@ -335,10 +337,6 @@ class Engine(StateMethods, Recovering):
         self._loss_sum, self._loss_count = sum(losses), len(losses)
         self.step()
         return sum(losses) / len(losses)
-
-    def set_total_steps(self, total: int) -> None:
-        """Tell the console how many optimizer steps the run takes (for its ETA)."""
-        self.monitor.set_total_steps(total)
 
     # -- data ----------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ class _Engine(Protocol):
     optimizer: torch.optim.Optimizer
     global_step: int
     micro_step: int
-    _stepped_at: int
+    _step_start: int
     _loss_sum: float
     _loss_count: int
     _owns_group: bool
@@ -46,7 +46,6 @@ class Recovering:
 
     def _stepped(self: _Engine) -> None:
         """An optimizer step completed (taken or skipped) on every rank."""
-        self._stepped_at = self.micro_step
         if self._recovery is not None:
             self._recovery.stepped()
 
@@ -73,6 +72,6 @@ class Recovering:
         self.monitor.regroup(self.control, topology, self.batch.train_batch_size)
         self._owns_group = world.distributed  # the new default group is the engine's own
         self.optimizer.zero_grad(set_to_none=True)
-        self.micro_step = self._stepped_at  # the failed step's backwards never happened
+        self.micro_step = self._step_start  # the failed step's backwards never happened
         self._loss_sum, self._loss_count = 0.0, 0
         return True
