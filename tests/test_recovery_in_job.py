@@ -44,7 +44,9 @@ def _expected_order(world: int, lost: int, kill_after: int) -> list[list[list[li
     return order
 
 
-@pytest.mark.parametrize(("world", "victim"), [(3, 1)])
+# Rank 0 lost: every survivor is renumbered, and the rank that broadcast the initial weights
+# and opened the monitors is gone (losing rank 1 runs the same path; one case keeps it cheap).
+@pytest.mark.parametrize(("world", "victim"), [(3, 0)])
 def test_survivors_regroup_and_match_the_shrinking_plain_loop(tmp_path, world, victim):
     kill_after = 2
     out = tmp_path / "out"
