@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from longboat.config.compositions.rule import (
     COMPRESSED,
+    Facts,
     Rule,
     compressing,
     named,
@@ -111,5 +112,21 @@ RECOVERY: tuple[Rule, ...] = (
             "carried over a regroup yet; use data.remainder = 'drop' or 'pad'"
         ),
         {**IN_JOB, "data": {"remainder": "join"}},
+    ),
+    Rule(
+        "recovery-nccl",
+        "recovery.in_job",
+        "NCCL (training on an accelerator)",
+        "not built yet",
+        "build",
+        lambda c, f: _in_job(c) and f.device not in (None, "cpu") and c.comm.backend != "gloo",
+        lambda c, f: (
+            f"recovery.in_job = true with parameters on {f.device} and comm.backend = "
+            f"{c.comm.backend!r}: a failed NCCL collective ends its process by default (torch's "
+            "watchdog), and aborting and rebuilding NCCL communicators is not built yet; it is "
+            "built and tested on gloo: set comm.backend = 'gloo', or remove recovery.in_job"
+        ),
+        IN_JOB,
+        Facts(strategy="replicate", device="cuda"),
     ),
 )
