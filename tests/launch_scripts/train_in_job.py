@@ -1,7 +1,9 @@
 """Replicated training with in-job recovery: ``train_in_job.py OUT STEPS --kill-rank R
---kill-after K``.
+--kill-after K [--model tiny|resnet]``.
 
-TinyNet (tests/reference.py's recipe) under strategy 'replicate' with ``recovery.in_job``, one
+A model of tests/reference.py's recipes (TinyNet; or the ResNet, whose BatchNorm buffers are
+broadcast after each backward, so that the survivors notice the loss in a backward rather than
+in the optimizer step) under strategy 'replicate' with ``recovery.in_job``, one
 micro-batch of 2 samples per rank and step, samples in their stored order. Rank R (numbered at
 launch) SIGKILLs itself right after step K. Each rank that finishes STEPS writes
 ``OUT/rank<launch rank>.json`` (per completed step: its rank then, its sample ids and its loss)
@@ -33,9 +35,10 @@ def main() -> None:
     ap.add_argument("steps", type=int)
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--kill-after", type=int, default=2)
+    ap.add_argument("--model", choices=("tiny", "resnet"), default="tiny")
     args = ap.parse_args()
     torch.set_num_threads(1)  # several ranks share the machine
-    model, optimizer, _ = reference.Recipe("tiny", "adamw").build()
+    model, optimizer, _ = reference.Recipe(args.model, "adamw").build()
     config = {
         "strategy": "replicate",
         "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 1},
@@ -46,7 +49,8 @@ def main() -> None:
     }
     engine = longboat.initialize(model, optimizer, config)
     me = engine.world.rank  # the launch's numbering; engine.world.rank may change
-    loader = engine.loader(reference.indexed(reference.dataset(SAMPLES)))
+    data = reference.dataset if args.model == "tiny" else reference.image_dataset
+    loader = engine.loader(reference.indexed(data(SAMPLES)))
     records = []
     while engine.global_step < args.steps:
         for ids, x, y in loader:

@@ -123,7 +123,7 @@ class Engine(StateMethods, Recovering):
         # Gradients a strategy keeps out of memory ([Note: parameter offload]).
         self._held = self.strategy.held_gradients()
         self.micro_step = 0
-        self._step_start = 0  # micro_step at the current step's first backward
+        self._begun = 0  # micro_step at the current step's first backward
         self.global_step = 0  # optimizer steps taken or skipped (as DeepSpeed's global_steps)
         self.skipped_steps = 0  # fp16 steps skipped for a gradient overflow
         self.last_grad_norm: torch.Tensor | None = None
@@ -175,7 +175,7 @@ class Engine(StateMethods, Recovering):
                 "shadows the others' collectives with zero contributions until all are done; "
                 "each micro-batch's gradient is averaged over the ranks that had one"
             )
-        self._recovery = in_job(config, world, self.strategy)  # [Note: in-job recovery]
+        self._recovery = in_job(config, world, self.strategy, model)  # [Note: in-job recovery]
         # Leave the process group at exit even if the script never calls close(); a weak
         # reference so that an engine dropped early is not kept alive by the registry.
         ref = weakref.ref(self)
@@ -235,15 +235,17 @@ class Engine(StateMethods, Recovering):
         return self.accumulation_steps * turn.count / dp
 
     def _backward(self, run: Callable[[], None]) -> None:
+        if self._redo:  # the rest of a step a regroup interrupted: see _carry_on
+            return
         if self.micro_step % self._backwards == 0:
-            self._step_start = self.micro_step
+            self._begun = self.micro_step
         try:
             with self.monitor.phase("backward"):
                 self.strategy.before_backward(sync=self.is_boundary)
                 run()
                 self.strategy.after_backward()
         except (CollectiveTimeout, PeerLost) as e:
-            if not self._carry_on(e):
+            if not self._carry_on(e, rest_of_step=True):
                 raise
             return  # regrouped: the step is redone from its first micro-batch
         self.micro_step += 1
@@ -257,7 +259,7 @@ class Engine(StateMethods, Recovering):
         overflow made every rank skip the step: then no parameter, optimizer state or scheduler
         moves, ``skipped_steps`` grows and ``global_step`` still counts it (as in DeepSpeed).
         """
-        if self.micro_step == self._step_start or self.micro_step % self._backwards:
+        if self._redone() or self.micro_step == self._begun or self.micro_step % self._backwards:
             return False
         try:
             with self.monitor.phase("optimizer"):

@@ -33,10 +33,11 @@ class _Engine(Protocol):
     optimizer: torch.optim.Optimizer
     global_step: int
     micro_step: int
-    _step_start: int
+    _begun: int
     _loss_sum: float
     _loss_count: int
     _owns_group: bool
+    _redo: bool
     _join: JoinVote | None
     _recovery: InJob | None
 
@@ -44,17 +45,24 @@ class _Engine(Protocol):
 class Recovering:
     """The engine's answer to a failed collective."""
 
+    # A regroup interrupted a step in one of its backwards: the step's remaining backwards are
+    # skipped until step() (they would add the failed step's gradients to the redone one's).
+    _redo = False
+
     def _stepped(self: _Engine) -> None:
         """An optimizer step completed (taken or skipped) on every rank."""
         if self._recovery is not None:
             self._recovery.stepped()
 
-    def _carry_on(self: _Engine, error: CollectiveTimeout | PeerLost) -> bool:
+    def _carry_on(
+        self: _Engine, error: CollectiveTimeout | PeerLost, *, rest_of_step: bool = False
+    ) -> bool:
         """True when in-job recovery regrouped the survivors: the step is to be redone (its
         gradients are dropped, the loaders' next batches are its samples). False: the caller
         raises ``error``. Without either recovery or the join policy, ranks that hold
         different numbers of batches are the usual reason a peer never reached a gradient
-        collective: raised with that said, and the fix."""
+        collective: raised with that said, and the fix. ``rest_of_step``: the failure came in
+        a backward, and the step's remaining ones are to be skipped until :meth:`_redone`."""
         if self._recovery is None:
             if self._join is None:
                 raise type(error)(f"{error}; {UNEVEN_HINT}") from None
@@ -72,6 +80,15 @@ class Recovering:
         self.monitor.regroup(self.control, topology, self.batch.train_batch_size)
         self._owns_group = world.distributed  # the new default group is the engine's own
         self.optimizer.zero_grad(set_to_none=True)
-        self.micro_step = self._step_start  # the failed step's backwards never happened
+        self.micro_step = self._begun  # the failed step's backwards never happened
         self._loss_sum, self._loss_count = 0.0, 0
+        self._redo = rest_of_step
         return True
+
+    def _redone(self: _Engine) -> bool:
+        """At step(): True (once) when a regroup interrupted this step in a backward; the
+        losses of the backwards skipped since are not the redone step's."""
+        was, self._redo = self._redo, False
+        if was:
+            self._loss_sum, self._loss_count = 0.0, 0
+        return was

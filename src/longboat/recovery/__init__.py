@@ -17,9 +17,15 @@ raise; each survivor:
 3. builds the mesh and its doorways again at the new size, and hands them to the strategy
    (``regroup``), the monitor and the engine; the batch keeps its micro-batch size and
    accumulation, so the global batch shrinks with the world;
-4. drops the failed step's gradients and re-deals the epoch's remaining samples over the new
-   ranks from the failed step's first sample ([Note: regrouped loader] in ``data/sharded.py``);
-   the training loop's next batch is the redone step's.
+4. drops the failed step's gradients, puts back the model's buffers as they were at the step's
+   start (its forwards moved BatchNorm's statistics), skips the step's remaining backwards until
+   ``step()``, and re-deals the epoch's remaining samples over the new ranks from the failed
+   step's first sample ([Note: regrouped loader] in ``data/sharded.py``); the training loop's
+   next batch is the redone step's.
+
+Redoing a step is exact only if no parameter moved in it: the strategy is told to step the
+optimizer only once every bucket's reduction arrived (``keep_steps_whole``: no [Note: optimizer
+overlap] in ``strategies/replicate.py``).
 
 The state every survivor carries on from is its own, in memory: replicas hold the same
 parameters, buffers and optimizer state after every step, and no checkpoint is read. See

@@ -9,7 +9,9 @@ import time
 import weakref
 from typing import Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from longboat import roles
 from longboat.config.errors import ConfigError
@@ -29,10 +31,16 @@ class Regroupable(Protocol):
 
     name: str
 
-    def regroup(self, topology: Topology, world: World) -> None: ...
+    def keep_steps_whole(self) -> None:
+        """Move no parameter in a step until all of its reduction arrived."""
+        ...
+
+    def regroup(self, topology: Topology, world: World) -> None:
+        """Go on over ``topology``'s data-parallel axis, the state as it is."""
+        ...
 
 
-def in_job(config: Config, world: World, strategy: object) -> InJob | None:
+def in_job(config: Config, world: World, strategy: object, model: nn.Module) -> InJob | None:
     """The recovery of an engine whose config asks for it (None otherwise, or alone)."""
     if not config.recovery.in_job or not world.distributed:
         return None
@@ -47,14 +55,15 @@ def in_job(config: Config, world: World, strategy: object) -> InJob | None:
             "longboat run (or torchrun), whose agent serves it; started otherwise, rank 0 "
             "serves the store and the job cannot survive losing it"
         )
-    return InJob(config, world)
+    strategy.keep_steps_whole()
+    return InJob(config, world, model)
 
 
 class InJob:
-    """The generation this rank is in, its members, and where the loaders stood at the start
-    of the current step."""
+    """The generation this rank is in, its members, and where the loaders and the model's
+    buffers stood at the start of the current step."""
 
-    def __init__(self, config: Config, world: World) -> None:
+    def __init__(self, config: Config, world: World, model: nn.Module) -> None:
         self.config = config
         self.world = world
         self.id = world.rank  # the rank at launch, the id in every generation
@@ -64,6 +73,10 @@ class InJob:
         # agreement outlives the group it was opened with.
         self._store = dist.distributed_c10d._get_default_store()
         self._loaders: list[tuple[weakref.ref[Loader], tuple[int, int]]] = []
+        # The failed step's forwards moved the buffers (BatchNorm's statistics and count):
+        # the redone step starts from these, the same on every replica after a step.
+        self._model = model
+        self._buffers = [b.detach().clone() for b in model.buffers()]
         roles.announce(
             world.rank,
             roles.Role(
@@ -84,12 +97,18 @@ class InJob:
     def stepped(self) -> None:
         """A step completed on every rank: the next one starts where the loaders stand."""
         self._loaders = [(r, lo.where()) for r, _ in self._loaders if (lo := r()) is not None]
+        with torch.no_grad():
+            for kept, b in zip(self._buffers, self._model.buffers(), strict=True):
+                kept.copy_(b)
 
     def recover(self, step: int, old: Topology, error: BaseException) -> tuple[World, Topology]:
         """Agree on the next generation, leave ``old``'s groups and the default group, join the
         new one and build its topology; the loaders continue from the failed step's start.
         Returns this rank's new world and topology."""
         t0 = time.monotonic()
+        with torch.no_grad():
+            for kept, b in zip(self._buffers, self._model.buffers(), strict=True):
+                b.copy_(kept)
         gen = self.generation + 1
         live = [(lo, w) for r, w in self._loaders if (lo := r()) is not None]
         mine = Arrival(self.id, step, tuple(w for _, w in live))

@@ -93,6 +93,7 @@ class Replicate(WholeModel, StrategyDefaults):
         # Per bucket, after its all-reduce: which of its parameters some rank used.
         self._used: list[list[bool]] = []
         self.overlapped_steps = 0  # steps taken bucket by bucket ([Note: optimizer overlap])
+        self._overlap = ctx.section.overlap_optimizer if ctx.section is not None else True
         self.compressor = compression.build(ctx.compression)
         # An optimizer that reduces itself, and whether it does in this step.
         self._reducer: ReducesItself | None = None
@@ -131,6 +132,12 @@ class Replicate(WholeModel, StrategyDefaults):
             hook = p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             self._hooks.append(hook)
         return model
+
+    def keep_steps_whole(self) -> None:
+        """Step the optimizer only once every bucket arrived (no [Note: optimizer overlap]):
+        in-job recovery redoes a step whose reduction failed, which is exact only if no
+        parameter moved in it."""
+        self._overlap = False
 
     def regroup(self, topology: Topology, world: World) -> None:
         """Go on over ``topology``'s data-parallel axis after in-job recovery ([Note: in-job
@@ -288,7 +295,7 @@ class Replicate(WholeModel, StrategyDefaults):
             # launch of every optimizer kernel per bucket (1.33x a plain bf16 step on an H100,
             # benchmarks/results/gpu/step_time.json at 567ea30)
             and self.comm.world_size > 1
-            and self.cfg.overlap_optimizer
+            and self._overlap
             and is_elementwise(optimizer)
             and not has_step_hooks(optimizer)
         ):
