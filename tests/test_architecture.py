@@ -53,6 +53,7 @@ LAYERS = [
         "longboat.sync_batchnorm",
         "longboat.join",
         "longboat.compile",
+        "longboat.recovery",
     },
     {"longboat.engine"},
     {

@@ -173,3 +173,46 @@ def test_worker_count_does_not_change_the_draws():
         return [b.tolist() for b in loader]
 
     assert epoch(1) == epoch(2)
+
+
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_a_regrouped_loader_deals_the_rest_of_the_epoch_over_the_new_ranks(remainder):
+    """[Note: regrouped loader]: 3 ranks take 2 steps, then the live iterations of 2 of them
+    are re-dealt from the failed step's start: the epoch's permutation is consumed in order,
+    each sample once, and the epoch ends in whole steps of the new size."""
+    n, micro = 29, 2
+    ds = TensorDataset(torch.arange(n))
+
+    def loader(r):
+        return make_loader(
+            ds,
+            rank=r,
+            world_size=3,
+            micro_batch_size=micro,
+            train_batch_size=micro * 3,
+            shuffle=True,
+            seed=5,
+            remainder=remainder,
+            announce=False,
+        )
+
+    whole = _batches(n, 1, n, n, remainder="join", seed=5)[0][0]  # the epoch's permutation
+    loaders = [loader(r) for r in range(3)]
+    its = [iter(lo) for lo in loaders]
+    seen = [[next(it)[0].tolist() for _ in range(3)] for it in its]  # the third step fails
+    assert [lo.where() for lo in loaders] == [(0, 18)] * 3  # handed out, not completed
+    for new, old in enumerate((0, 2)):
+        loaders[old].regroup(new, 2, 0, 12)
+    rest = [[b[0].tolist() for b in its[old]] for old in (0, 2)]
+    assert [lo.epoch for lo in (loaders[0], loaders[2])] == [1, 1]
+    dealt = [x for step in zip(*rest, strict=True) for batch in step for x in batch]
+    flat = [x for s in range(2) for r in range(3) for x in seen[r][s]]
+    order = whole + whole[: 4 - (n - 12) % 4] if remainder == "pad" else whole
+    steps = (n - 12) // 4 + (remainder == "pad")
+    assert sorted(flat) == sorted(order[:12])
+    # each step's samples on the new ranks: positions 12 + 4t + r + 2i
+    assert rest == [
+        [[order[12 + 4 * t + r + 2 * i] for i in range(micro)] for t in range(steps)]
+        for r in range(2)
+    ]
+    assert len(dealt) == 4 * steps

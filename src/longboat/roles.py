@@ -3,9 +3,12 @@
 [Note: rank roles] ``longboat run`` gives its workers a directory (``LONGBOAT_ROLES_DIR``). A
 rank whose role matters to the launcher writes ``rank<global rank>.json`` there: words for the
 launcher's reports ("parameter server 0") and whether the job goes on without it
-(``droppable``: an async or ssp parameter-server worker, which the servers drop when it dies).
-Outside ``longboat run`` nothing is written. A rank that dies before it wrote its file is an
-ordinary rank: its death stops the job.
+(``droppable``: an async or ssp parameter-server worker, which the servers drop when it dies; a
+replica under in-job recovery, which the survivors regroup without), with ``after`` saying what
+happens then. Outside ``longboat run`` nothing is written. A rank that dies before it wrote its
+file is an ordinary rank: its death stops the job. When the launcher drops a rank it writes
+``dead<global rank>.json`` beside the roles, so the ranks on its node need not wait to learn
+of the death ([Note: membership] in ``longboat/recovery/membership.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class Role:
 
     what: str
     droppable: bool = False
+    after: str = "the servers drop it"  # what happens when a droppable rank dies, in words
 
 
 def announce(rank: int, role: Role) -> None:
@@ -48,4 +52,27 @@ def read(directory: Path) -> dict[int, Role]:
     return out
 
 
-__all__ = ["ENV", "Role", "announce", "read"]
+def mark_dead(directory: Path, rank: int, how: str) -> None:
+    """The launcher's record that global rank ``rank`` died (``how``, in words)."""
+    path = Path(directory, f"dead{rank}.json")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "how": how}))
+    tmp.replace(path)
+
+
+def dead() -> set[int]:
+    """The global ranks the launcher that started this process saw die (none outside
+    ``longboat run``)."""
+    directory = os.environ.get(ENV)
+    if not directory:
+        return set()
+    out: set[int] = set()
+    for path in Path(directory).glob("dead*.json"):
+        try:
+            out.add(int(path.stem.removeprefix("dead")))
+        except ValueError:
+            continue  # not one of ours
+    return out
+
+
+__all__ = ["ENV", "Role", "announce", "dead", "mark_dead", "read"]

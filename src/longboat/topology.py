@@ -247,6 +247,11 @@ class Topology:
 
     # -- what strategies and the engine use ----------------------------------------------------
 
+    @property
+    def options(self) -> DoorwayOptions | None:
+        """What :meth:`build` made the doorways with (None: no process group)."""
+        return self._options
+
     def data(self, axis: Axis) -> Comm:
         """The data-plane doorway of this rank's group along ``axis``."""
         return self._data[axis]

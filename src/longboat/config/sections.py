@@ -115,6 +115,24 @@ class CheckpointConfig(_Section):
     )
 
 
+class RecoveryConfig(_Section):
+    """What a job does when one of its ranks dies (``docs/recovery.md``)."""
+
+    in_job: bool = Field(
+        False,
+        description="under strategy 'replicate', the surviving ranks agree on a new membership "
+        "through the launcher's store, rebuild their process groups and redo the failed step "
+        "without the lost rank, from their in-memory state (no restart, no checkpoint read)",
+    )
+    wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="how long the survivors wait for each other before closing the new "
+        "membership without the ranks that did not arrive (a rank the launcher saw die on "
+        "this node is not waited for)",
+    )
+
+
 class Config(_Section):
     """The whole configuration of a run."""
 
@@ -149,6 +167,7 @@ class Config(_Section):
         default_factory=ActivationCheckpointingConfig
     )
     compile: CompileConfig = Field(default_factory=CompileConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
 
     @field_validator("compile", mode="before")
     @classmethod
@@ -197,6 +216,7 @@ __all__ = [
     "PipelineConfig",
     "PrecisionConfig",
     "ProfileConfig",
+    "RecoveryConfig",
     "ReplicateConfig",
     "SchedulerConfig",
     "SinkConfig",

@@ -40,8 +40,13 @@ class Loader:
         self.world_size = world_size  # data-parallel ranks
         self.device = device
         self.epoch = 0
-        self.position = 0  # batches handed out so far in this epoch
+        self.position = 0  # batches handed out so far in this epoch (since _offset)
         self._skip = 0  # batches to skip at the next iteration (set by load_state_dict)
+        # Samples of the epoch consumed before ``position`` began counting: 0, unless the
+        # world changed mid-epoch ([Note: regrouped loader]).
+        self._offset = 0
+        # (epoch, samples) to continue from at the next batch: set by regroup().
+        self._restart: tuple[int, int] | None = None
         # Set by the engine when the wall-clock breakdown is on: a context timing each fetch.
         self.on_fetch: Callable[[], AbstractContextManager[Any]] | None = None
         # Set by the engine under data.remainder = 'join': what every iteration's batches go
@@ -69,6 +74,12 @@ class Loader:
         device = None if self.device is None or self.device.type == "cpu" else self.device
         try:
             while True:
+                if self._restart is not None:  # [Note: regrouped loader]
+                    (epoch, samples), self._restart = self._restart, None
+                    assert epoch == self.epoch, (epoch, self.epoch)
+                    self._end()
+                    self._offset, self.position, first = samples, 0, 0
+                    it = self._begin()
                 # The profiler times the fetch (and the copy to the device) as data loading.
                 with self.on_fetch() if self.on_fetch is not None else _NULL:
                     batch = next(it, _END)
@@ -83,10 +94,29 @@ class Loader:
         self._ended(self.position - first)
         self.epoch += 1
         self.position = 0
+        self._offset = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands, as JSON-ready values."""
-        return {"epoch": self.epoch, "samples": self.position * self.batch_size * self.world_size}
+        return {"epoch": self.epoch, "samples": self.samples}
+
+    @property
+    def samples(self) -> int:
+        """Samples of the current epoch handed out so far, over every data-parallel rank."""
+        return self._offset + self.position * self.batch_size * self.world_size
+
+    def where(self) -> tuple[int, int]:
+        """(epoch, samples) this loader's next batch starts from: an epoch that has handed out
+        all its batches counts as the next one's start ([Note: regrouped loader])."""
+        raise NotImplementedError(
+            f"a {type(self).__name__} cannot be re-sharded over a new set of ranks (in-job "
+            "recovery): use a map-style data set with engine.loader"
+        )
+
+    def regroup(self, rank: int, world_size: int, epoch: int, samples: int) -> None:
+        """Continue at the next batch from ``samples`` into ``epoch``, as rank ``rank`` of
+        ``world_size`` data-parallel ranks ([Note: regrouped loader])."""
+        self.where()  # says which loaders cannot
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (see :meth:`state_dict`) at the next iteration."""
@@ -101,6 +131,7 @@ class Loader:
         self.epoch = int(state["epoch"])
         self._skip = samples // per_batch
         self.position = self._skip
+        self._offset = 0
 
 
 def _worker_kwargs(

@@ -14,6 +14,14 @@ torch's, Python's and NumPy's generators seeded from the data seed, the epoch an
 position in the epoch's permutation: the same draws whatever the number of workers, and after a
 resume. (Without workers, samples draw from the training process's generators, which checkpoints
 restore.)
+
+[Note: regrouped loader] When in-job recovery (``longboat/recovery/``) continues an epoch on
+fewer ranks, the samples the epoch consumed so far (``offset``, the same on every survivor)
+stay consumed and the rest of the permutation is dealt over the new ranks as at the start of an
+epoch: rank ``r`` of ``n`` takes positions ``offset + r, offset + r + n, ...``. So the step the
+failure interrupted is redone on the survivors' ranks from its first sample, and no sample is
+lost or seen twice. The epoch's end is recounted in whole steps of the new size from
+``offset``. The live iteration of the training loop picks the change up at its next batch.
 """
 
 from __future__ import annotations
@@ -62,9 +70,15 @@ class ShardedSampler(Sampler[int]):
         self.remainder = remainder
         self.epoch = 0
         self.start = 0  # positions of this rank's shard to skip (resuming mid-epoch)
+        self.offset = 0  # positions of the permutation consumed before a regroup
         # [Note: worker randomness]: yield (index, epoch, position) for _SeededSamples
         self.tagged = False
-        whole = length // step_samples * step_samples
+        self.count_from(0)
+
+    def count_from(self, offset: int) -> None:
+        """The epoch's samples (``total``, padded or trimmed to whole steps from ``offset``)."""
+        length, step_samples, remainder = self.length, self.step_samples, self.remainder
+        whole = offset + (length - offset) // step_samples * step_samples
         self.total = (
             whole
             if remainder == "drop"
@@ -73,6 +87,12 @@ class ShardedSampler(Sampler[int]):
             else whole + step_samples
         )
         self.leftover = length - whole
+
+    def regroup(self, rank: int, world_size: int) -> None:
+        """Deal positions over ``world_size`` ranks from now on, this one rank ``rank``
+        ([Note: regrouped loader])."""
+        self.step_samples = self.step_samples // self.world_size * world_size
+        self.rank, self.world_size = rank, world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the permutation of ``epoch`` (the loader does this by itself)."""
@@ -87,17 +107,18 @@ class ShardedSampler(Sampler[int]):
         if self.total > self.length:  # pad by repeating from the start of the permutation
             order += (order * (self.total // self.length + 1))[: self.total - self.length]
         order = order[: self.total]
-        mine = order[self.rank :: self.world_size][self.start :]
+        mine = order[self.offset + self.rank :: self.world_size][self.start :]
         if not self.tagged:
             return iter(mine)
-        first = self.rank + self.start * self.world_size  # global position of mine[0]
+        # global position of mine[0]
+        first = self.offset + self.rank + self.start * self.world_size
         return iter(
             (i, self.epoch, first + k * self.world_size)  # type: ignore[misc]
             for k, i in enumerate(mine)
         )
 
     def __len__(self) -> int:
-        return max(len(range(self.rank, self.total, self.world_size)) - self.start, 0)
+        return max(len(range(self.offset + self.rank, self.total, self.world_size)) - self.start, 0)
 
 
 def _seed_all(seed: int, epoch: int, position: int) -> None:
@@ -162,12 +183,26 @@ class ShardedLoader(Loader):
 
     def _begin(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
+        self.sampler.offset = self._offset
+        self.sampler.count_from(self._offset)
         self.sampler.start = self.position * self.batch_size
         self._epoch_rng = self._generator.get_state()
         return iter(self.loader)
 
     def _end(self) -> None:
         self.sampler.start = 0
+        self.sampler.offset = 0
+
+    def where(self) -> tuple[int, int]:
+        samples = self.samples
+        if samples >= self.sampler.total:  # the epoch is over; the next one starts at 0
+            return self.epoch + 1, 0
+        return self.epoch, samples
+
+    def regroup(self, rank: int, world_size: int, epoch: int, samples: int) -> None:
+        self.world_size = world_size
+        self.sampler.regroup(rank, world_size)
+        self._restart = (epoch, samples)
 
     def __len__(self) -> int:
         return len(self.loader)

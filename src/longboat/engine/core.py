@@ -26,15 +26,17 @@ from longboat.config.compositions import refuse_built
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.data import Loader, build_loader
+from longboat.engine.recovering import Recovering
 from longboat.engine.split import SplitBackwardMethods
 from longboat.engine.state import StateMethods
 from longboat.grads import clip_by_global_norm_
-from longboat.join import UNEVEN_HINT, JoinVote, Turn
+from longboat.join import JoinVote, Turn
 from longboat.observe.monitor import Monitor
 from longboat.optim.checks import check_parameters, facts_of
 from longboat.optim.self_reducing import check_bound
 from longboat.pipeline.schedule import LossFn, Schedule, Sequential, default_inputs, split
 from longboat.precision import Precision, SkippedStep
+from longboat.recovery.injob import in_job
 from longboat.strategies.base import cannot_shadow
 from longboat.strategies.registry import build_strategy
 from longboat.tensor import TensorParallel
@@ -45,7 +47,7 @@ from longboat.world import World, destroy_process_group, device_for
 T = TypeVar("T")
 
 
-class Engine(StateMethods, SplitBackwardMethods):
+class Engine(StateMethods, SplitBackwardMethods, Recovering):
     """A model trained by a strategy. Create it with :func:`longboat.initialize`."""
 
     def __init__(
@@ -122,6 +124,7 @@ class Engine(StateMethods, SplitBackwardMethods):
         # Gradients a strategy keeps out of memory ([Note: parameter offload]).
         self._held = self.strategy.held_gradients()
         self.micro_step = 0
+        self._begun = 0  # micro_step at the current step's first backward
         self.global_step = 0  # optimizer steps taken or skipped (as DeepSpeed's global_steps)
         self.skipped_steps = 0  # fp16 steps skipped for a gradient overflow
         self.last_grad_norm: torch.Tensor | None = None
@@ -173,6 +176,7 @@ class Engine(StateMethods, SplitBackwardMethods):
                 "shadows the others' collectives with zero contributions until all are done; "
                 "each micro-batch's gradient is averaged over the ranks that had one"
             )
+        self._recovery = in_job(config, world, self.strategy, model)  # [Note: in-job recovery]
         # Leave the process group at exit even if the script never calls close(); a weak
         # reference so that an engine dropped early is not kept alive by the registry.
         ref = weakref.ref(self)
@@ -232,40 +236,40 @@ class Engine(StateMethods, SplitBackwardMethods):
         return self.accumulation_steps * turn.count / dp
 
     def _backward(self, run: Callable[[], None]) -> None:
+        if self._redo:  # the rest of a step a regroup interrupted: see _carry_on
+            return
+        if self.micro_step % self._backwards == 0:
+            self._begun = self.micro_step
         try:
             with self.monitor.phase("backward"):
                 self.strategy.before_backward(sync=self.is_boundary)
                 run()
                 self.strategy.after_backward()
         except (CollectiveTimeout, PeerLost) as e:
-            self._explain_uneven(e)
-            raise
+            if not self._carry_on(e, rest_of_step=True):
+                raise
+            return  # regrouped: the step is redone from its first micro-batch
         self.micro_step += 1
 
-    def _explain_uneven(self, error: CollectiveTimeout | PeerLost) -> None:
-        """A gradient collective that a peer never reached: without the join policy, ranks
-        that hold different numbers of batches are the usual reason; say so, and the fix."""
-        if self._join is None:
-            raise type(error)(f"{error}; {UNEVEN_HINT}") from None
-
     def step(self) -> bool:
-        """At the accumulation boundary: unscale and check (fp16), clip, optimizer step, zero
-        grads, scheduler.
+        """At the accumulation boundary: unscale, check (fp16), clip, step, zero grads, scheduler.
 
         Between boundaries it does nothing and returns False, so it can be called after every
         micro-batch, as with DeepSpeed. At a boundary it returns True, also when an fp16
         overflow made every rank skip the step: then no parameter, optimizer state or scheduler
         moves, ``skipped_steps`` grows and ``global_step`` still counts it (as in DeepSpeed).
         """
-        if self.micro_step == 0 or self.micro_step % self._backwards:
+        if self._redone() or self.micro_step == self._begun or self.micro_step % self._backwards:
             return False
         try:
             with self.monitor.phase("optimizer"):
                 self._optimizer_step()
         except (CollectiveTimeout, PeerLost) as e:
-            self._explain_uneven(e)
-            raise
+            if not self._carry_on(e):
+                raise
+            return False  # regrouped: the step is redone from its first micro-batch
         self.global_step += 1
+        self._stepped()
         loss = self._loss_sum / self._loss_count if self._loss_count else None
         self._loss_sum, self._loss_count = 0.0, 0
         self.last_loss = loss
@@ -336,10 +340,6 @@ class Engine(StateMethods, SplitBackwardMethods):
         self.step()
         return sum(losses) / len(losses)
 
-    def set_total_steps(self, total: int) -> None:
-        """Tell the console how many optimizer steps the run takes (for its ETA)."""
-        self.monitor.set_total_steps(total)
-
     # -- data ----------------------------------------------------------------------------------
 
     def loader(
@@ -393,6 +393,8 @@ class Engine(StateMethods, SplitBackwardMethods):
                 agree=lambda problem: gather_json(self.control, problem),
             )
         )
+        if self._recovery is not None:
+            self._recovery.track(loader)
         if self.monitor.breakdown is not None:
             loader.on_fetch = lambda: self.monitor.phase("data")
         if self._join is not None:

@@ -127,6 +127,10 @@ class StateMethods:
         with self.monitor.phase("checkpoint"):
             return checkpoint.load(self, directory, tag, allow_missing=allow_missing)
 
+    def set_total_steps(self: _Engine, total: int) -> None:
+        """Tell the console how many optimizer steps the run takes (for its ETA)."""
+        self.monitor.set_total_steps(total)
+
     def should_stop(self: _Engine) -> bool:
         """True on every rank, at the same call, once any rank received SIGTERM or SIGINT
         (``longboat run`` being stopped, a scheduler preempting the job): save a checkpoint and

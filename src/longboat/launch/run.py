@@ -351,8 +351,8 @@ def launch(opts: RunOptions) -> int:
             failed = survivors.all_failed() if opts.nnodes == 1 else None
             if failed is not None:
                 report(
-                    f"longboat: every parameter-server worker failed ({failed}); none finished "
-                    "its training, so the job failed"
+                    f"longboat: every rank the job could go on without failed ({failed}); "
+                    "none finished its training, so the job failed"
                 )
                 code = 1
             else:

@@ -87,9 +87,10 @@ class Survivors:
             how = _how(code)
             handler.proc = _Dropped(proc.pid)
             self.dropped[rank] = how
+            roles.mark_dead(self.roles_dir, rank, how)
             self.report(
                 f"longboat: rank {rank} ({role.what}) {how}; the job goes on without it "
-                "(the servers drop it)"
+                f"({role.after})"
             )
 
     def all_failed(self) -> str | None:

@@ -133,6 +133,17 @@ class Monitor:
 
             self.sinks.append((WandbSink(mon.wandb, config.model_dump()), self.files_every))
 
+    def regroup(self, comm: Comm, blocked: Blocked, train_batch_size: int) -> None:
+        """Go on over ``comm`` after in-job recovery (``longboat/recovery/``): an event in
+        flight on the old group is dropped, the steps since the last event count on. Rank 0
+        stays the launch's rank 0 when it survives; when it does not, no rank writes the
+        sinks from here on (said in the recovery's log line)."""
+        self.comm = comm
+        self.train_batch_size = train_batch_size
+        self._pending = None
+        if self.breakdown is not None:
+            self.breakdown.comm = blocked
+
     def set_total_steps(self, total: int) -> None:
         """The run's length in optimizer steps, for the console's ETA."""
         self.total_steps = total

@@ -42,6 +42,8 @@ asks for local gradients, no bucket is filled or launched: ``p.grad`` stays this
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -62,6 +64,8 @@ from longboat.strategies.whole_state import (
     whole_model_state,
     whole_state,
 )
+from longboat.topology import Topology
+from longboat.world import World
 
 _MIB = 1024 * 1024
 
@@ -89,6 +93,7 @@ class Replicate(WholeModel, StrategyDefaults):
         # Per bucket, after its all-reduce: which of its parameters some rank used.
         self._used: list[list[bool]] = []
         self.overlapped_steps = 0  # steps taken bucket by bucket ([Note: optimizer overlap])
+        self._overlap = ctx.section.overlap_optimizer if ctx.section is not None else True
         self.compressor = compression.build(ctx.compression)
         # An optimizer that reduces itself, and whether it does in this step.
         self._reducer: ReducesItself | None = None
@@ -127,6 +132,27 @@ class Replicate(WholeModel, StrategyDefaults):
             hook = p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             self._hooks.append(hook)
         return model
+
+    def keep_steps_whole(self) -> None:
+        """Step the optimizer only once every bucket arrived (no [Note: optimizer overlap]):
+        in-job recovery redoes a step whose reduction failed, which is exact only if no
+        parameter moved in it."""
+        self._overlap = False
+
+    def regroup(self, topology: Topology, world: World) -> None:
+        """Go on over ``topology``'s data-parallel axis after in-job recovery ([Note: in-job
+        recovery] in ``longboat/recovery/__init__.py``): every replica's state stays as it is;
+        the failed step's gradients and the reductions in flight on the old group are dropped."""
+        self.ctx = dataclasses.replace(self.ctx, world=world, topology=topology)
+        self.comm = topology.data("dp")
+        assert self._buffers is not None
+        self._buffers.comm = self.comm
+        for b in self._buckets:
+            b.handle = None
+        for s in self._arrived:
+            s.clear()
+        self._order.reset()
+        self._sync = False
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -269,7 +295,7 @@ class Replicate(WholeModel, StrategyDefaults):
             # launch of every optimizer kernel per bucket (1.33x a plain bf16 step on an H100,
             # benchmarks/results/gpu/step_time.json at 567ea30)
             and self.comm.world_size > 1
-            and self.cfg.overlap_optimizer
+            and self._overlap
             and is_elementwise(optimizer)
             and not has_step_hooks(optimizer)
         ):

@@ -27,12 +27,13 @@ from typing import Any
 
 from longboat.config.compositions.features import FEATURES
 from longboat.config.compositions.parallel import PARALLEL
+from longboat.config.compositions.recovery import RECOVERY
 from longboat.config.compositions.rule import Facts, Rule
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 
 #: The table, in the order its rules are checked (the first that applies is the refusal).
-RULES: tuple[Rule, ...] = (*PARALLEL, *FEATURES)
+RULES: tuple[Rule, ...] = (*PARALLEL, *FEATURES, *RECOVERY)
 #: Each rule by its name.
 BY_NAME: dict[str, Rule] = {r.name: r for r in RULES}
 

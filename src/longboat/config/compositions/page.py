@@ -58,6 +58,12 @@ FEATURES: tuple[tuple[str, Mapping[str, Any], Facts, tuple[str, ...] | None], ..
         None,
     ),
     ("gradient clipping", {"gradient_clipping": 1.0}, Facts(), None),
+    (
+        "in-job recovery (`recovery.in_job`)",
+        {"recovery": {"in_job": True}},
+        Facts(),
+        ("replicate", "zero", "parameter_server"),
+    ),
     ("sync batch norm", {"sync_batchnorm": True}, Facts(), None),
     (
         "activation checkpointing",

@@ -1,0 +1,119 @@
+"""The survivors' agreement on who goes on, through the launcher's store.
+
+[Note: membership] When a collective fails or times out, each survivor of generation ``g``
+writes what it holds under ``longboat/recovery/<g+1>/here/<id>`` (``id``: its global rank at
+launch, which never changes, so that generations can renumber ranks freely): the step it is
+about to redo and where its loaders stood at the start of that step. Then it waits until every
+member of generation ``g`` has either arrived or is known dead (the launcher on this node writes
+the ranks it saw die, [Note: rank roles] in ``longboat/roles.py``), or until
+``recovery.wait_s`` has passed. It then proposes the members that arrived, with
+``compare_set`` on ``longboat/recovery/<g+1>/members``: the store keeps the first proposal and
+hands it to every later one, so every survivor reads the same membership, however their views
+of who had arrived differed. A survivor that arrives after that, and is not in it, is told so
+and stops (the launcher then drops it too).
+
+The members' new ranks are their positions in the membership (in the order of their old
+ranks). Every member must be at the same step and loader position: replicas that stepped in
+lockstep are, unless one of them finished the failed step's reduction and the optimizer step
+before the others lost the peer. Bringing such a replica back in line (state from a live peer)
+is not built yet: the disagreement is refused with the steps of each rank.
+
+Pure except for the store (anything with torch's ``Store`` methods ``set``, ``get``, ``check``
+and ``compare_set``): ``tests/test_recovery_membership.py`` runs it on a ``HashStore`` with
+threads.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ROOT = "longboat/recovery"
+
+
+class RecoveryError(RuntimeError):
+    """The survivors could not agree on how to go on; the message says why and names ranks."""
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What one survivor holds: its id (global rank at launch), the step it redoes and where
+    each of its loaders stood at that step's start (``[epoch, samples]``, one per loader)."""
+
+    id: int
+    step: int
+    loaders: tuple[tuple[int, int], ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps({"id": self.id, "step": self.step, "loaders": self.loaders})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Arrival:
+        d = json.loads(text)
+        return cls(int(d["id"]), int(d["step"]), tuple((int(e), int(s)) for e, s in d["loaders"]))
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Generation ``generation``: its members' ids in rank order, and what it resumes."""
+
+    generation: int
+    members: tuple[int, ...]
+    lost: tuple[int, ...]  # ids of the previous generation that did not go on
+    step: int
+    loaders: tuple[tuple[int, int], ...]
+
+    def rank_of(self, id: int) -> int:
+        """The new rank of member ``id``."""
+        return self.members.index(id)
+
+
+def agree(
+    store: Any,
+    generation: int,
+    previous: Sequence[int],
+    mine: Arrival,
+    *,
+    wait_s: float,
+    dead: Callable[[], set[int]] = set,
+    poll_s: float = 0.02,
+    clock: Callable[[], float] = time.monotonic,
+) -> Membership:
+    """Agree with the other survivors of ``previous`` (the ids of the generation before) on
+    generation ``generation`` ([Note: membership]). ``dead()``: ids known dead."""
+    base = f"{ROOT}/{generation}"
+    store.set(f"{base}/here/{mine.id}", mine.to_json())
+    decided = f"{base}/members"
+    deadline = clock() + wait_s
+    while not store.check([decided]):
+        arrived = [i for i in previous if store.check([f"{base}/here/{i}"])]
+        gone = dead()
+        if all(i in arrived or i in gone for i in previous) or clock() >= deadline:
+            store.compare_set(decided, "", json.dumps(arrived))
+            break
+        time.sleep(poll_s)
+    members = tuple(int(i) for i in json.loads(store.get(decided)))
+    if mine.id not in members:
+        raise RecoveryError(
+            f"rank {mine.id} (id at launch) arrived after generation {generation} was agreed "
+            f"without it (members {list(members)}); raise recovery.wait_s if the survivors "
+            "notice a failure further apart than that"
+        )
+    arrivals = [Arrival.from_json(store.get(f"{base}/here/{i}")) for i in members]
+    where = {(a.step, a.loaders) for a in arrivals}
+    if len(where) > 1:
+        said = "; ".join(f"rank {a.id}: step {a.step}, loaders {list(a.loaders)}" for a in arrivals)
+        raise RecoveryError(
+            f"the survivors of generation {generation - 1} stand at different steps or data "
+            f"positions ({said}): one finished the failed step before the others lost the "
+            "peer, and bringing a replica back in line from a live peer is not built yet; "
+            "restart from a checkpoint (longboat run --max-restarts)"
+        )
+    lost = tuple(i for i in previous if i not in members)
+    return Membership(generation, members, lost, mine.step, mine.loaders)
+
+
+__all__ = ["ROOT", "Arrival", "Membership", "RecoveryError", "agree"]

@@ -1,0 +1,72 @@
+"""The survivors' agreement on the next generation ([Note: membership] in
+longboat/recovery/membership.py), on an in-process store with one thread per survivor."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from longboat.recovery import Arrival, Membership, RecoveryError, agree
+
+
+def _together(store, arrivals, previous, **kwargs) -> dict[int, Membership | Exception]:
+    """Run ``agree`` for each arrival on its own thread; each one's membership or error."""
+    out: dict[int, Membership | Exception] = {}
+
+    def one(a: Arrival) -> None:
+        try:
+            out[a.id] = agree(store, 1, previous, a, **kwargs)
+        except Exception as e:
+            out[a.id] = e
+
+    threads = [threading.Thread(target=one, args=(a,)) for a in arrivals]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_survivors_agree_without_waiting_for_a_rank_the_launcher_saw_die():
+    store = dist.HashStore()
+    t0 = time.monotonic()
+    got = _together(
+        store,
+        [Arrival(0, 3, ((0, 12),)), Arrival(2, 3, ((0, 12),))],
+        (0, 1, 2),
+        wait_s=30,
+        dead=lambda: {1},
+    )
+    assert time.monotonic() - t0 < 5  # not the 30 s window
+    assert got[0] == got[2] == Membership(1, (0, 2), (1,), 3, ((0, 12),))
+    assert got[2].rank_of(2) == 1  # renumbered in the order of the old ranks
+
+
+def test_without_news_of_the_death_the_window_closes_the_membership():
+    got = _together(dist.HashStore(), [Arrival(0, 3), Arrival(2, 3)], (0, 1, 2), wait_s=0.3)
+    assert got[0] == got[2] and got[0].members == (0, 2)
+
+
+def test_every_rank_arriving_keeps_them_all():
+    got = _together(dist.HashStore(), [Arrival(i, 0) for i in range(3)], (0, 1, 2), wait_s=30)
+    assert {m.members for m in got.values()} == {(0, 1, 2)}
+
+
+def test_a_survivor_arriving_after_the_agreement_is_told_it_was_left_out():
+    store = dist.HashStore()
+    first = agree(store, 1, (0, 1, 2), Arrival(0, 3), wait_s=0.1)
+    assert first.members == (0,)
+    with pytest.raises(RecoveryError, match=r"rank 2 .* arrived after generation 1 was agreed"):
+        agree(store, 1, (0, 1, 2), Arrival(2, 3), wait_s=0.1)
+
+
+def test_survivors_at_different_steps_are_refused_naming_each():
+    got = _together(
+        dist.HashStore(), [Arrival(0, 3), Arrival(2, 4)], (0, 1, 2), wait_s=30, dead=lambda: {1}
+    )
+    for err in got.values():
+        assert isinstance(err, RecoveryError)
+        assert "rank 0: step 3" in str(err) and "rank 2: step 4" in str(err)
