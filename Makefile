@@ -34,11 +34,8 @@ demo: $(VENV)/.installed
 
 # The suite starts with the linter, the formatter's check and the type checker (strict on
 # src/longboat, as pyproject.toml's [tool.mypy] says): a change that fails any fails CI.
-# pytest-xdist runs one worker per core (at most 4), a test file per worker at a time: many
-# tests wait on timeouts, launches and stores, and another file's test uses the core meanwhile.
-# A file stays on one worker, so its module fixtures (a dry run, namespace hosts) run once.
 test: lint $(DS_HOME)/.installed
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests examples benchmarks
