@@ -93,7 +93,10 @@ class SavedBytes:
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
         self.refs[ptr] = self.refs.get(ptr, 0) + 1
-        return _Held(self, t, ptr, storage.nbytes())
+        # Held detached: a saved output kept with its grad_fn would hold its own node, a cycle
+        # through autograd that no collector sees; a graph kept for a later pass (the split
+        # backward's retain_graph) would then never be freed, nor counted as freed.
+        return _Held(self, t.detach(), ptr, storage.nbytes())
 
     @staticmethod
     def unpack(held: Any) -> torch.Tensor:
