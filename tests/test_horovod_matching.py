@@ -124,6 +124,14 @@ def test_every_rank_waiting_for_a_name_no_peer_issued_is_an_error_not_a_hang(ran
         assert out["sums"] == [3.0, 3.0], (r, out)
 
 
+def _wait_for(signal: str, failure: str) -> None:
+    """Until the file ``signal`` exists (another rank's sign), at most 60 s."""
+    deadline = time.monotonic() + 60
+    while not Path(signal).exists():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
+
+
 def _poll_before_the_peer_issues(signal: str) -> dict:
     """Rank 0 polls its "x" before rank 1 has issued it; rank 1 issues it only once rank 0 has
     said, through a file, that its poll returned."""
@@ -137,10 +145,7 @@ def _poll_before_the_peer_issues(signal: str) -> dict:
         out["polled"] = hvd.poll(handle)
         Path(signal).write_text("polled")
     else:
-        deadline = time.monotonic() + 60
-        while not Path(signal).exists():
-            assert time.monotonic() < deadline, "rank 0 never polled"
-            time.sleep(0.01)
+        _wait_for(signal, "rank 0 never polled")
         handle = hvd.allreduce_async(torch.tensor([10.0, 20.0]), name="x", op=hvd.Sum)
     out["sum"] = hvd.synchronize(handle).tolist()
     out["after"] = hvd.poll(handle)
@@ -257,10 +262,7 @@ def _both_poll_in_different_orders(signal: str) -> dict:
             time.sleep(0.01)
         Path(signal).write_text("polled")
     else:
-        deadline = time.monotonic() + 60
-        while not Path(signal).exists():
-            assert time.monotonic() < deadline, "rank 0 never came back from poll"
-            time.sleep(0.01)
+        _wait_for(signal, "rank 0 never came back from poll")
     return {"polls": polls, "sums": [hvd.synchronize(handles[k]).item() for k in "xy"]}
 
 

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,14 +136,20 @@ def _rank_zero_leaves_an_all_reduce_unpaired_then_every_rank_raises() -> None:
     raise ValueError(f"refused on rank {dist.get_rank()}")
 
 
-def test_a_call_every_rank_raised_in_keeps_the_workers(ranks: RankPools) -> None:
+def _fail_on_a_ready_pool(ranks: RankPools, fn: Any) -> tuple[RankFailure, list[int]]:
+    """The 2-rank pool started, its workers' pids, then ``fn`` failing there: the failure."""
     ranks(2, _all_reduce_rank_plus_one)
-    pool = ranks.pool(2)
-    pids = pool.pids
+    pids = ranks.pool(2).pids
     with pytest.raises(RankFailure) as caught:
-        ranks(2, _every_rank_raises)
-    assert "still usable" in str(caught.value)
-    assert set(caught.value.failures) == {0, 1}
+        ranks(2, fn)
+    return caught.value, pids
+
+
+def test_a_call_every_rank_raised_in_keeps_the_workers(ranks: RankPools) -> None:
+    failure, pids = _fail_on_a_ready_pool(ranks, _every_rank_raises)
+    pool = ranks.pool(2)
+    assert "still usable" in str(failure)
+    assert set(failure.failures) == {0, 1}
     assert pool.pids == pids
     assert ranks(2, _all_reduce_rank_plus_one) == [3.0, 3.0]
 
@@ -150,13 +157,10 @@ def test_a_call_every_rank_raised_in_keeps_the_workers(ranks: RankPools) -> None
 def test_a_collective_left_unpaired_by_a_failed_call_replaces_the_workers(
     ranks: RankPools,
 ) -> None:
-    ranks(2, _all_reduce_rank_plus_one)
-    pool = ranks.pool(2)
-    pids = pool.pids
-    with pytest.raises(RankFailure) as caught:
-        ranks(2, _rank_zero_leaves_an_all_reduce_unpaired_then_every_rank_raises)
-    assert "the pool was restarted" in str(caught.value)
-    assert set(pool.pids).isdisjoint(pids)
+    fn = _rank_zero_leaves_an_all_reduce_unpaired_then_every_rank_raises
+    failure, pids = _fail_on_a_ready_pool(ranks, fn)
+    assert "the pool was restarted" in str(failure)
+    assert set(ranks.pool(2).pids).isdisjoint(pids)
     assert ranks(2, _all_reduce_rank_plus_one) == [3.0, 3.0]
 
 

@@ -335,13 +335,18 @@ def _gpipe(p: int, m: int, v: int) -> list[list[Action]]:
     ]
 
 
-def _one_f_one_b(p: int, m: int, v: int) -> list[list[Action]]:
-    _one_stage_per_rank("1f1b", v)
+def _fills(kind: str, p: int, m: int) -> None:
+    """Refuse fewer micro-batches than stages: a 1F1B-shaped warm-up could not fill the pipe."""
     if m < p:
         raise ScheduleError(
-            f"1f1b: {m} micro-batch(es) cannot fill {p} stages; use at least {p} "
+            f"{kind}: {m} micro-batch(es) cannot fill {p} stages; use at least {p} "
             "(batch.gradient_accumulation_steps) or the gpipe schedule"
         )
+
+
+def _one_f_one_b(p: int, m: int, v: int) -> list[list[Action]]:
+    _one_stage_per_rank("1f1b", v)
+    _fills("1f1b", p, m)
     out = []
     for r in range(p):
         warm = p - r - 1
@@ -361,11 +366,7 @@ def _zb_h1(p: int, m: int, v: int) -> list[list[Action]]:
     # and the W's a rank has deferred fill the time it would wait in 1F1B's cool-down. With
     # W <= I the idle shrinks from 1F1B's (p - 1)(F + I + W) to (p - 1)(F + I - W).
     _one_stage_per_rank("zb-h1", v)
-    if m < p:
-        raise ScheduleError(
-            f"zb-h1: {m} micro-batch(es) cannot fill {p} stages; use at least {p} "
-            "(batch.gradient_accumulation_steps) or the gpipe schedule"
-        )
+    _fills("zb-h1", p, m)
     out = []
     for r in range(p):
         warm = p - r - 1
