@@ -562,8 +562,8 @@ def test_a_real_search_at_two_ranks_measures_all_that_fits_and_chooses_the_faste
 
 
 def test_precisions_are_searched_where_the_config_takes_them() -> None:
-    """bf16 autocast is a candidate under every strategy; bf16 parameters under ZeRO-3 only, and
-    the others are recorded with the composition table's own refusal."""
+    """bf16 autocast is a candidate under every strategy; bf16 parameters under the ZeRO stages,
+    and replicate's is recorded with the composition table's own refusal."""
     space = build_space(
         2, 8, micro_sizes=(4,), buckets_mb=(25.0,), precisions=("fp32", "bf16", "bf16-params")
     )
@@ -572,12 +572,14 @@ def test_precisions_are_searched_where_the_config_takes_them() -> None:
         assert by[(s, "fp32")].config.precision.dtype == "fp32"
         assert by[(s, "bf16")].config.precision.dtype == "bf16"
         assert by[(s, "bf16")].config.precision.param_dtype in (None, "fp32")
-    low = by[("zero-3", "bf16-params")]
-    assert (low.config.precision.dtype, low.config.precision.param_dtype) == ("bf16", "bf16")
-    assert low.name == "zero-3 m4x1 bf16-params"
-    assert {s for s, p in by if p == "bf16-params"} == {"zero-3"}
+    for s in ("zero-1", "zero-2", "zero-3"):
+        low = by[(s, "bf16-params")]
+        assert (low.config.precision.dtype, low.config.precision.param_dtype) == ("bf16", "bf16")
+        assert low.config.zero.stage == int(s[-1])
+    assert by[("zero-3", "bf16-params")].name == "zero-3 m4x1 bf16-params"
+    assert {s for s, p in by if p == "bf16-params"} == {"zero-1", "zero-2", "zero-3"}
     refused = [x for x in space.invalid if x.name.endswith("bf16-params")]
-    assert sorted(x.name.split()[0] for x in refused) == ["replicate", "zero-1", "zero-2"]
+    assert sorted(x.name.split()[0] for x in refused) == ["replicate"]
     assert all("param_dtype" in x.reason for x in refused), [x.reason for x in refused]
     assert len({c.name for c in space.candidates}) == len(space.candidates)
 
