@@ -611,17 +611,18 @@ def test_the_planner_plans_bf16_parameters() -> None:
     assert moved["bf16-params"]["all_gather"] < moved["bf16"]["all_gather"], moved
 
 
-def test_a_bf16_choice_is_written_for_deepspeed_and_bf16_parameters_are_not(
-    tmp_path: Path,
-) -> None:
+def test_bf16_choices_are_written_for_deepspeed_as_its_bf16_means_them(tmp_path: Path) -> None:
+    """DeepSpeed's bf16 is bf16 parameters with fp32 masters under ZeRO ([Note: DeepSpeed's
+    bf16] in config/deepspeed.py) and bf16 autocast where that is refused (replicate): each
+    candidate is written where the JSON loads back to it, and not where it would not."""
     space = build_space(
         2, 8, micro_sizes=(4,), buckets_mb=(25.0,), precisions=("bf16", "bf16-params")
     )
-    amp = next(c for c in space.candidates if c.strategy == "zero-2")
-    _, ds, why = output.write(amp.mapping, tmp_path / "amp.toml", [])
-    assert ds is not None and why is None
-    assert json.loads(ds.read_text())["bf16"] == {"enabled": True}
-    assert load_config(ds) == amp.config
-    low = next(c for c in space.candidates if c.precision == "bf16-params")
-    _, ds, why = output.write(low.mapping, tmp_path / "low.toml", [])
+    by = {(c.strategy, c.precision): c for c in space.candidates}
+    for key in (("replicate", "bf16"), ("zero-2", "bf16-params")):
+        _, ds, why = output.write(by[key].mapping, tmp_path / f"{key[0]}.toml", [])
+        assert ds is not None and why is None, key
+        assert json.loads(ds.read_text())["bf16"] == {"enabled": True}
+        assert load_config(ds) == by[key].config
+    _, ds, why = output.write(by[("zero-2", "bf16")].mapping, tmp_path / "amp.toml", [])
     assert ds is None and why is not None and "param_dtype" in why
