@@ -149,6 +149,7 @@ def _gathered_bytes(precision: dict[str, Any], stage: int = 3) -> dict[str, Any]
             engine.backward(reference.forward_loss(engine, batch))
             engine.step()
         trained = dict(counts)  # close() gathers the masters, in fp32 either way
+        report = engine.memory_report()
         dtypes = {v.dtype for st in opt.state.values() for v in st.values() if torch.is_tensor(v)}
         engine.close()
         handed_back = {p.dtype for p in model.parameters()}
@@ -161,6 +162,7 @@ def _gathered_bytes(precision: dict[str, Any], stage: int = 3) -> dict[str, Any]
         "stepped": stepped,
         "state_dtypes": dtypes,
         "handed_back": handed_back,
+        "parameter_bytes": (report.measured["parameters"], report.expected["parameters"]),
     }
 
 
@@ -178,6 +180,11 @@ def test_gathers_move_half_the_bytes_and_the_optimizer_keeps_fp32_masters(ranks:
         assert low[r]["stepped"] == {torch.float32}, "the optimizer steps fp32 shards"
         assert low[r]["state_dtypes"] == {torch.float32}
         assert low[r]["handed_back"] == {torch.float32}, "close() hands back the masters"
+    # The memory report's formula counts stages 1-2's bf16 copy beside the fp32 shard: at one
+    # rank 2 + 4 bytes a parameter (at two, 2 + 4/2 happens to equal fp32's 4).
+    for res in [*low, *ranks(1, _gathered_bytes, LOW, stage)]:
+        measured, expected = res["parameter_bytes"]
+        assert abs(measured - expected) <= 0.05 * expected, res["parameter_bytes"]
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -62,7 +62,7 @@ from longboat.strategies.base import StrategyContext, StrategyDefaults
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.zero import homes
 from longboat.strategies.zero import state as zero_state
-from longboat.strategies.zero.flat import FlatUnit, UnitState
+from longboat.strategies.zero.flat import FlatUnit, UnitState, element_size
 from longboat.strategies.zero.gather import Gathering, Removable
 from longboat.strategies.zero.home import Home
 from longboat.strategies.zero.in_memory import InMemory
@@ -358,7 +358,15 @@ class Zero(StrategyDefaults):
     def expected_memory(self, a: int, k: int) -> dict[str, int]:
         """[Note: memory formulas] for this stage; optimizer state offloaded to disk or to host
         memory is not beside the parameters."""
-        out = self.policy.model_state(a, self.comm.world_size, k)
+        n = self.comm.world_size
+        out = self.policy.model_state(a, n, k)
+        low = [u for u in self.units if u.compute_dtype is not None]
+        if low and not self.policy.shard_params:
+            # [Note: parameter dtype]: a cast unit keeps the whole unit in the compute dtype
+            # and its fp32 shard, for the 4 bytes per parameter of the formula
+            cast = sum(u.numel for u in low)
+            size = element_size(low[0].gathered_dtype)
+            out["parameters"] += int(cast * (size - 4) + 4 * cast / n)
         for category in (*self.on_disk, *self.on_host):
             if category in out:
                 out[category] = 0
