@@ -562,8 +562,8 @@ def test_a_real_search_at_two_ranks_measures_all_that_fits_and_chooses_the_faste
 
 
 def test_precisions_are_searched_where_the_config_takes_them() -> None:
-    """bf16 autocast is a candidate under every strategy; bf16 parameters under ZeRO-3 only, and
-    the others are recorded with the composition table's own refusal."""
+    """bf16 autocast is a candidate under every strategy; bf16 parameters under the ZeRO stages,
+    and replicate's is recorded with the composition table's own refusal."""
     space = build_space(
         2, 8, micro_sizes=(4,), buckets_mb=(25.0,), precisions=("fp32", "bf16", "bf16-params")
     )
@@ -572,12 +572,14 @@ def test_precisions_are_searched_where_the_config_takes_them() -> None:
         assert by[(s, "fp32")].config.precision.dtype == "fp32"
         assert by[(s, "bf16")].config.precision.dtype == "bf16"
         assert by[(s, "bf16")].config.precision.param_dtype in (None, "fp32")
-    low = by[("zero-3", "bf16-params")]
-    assert (low.config.precision.dtype, low.config.precision.param_dtype) == ("bf16", "bf16")
-    assert low.name == "zero-3 m4x1 bf16-params"
-    assert {s for s, p in by if p == "bf16-params"} == {"zero-3"}
+    for s in ("zero-1", "zero-2", "zero-3"):
+        low = by[(s, "bf16-params")]
+        assert (low.config.precision.dtype, low.config.precision.param_dtype) == ("bf16", "bf16")
+        assert low.config.zero.stage == int(s[-1])
+    assert by[("zero-3", "bf16-params")].name == "zero-3 m4x1 bf16-params"
+    assert {s for s, p in by if p == "bf16-params"} == {"zero-1", "zero-2", "zero-3"}
     refused = [x for x in space.invalid if x.name.endswith("bf16-params")]
-    assert sorted(x.name.split()[0] for x in refused) == ["replicate", "zero-1", "zero-2"]
+    assert sorted(x.name.split()[0] for x in refused) == ["replicate"]
     assert all("param_dtype" in x.reason for x in refused), [x.reason for x in refused]
     assert len({c.name for c in space.candidates}) == len(space.candidates)
 
@@ -593,33 +595,34 @@ def test_a_bf16_candidate_is_predicted_at_the_bf16_rate() -> None:
 
 
 def test_the_planner_plans_bf16_parameters() -> None:
-    """The real planner on a bf16-parameter ZeRO-3 candidate: its reduce-scatters move half the
-    bytes of the bf16-autocast one's, and its all-gathers fewer (the units' gathers halve; the
-    planner's count also holds a gather of the fp32 shards that both do)."""
+    """The real planner on bf16-parameter ZeRO candidates: at every stage a step's
+    reduce-scatters and all-gathers move exactly half the bytes of the bf16-autocast one's (the
+    masters that ``close()`` gathers after training are no step's traffic)."""
     from longboat.bench.models import resolve_model
 
     space = build_space(
         2, 8, micro_sizes=(4,), buckets_mb=(25.0,), precisions=("bf16", "bf16-params")
     )
     plan = default_planner(resolve_model("tiny-gpt", 16), 2)
-    three = {c.precision: plan(c) for c in space.candidates if c.strategy == "zero-3"}
-    moved = {p: planned.comm_bytes for p, planned in three.items()}
-    assert moved["bf16"]["reduce_scatter"] > 0
-    assert moved["bf16-params"]["reduce_scatter"] * 2 == moved["bf16"]["reduce_scatter"], moved
-    assert moved["bf16-params"]["all_gather"] < moved["bf16"]["all_gather"], moved
+    for stage in ("zero-1", "zero-2", "zero-3"):
+        moved = {c.precision: plan(c).comm_bytes for c in space.candidates if c.strategy == stage}
+        assert moved["bf16"]["reduce_scatter"] > 0 and moved["bf16"]["all_gather"] > 0
+        for op in ("reduce_scatter", "all_gather"):
+            assert moved["bf16-params"][op] * 2 == moved["bf16"][op], (stage, moved)
 
 
-def test_a_bf16_choice_is_written_for_deepspeed_and_bf16_parameters_are_not(
-    tmp_path: Path,
-) -> None:
+def test_bf16_choices_are_written_for_deepspeed_as_its_bf16_means_them(tmp_path: Path) -> None:
+    """DeepSpeed's bf16 is bf16 parameters with fp32 masters under ZeRO ([Note: DeepSpeed's
+    bf16] in config/deepspeed.py) and bf16 autocast where that is refused (replicate): each
+    candidate is written where the JSON loads back to it, and not where it would not."""
     space = build_space(
         2, 8, micro_sizes=(4,), buckets_mb=(25.0,), precisions=("bf16", "bf16-params")
     )
-    amp = next(c for c in space.candidates if c.strategy == "zero-2")
-    _, ds, why = output.write(amp.mapping, tmp_path / "amp.toml", [])
-    assert ds is not None and why is None
-    assert json.loads(ds.read_text())["bf16"] == {"enabled": True}
-    assert load_config(ds) == amp.config
-    low = next(c for c in space.candidates if c.precision == "bf16-params")
-    _, ds, why = output.write(low.mapping, tmp_path / "low.toml", [])
+    by = {(c.strategy, c.precision): c for c in space.candidates}
+    for key in (("replicate", "bf16"), ("zero-2", "bf16-params")):
+        _, ds, why = output.write(by[key].mapping, tmp_path / f"{key[0]}.toml", [])
+        assert ds is not None and why is None, key
+        assert json.loads(ds.read_text())["bf16"] == {"enabled": True}
+        assert load_config(ds) == by[key].config
+    _, ds, why = output.write(by[("zero-2", "bf16")].mapping, tmp_path / "amp.toml", [])
     assert ds is None and why is not None and "param_dtype" in why

@@ -111,6 +111,26 @@ _PRECISION_KEYS = {
 }
 _COMM_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
 
+# [Note: DeepSpeed's bf16] DeepSpeed 0.19.8's ``"bf16": {"enabled": true}`` does more than
+# autocast: the engine casts the module's parameters to bf16, keeping buffers in fp32
+# (``_configure_distributed_model`` in ``runtime/engine.py``), and the optimizer wrapper keeps
+# fp32 masters of them: ZeRO-1/2 an fp32 copy of each rank's partition
+# (``single_partition_of_fp32_groups`` in ``runtime/zero/stage_1_and_2.py``), all-gathering the
+# bf16 flat groups after each step; ZeRO-3 its ``fp32_partitioned_groups_flat``
+# (``runtime/zero/stage3.py``); ZeRO-1 with ``data_types.grad_accum_dtype = 'fp32'`` the
+# ``BF16_Optimizer`` (``runtime/bf16_optimizer.py``, fp32 gradient accumulation too). Gradients
+# travel in bf16 unless ``communication_data_type`` says otherwise. That is
+# ``precision.param_dtype = 'bf16'`` ([Note: parameter dtype] in
+# ``strategies/zero/gather.py``), so the key translates to it as well as to ``precision.dtype``.
+# Where the composition table refuses param_dtype (no ZeRO, offload, pipeline or tensor
+# parallelism, compression: ``config/compositions/features.py``), ``loading.load`` keeps the
+# translation a DeepSpeed config had before: bf16 autocast over fp32 parameters, with one log
+# line naming the key and the refusal; a DeepSpeed config that loaded before still loads.
+BF16_PARAMS = (
+    "DeepSpeed key 'bf16.enabled' (bf16 parameters and fp32 master weights, as DeepSpeed "
+    "keeps them)"
+)
+
 
 def _enabled(block: Any, key: str) -> bool:
     if isinstance(block, bool):
@@ -261,6 +281,9 @@ def translate(
         )
     if fp16 or bf16:
         put("precision.dtype", "fp16" if fp16 else "bf16", "fp16" if fp16 else "bf16")
+    if bf16:  # [Note: DeepSpeed's bf16]
+        put("precision.param_dtype", "bf16", "bf16.enabled")
+        src["precision.param_dtype"] = f"{BF16_PARAMS} in {where}"
     if (
         fp16
         and isinstance(data["fp16"], Mapping)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from longboat.config.batch import resolve_batch
 from longboat.config.compositions import refusal
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
+
+log = logging.getLogger("longboat")
 
 
 def _closest(name: str, choices: list[str]) -> str | None:
@@ -141,12 +144,47 @@ def load(
         data, sources = deepspeed.translate(data, where, trainer_args)
     else:
         sources = {k: f"set in {where}" for k in _user_keys(data)}
-    try:
-        cfg = Config.model_validate(dict(data))
-    except ValidationError as err:
-        raise _explain(err, origin) from None
+    cfg = _validated(data, origin)
+    cfg, sources = _bf16_params_or_autocast(cfg, data, sources, where)
     _refuse_compositions(cfg, origin)
     return LoadedConfig(cfg, sources, ds_stage)
+
+
+def _validated(data: Mapping[str, Any], origin: str) -> Config:
+    try:
+        return Config.model_validate(dict(data))
+    except ValidationError as err:
+        raise _explain(err, origin) from None
+
+
+def _bf16_params_or_autocast(
+    cfg: Config, data: Mapping[str, Any], sources: dict[str, str], where: str
+) -> tuple[Config, dict[str, str]]:
+    """[Note: DeepSpeed's bf16] in ``deepspeed.py``: a translated ``bf16.enabled`` keeps its
+    ``precision.param_dtype`` where the compositions take it, else falls back to bf16 autocast
+    over fp32 parameters (what it meant before), saying so once."""
+    if not sources.get("precision.param_dtype", "").startswith(deepspeed.BF16_PARAMS):
+        return cfg, sources
+    why = refusal(cfg)
+    if why is None:
+        return cfg, sources
+    precision = {k: v for k, v in data["precision"].items() if k != "param_dtype"}
+    plain = _validated({**data, "precision": precision}, f" in {where}")
+    if refusal(plain) is not None:  # refused either way: the error is the one it had before
+        return plain, sources
+    log.warning(
+        "DeepSpeed key 'bf16.enabled' in %s: bf16 autocast over fp32 parameters, not "
+        "DeepSpeed's bf16 parameters with fp32 masters (precision.param_dtype = 'bf16'), "
+        "which this config cannot take: %s",
+        where,
+        why,
+    )
+    sources = {
+        **sources,
+        "precision.dtype": f"{sources['precision.dtype']}; autocast over fp32 parameters",
+        "precision.param_dtype": f"DeepSpeed key 'bf16.enabled' in {where}, not taken: {why}",
+    }
+    return plain, sources
 
 
 def _deepspeed_stage(z: Any) -> int | None:

@@ -47,10 +47,10 @@ class PrecisionConfig(_Section):
     )
     param_dtype: Literal["fp32", "bf16"] | None = Field(
         None,
-        description="ZeRO-3: the dtype parameters are gathered and computed in (FSDP2's "
-        "MixedPrecisionPolicy.param_dtype), half the all-gather bytes in bf16; the optimizer "
-        "keeps stepping fp32 master shards, and checkpoints hold them. None = the parameters' "
-        "own dtype",
+        description="ZeRO (any stage): the dtype parameters are kept, gathered and computed in "
+        "(FSDP2's MixedPrecisionPolicy.param_dtype, DeepSpeed's bf16 model), half the "
+        "all-gather bytes in bf16; the optimizer keeps stepping fp32 master shards, and "
+        "checkpoints hold them. None = the parameters' own dtype",
     )
     reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None,

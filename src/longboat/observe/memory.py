@@ -23,8 +23,11 @@ in ``strategies/whole_state.py``, for single, replicate and a parameter server's
 4a + 4a + 8a/n, ZeRO-2 4a + 12a/n, ZeRO-3 16a/n. bf16 and
 fp16 (autocast) keep fp32 master weights and create their low-precision copies only for the
 duration of an operation, so the persistent figures are the same; a ``communication_data_type``
-of 2 bytes adds only transient buffers. Shards are padded to a multiple of ``n`` per unit: at
-most ``n - 1`` elements per unit, counted in the measurement, not in the formula.
+of 2 bytes adds only transient buffers. With ``precision.param_dtype = 'bf16'`` ZeRO stages 1-2
+keep a whole bf16 copy beside the fp32 shard: parameters 2a + 4a/n ([Note: parameter dtype] in
+``strategies/zero/gather.py``); stage 3's persistent shard stays 4a/n. Shards are padded to a
+multiple of ``n`` per unit: at most ``n - 1`` elements per unit, counted in the measurement, not in
+the formula.
 """
 
 from __future__ import annotations

@@ -346,6 +346,9 @@ def simulate(
                     if again:  # disk_moved is what moved since `moved`: count it again too
                         moved -= again * (_offloaded(engine.strategy)["moved"] - moved_before)
             off = _offloaded(engine.strategy)
+            # One step's traffic: close() below may gather too (the masters a model is handed
+            # back with), which no training step sends.
+            per_step = dict(sent), dict(calls)
             state = measure(engine.strategy.memory_tensors(opt))
             trainable = engine.trainable_params
             name = engine.strategy.name
@@ -360,8 +363,8 @@ def simulate(
         peak=tracker.max_peak,
         activations=steps.activations,
         transient=max(tracker.max_peak - state_total - steps.activations, 0),
-        comm_bytes=dict(sent),
-        comm_calls=dict(calls),
+        comm_bytes=per_step[0],
+        comm_calls=per_step[1],
         stages=steps.stages,
         in_flight=steps.in_flight,
         tp_layers=dict(layers),

@@ -8,7 +8,8 @@ global / (micro x data-parallel ranks)), bucket size (``replicate.bucket_mb`` or
 ``zero.bucket_mb``; stage 3 has none), activation checkpointing of the model's block classes,
 the dtype gradients travel in, and the precision the model computes and keeps its parameters in
 (``fp32``; ``bf16``: autocast, fp32 parameters; ``bf16-params``: bf16 parameters with fp32
-masters, ``precision.param_dtype``, which the config takes under ZeRO-3 only). A combination is
+masters, ``precision.param_dtype``, which the config takes under ZeRO stages 1-3 but not
+``replicate`` nor offload, so those combinations are recorded refused). A combination is
 kept only when the config accepts it: its mapping goes through :func:`longboat.load_config`, its
 batch triple through :func:`~longboat.config.resolve_batch` and its mesh through the engine's
 own check, and what any of them refuses is recorded with the message they gave (the planner's

@@ -192,19 +192,19 @@ FEATURES: tuple[Rule, ...] = (
         {"precision": {"reduce_dtype": "fp32", "communication_data_type": "bf16"}},
     ),
     Rule(
-        "param-dtype-zero-3",
+        "param-dtype-zero",
         "precision.param_dtype 'bf16'",
-        "any strategy but ZeRO-3",
+        "any strategy but ZeRO",
         "not built yet",
         "config",
-        lambda c, f: low_params(c) and not (zero(c, f) and c.zero.stage == 3),
+        lambda c, f: low_params(c) and not zero(c, f),
         lambda c, f: (
-            f"precision.param_dtype = 'bf16' with {stage_named(c, f)}: parameters are "
-            "gathered in a lower precision by ZeRO-3 only so far (elsewhere each rank keeps "
-            "whole fp32 parameters, and autocast computes from them in precision.dtype); use "
-            "strategy = 'zero' with zero.stage = 3, or remove the key"
+            f"precision.param_dtype = 'bf16' with {stage_named(c, f)}: parameters are kept "
+            "in a lower precision beside fp32 masters by ZeRO only so far (elsewhere each "
+            "rank keeps whole fp32 parameters, and autocast computes from them in "
+            "precision.dtype); use strategy = 'zero' (any zero.stage), or remove the key"
         ),
-        {"strategy": "zero", "zero": {"stage": 2}, "precision": {"param_dtype": "bf16"}},
+        {"strategy": "replicate", "precision": {"dtype": "bf16", "param_dtype": "bf16"}},
     ),
     Rule(
         "param-dtype-autocast",
@@ -246,7 +246,7 @@ FEATURES: tuple[Rule, ...] = (
         lambda c, f: low_params(c) and bool(axes(c)),
         lambda c, f: (
             f"precision.param_dtype = 'bf16' with mesh.{axes(c)[0][0]} = {axes(c)[0][1]}: "
-            "parameters in a lower precision are built and tested on plain ZeRO-3 only so "
+            "parameters in a lower precision are built and tested on plain ZeRO only so "
             f"far; use mesh.{axes(c)[0][0]} = 1, or remove the key"
         ),
         {

@@ -74,8 +74,9 @@ class FlatUnit:
     #: ([Note: reused units] in ``zero/gather.py``)
     blind: bool = False
     backward_done: bool = False  # stage 3: its backward in this micro-batch is over
-    #: stage 3 with ``precision.param_dtype``: the dtype the unit is gathered and computed in,
-    #: its shard staying in the parameters' own ([Note: parameter dtype] in ``gather.py``)
+    #: with ``precision.param_dtype``: the dtype the unit is gathered and computed in, its
+    #: shard (the masters) staying in the parameters' own ([Note: parameter dtype] in
+    #: ``gather.py``)
     compute_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:

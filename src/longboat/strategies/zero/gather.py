@@ -15,14 +15,36 @@ data, reused later) reports nothing: autograd may still be accumulating its use'
 every other call's backward ended, so such a unit (``blind``) is done only when the whole
 backward is, like the root.
 
-[Note: parameter dtype] With ``precision.param_dtype`` (FSDP2's ``MixedPrecisionPolicy``), a unit
-is gathered in that dtype (``FlatUnit.compute_dtype``): each rank casts its shard, the
-all-gather moves half the bytes in bf16, and the module computes from bf16 parameters. Their
-gradients arrive in bf16, are reduced in ``precision.reduce_dtype`` (else in bf16) and land in
-the shard's own dtype, so the optimizer keeps stepping fp32 master shards. What must see the
-masters (the full state dict, the model handed back by ``close``) gathers them in their own
-dtype (:meth:`Gathering.master`); ``gathered_parameters()`` gives the parameters as the forward
-sees them.
+[Note: parameter dtype] With ``precision.param_dtype`` (FSDP2's ``MixedPrecisionPolicy``,
+DeepSpeed's bf16), a unit computes in that dtype (``FlatUnit.compute_dtype``) while its shard,
+the masters, keeps the parameters' own, so the optimizer and its state step fp32 master shards:
+
+- stage 3 gathers a unit in that dtype before each use: each rank casts its shard, and the
+  all-gather moves half the bytes in bf16;
+- stages 1-2 keep the whole unit in that dtype (the parameters are views of it, so the module
+  computes from bf16 weights as DeepSpeed's bf16 model does) beside an fp32 shard of their own,
+  and after each step cast the updated shard and all-gather it in bf16 (``step.py``), as
+  DeepSpeed's ``all_gather_dp_groups`` gathers its ``bit16_groups_flat``.
+
+Gradients arrive in bf16 and are reduced in ``precision.reduce_dtype``, else in bf16 (FSDP2's
+default, DeepSpeed's ``communication_data_type`` default under bf16), and land in the shard's
+own dtype: stages 2-3 sum each micro-batch's reduced shard into an fp32 gradient shard; stage 1
+accumulates the step's micro-batches in its full fp32 gradient buffer and casts at the
+reduce-scatter (one rank, sending nothing, does not cast). Clipping reads those fp32 shards.
+Parameters of ``KEEP_OWN_DTYPE`` modules (``units.py``) stay in units of their own dtype, and
+frozen parameters and buffers are not cast. What must see the masters (the full state dict, the
+model handed back by ``close``, checkpoints) reads them in their own dtype (stage 3:
+:meth:`Gathering.master`; stages 1-2: ``strategy.whole_masters``, and checkpoints save the
+shards' pieces); a checkpoint loaded refills the masters and casts them into the bf16 copy.
+``gathered_parameters()`` gives the parameters as the forward sees them.
+
+DeepSpeed 0.19.8, read for this: ``bf16.enabled`` casts the module's parameters to bf16 and
+keeps its buffers (``engine._configure_distributed_model``); ZeRO-1/2 keep an fp32 copy of each
+rank's partition (``single_partition_of_fp32_groups`` in ``zero/stage_1_and_2.py``), step it and
+all-gather the bf16 flat groups; ZeRO-3 keeps ``fp32_partitioned_groups_flat`` (``stage3.py``);
+``communication_data_type`` defaults to bf16 (``engine.communication_data_type``). ZeRO-1 with
+``data_types.grad_accum_dtype = 'fp32'`` uses ``BF16_Optimizer`` (``bf16_optimizer.py``), which
+accumulates gradients in fp32 buffers, as stage 1 does here.
 """
 
 from __future__ import annotations

@@ -175,10 +175,14 @@ class Reduction:
         """The unit's reduce-scatter, in flight until the home lands it."""
         assert u.flat_grad is not None
         # precision.reduce_dtype (communication_data_type): gradients travel (and are summed)
-        # in that dtype, else in their own (param_dtype's under [Note: parameter dtype]), and
-        # land back in the fp32 shard when the home lands them.
-        own = u.flat_grad.dtype
-        send = u.flat_grad if self.wire in (None, own) else u.flat_grad.to(self.wire)
+        # in that dtype, else in the dtype the unit computes in (param_dtype's under [Note:
+        # parameter dtype], as FSDP2 reduces in param_dtype when reduce_dtype is None; stage 1
+        # accumulates them in fp32 and casts here), and land back in the fp32 shard when the
+        # home lands them.
+        # One rank sends nothing: stage 1's fp32 sum stays as it is, as stage 2's does.
+        alone = self.comm.world_size == 1
+        wire = self.wire or (u.flat_grad.dtype if alone else u.gathered_dtype)
+        send = u.flat_grad if wire == u.flat_grad.dtype else u.flat_grad.to(wire)
         if (
             self.policy.shard_grads
             and u.shard_empty

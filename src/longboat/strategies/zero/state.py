@@ -82,11 +82,18 @@ def load(
                 start = u.lo + a - u.offsets[i]
                 source.read(names[id(u.params[i])], MODEL, start, start + b - a, piece.data)
         else:
-            # Every rank keeps the whole flat parameter (the shard is a view into it).
+            # Every rank keeps the whole flat parameter (the shard is a view into it, or under
+            # [Note: parameter dtype] the masters' own copy: both filled from the saved masters).
             assert u.flat_param is not None
+            full = u.flat_param
+            if u.compute_dtype is not None:
+                full = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
             for i, (off, shape) in enumerate(zip(u.offsets, u.shapes, strict=True)):
                 n = shape.numel()
-                source.read(names[id(u.params[i])], MODEL, 0, n, u.flat_param[off : off + n])
+                source.read(names[id(u.params[i])], MODEL, 0, n, full[off : off + n])
+            if full is not u.flat_param:
+                u.shard.copy_(full[u.lo : u.hi])
+                u.flat_param.copy_(full)
         for i, a, b, piece in u.pieces:
             _load_optimizer_state(u, i, a, b, piece, optimizer, names[id(u.params[i])], source)
 

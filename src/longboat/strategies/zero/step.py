@@ -58,7 +58,9 @@ def step_and_gather(
 
     def gather(u: FlatUnit) -> None:
         assert u.shard is not None and u.flat_param is not None
-        handles.append(comm.all_gather(u.flat_param, u.shard.clone(), async_op=True, tag=u.tag))
+        # [Note: parameter dtype] in gather.py: the masters travel in the dtype computed in
+        shard = u.shard.clone() if u.compute_dtype is None else u.shard.to(u.compute_dtype)
+        handles.append(comm.all_gather(u.flat_param, shard, async_op=True, tag=u.tag))
 
     # A home that steps by unit refused step hooks when it started.
     by_unit = is_elementwise(optimizer) and not has_step_hooks(optimizer)

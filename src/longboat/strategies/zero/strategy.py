@@ -48,6 +48,7 @@ unit's tag); put such modules inside a unit that always runs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ from longboat.strategies.base import StrategyContext, StrategyDefaults
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.zero import homes
 from longboat.strategies.zero import state as zero_state
-from longboat.strategies.zero.flat import FlatUnit, UnitState
+from longboat.strategies.zero.flat import FlatUnit, UnitState, element_size
 from longboat.strategies.zero.gather import Gathering, Removable
 from longboat.strategies.zero.home import Home
 from longboat.strategies.zero.in_memory import InMemory
@@ -316,9 +317,29 @@ class Zero(StrategyDefaults):
         """The model's ``state_dict`` with every parameter whole (gathered for stage 3, in the
         masters' dtype under [Note: parameter dtype])."""
         g = self._gathering
-        low = g is not None and any(u.compute_dtype for u in self.units)
-        with g.masters() if g is not None and low else self.gathered_parameters():
+        low = any(u.compute_dtype for u in self.units)
+        inside: contextlib.AbstractContextManager[None]
+        if g is None:
+            inside = self._masters() if low else contextlib.nullcontext()
+        else:
+            inside = g.masters() if low else self.gathered_parameters()
+        with inside:
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    @contextlib.contextmanager
+    def _masters(self) -> Iterator[None]:
+        """Stages 1-2 under [Note: parameter dtype]: while inside, the parameters of every unit
+        computed in a lower dtype are views of its masters, all-gathered on entering
+        (collective)."""
+        low = [u for u in self.units if u.compute_dtype is not None]
+        for u in low:
+            u.point_params_at(whole_masters(u, self.comm))
+        try:
+            yield
+        finally:
+            for u in low:
+                assert u.flat_param is not None
+                u.point_params_at(u.flat_param)
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
         if self._gathering is not None:
@@ -337,7 +358,15 @@ class Zero(StrategyDefaults):
     def expected_memory(self, a: int, k: int) -> dict[str, int]:
         """[Note: memory formulas] for this stage; optimizer state offloaded to disk or to host
         memory is not beside the parameters."""
-        out = self.policy.model_state(a, self.comm.world_size, k)
+        n = self.comm.world_size
+        out = self.policy.model_state(a, n, k)
+        low = [u for u in self.units if u.compute_dtype is not None]
+        if low and not self.policy.shard_params:
+            # [Note: parameter dtype]: a cast unit keeps the whole unit in the compute dtype
+            # and its fp32 shard, for the 4 bytes per parameter of the formula
+            cast = sum(u.numel for u in low)
+            size = element_size(low[0].gathered_dtype)
+            out["parameters"] += int(cast * (size - 4) + 4 * cast / n)
         for category in (*self.on_disk, *self.on_host):
             if category in out:
                 out[category] = 0
@@ -349,6 +378,12 @@ class Zero(StrategyDefaults):
         self._hooks.clear()
         if self._buffers is not None:
             self._buffers.close()
+        if self._gathering is None:  # stages 1-2: the masters, not the copy computed from
+            for u in self.units:
+                if u.compute_dtype is not None:
+                    full = whole_masters(u, self.comm)
+                    for i, p in enumerate(u.params):
+                        p.data = u.view(full, i).clone()
         if self._gathering is not None:  # hand the user back an ordinary model
             for u in self.units:
                 if u.compute_dtype is None:
@@ -363,3 +398,14 @@ class Zero(StrategyDefaults):
                 if u.full is not None:
                     free_storage(u.full)
         self.home.close()  # after the gathers above, which read its files
+
+
+def whole_masters(u: FlatUnit, comm: Comm) -> torch.Tensor:
+    """Stages 1-2: ``u``'s whole flat parameter in its masters' dtype, all-gathered from every
+    rank's shard now (collective; [Note: parameter dtype] in ``gather.py``)."""
+    assert u.shard is not None
+    if comm.world_size == 1:
+        return u.shard.clone()
+    full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
+    comm.all_gather(full, u.shard, tag=u.tag)
+    return full

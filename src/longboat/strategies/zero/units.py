@@ -42,12 +42,18 @@ _MIB = 1024 * 1024
 
 
 def bucket_units(
-    params: list[nn.Parameter], group_of: dict[int, int], bucket_mb: float
+    params: list[nn.Parameter],
+    group_of: dict[int, int],
+    bucket_mb: float,
+    keep: frozenset[int] = frozenset(),
 ) -> list[list[nn.Parameter]]:
     """Stages 1-2: reverse-order buckets (:func:`~longboat.comm.buckets.group_params`), one
-    param group, dtype and device each."""
+    param group, dtype and device each, and under ``precision.param_dtype`` the parameters
+    that keep their own dtype (``keep``) apart from those cast."""
     return group_params(
-        params, int(bucket_mb * _MIB), key=lambda p: (group_of[id(p)], p.dtype, p.device)
+        params,
+        int(bucket_mb * _MIB),
+        key=lambda p: (group_of[id(p)], p.dtype, p.device, id(p) in keep),
     )
 
 
@@ -152,8 +158,8 @@ def module_units(
 
 @dataclass(frozen=True)
 class LowParams:
-    """``precision.param_dtype`` as stage 3 applies it ([Note: parameter dtype] in
-    ``gather.py``): the dtype units are gathered in, and the parameters that keep their own."""
+    """``precision.param_dtype`` as ZeRO applies it ([Note: parameter dtype] in ``gather.py``):
+    the dtype units compute (and are gathered) in, and the parameters that keep their own."""
 
     dtype: torch.dtype
     keep: frozenset[int]  # ids of parameters of KEEP_OWN_DTYPE modules
@@ -204,7 +210,8 @@ def plan_units(
         root = [pc for pc in pieces if pc[0] is model]
         pieces = [pc for pc in reversed(pieces) if pc[0] is not model] + root
     else:
-        pieces = [(None, ps) for ps in bucket_units(params, group_of, cfg.bucket_mb)]
+        keep = low.keep if low else frozenset()
+        pieces = [(None, ps) for ps in bucket_units(params, group_of, cfg.bucket_mb, keep)]
     # [Note: tied weights] in tied.py: a weight tied across pipeline stages gets a unit of
     # its own, so its shards line up rank for rank on every stage that holds it.
     return [(m, chunk) for m, ps in pieces for chunk in _isolate(ps, isolated)]
@@ -239,7 +246,8 @@ def make_units(
 ) -> list[FlatUnit]:
     """The flat units of :func:`plan_units`' ``pieces``, sharded over ``comm`` and laid out for
     ``policy``'s stage; each handed to ``adopt`` once built (one at a time, so that setup stays
-    within what one unit needs). Stage 3 gathers units in ``low.dtype`` when given."""
+    within what one unit needs). Under ``low`` units compute in ``low.dtype`` ([Note: parameter
+    dtype] in ``gather.py``)."""
     module_names = {id(m): n or "root" for n, m in model.named_modules()}
     param_names = {id(p): n for n, p in model.named_parameters()}
     whole: dict[int, list[nn.Parameter]] = {}  # a unit's pieces are made at its first
@@ -254,7 +262,7 @@ def make_units(
         what = module_names[id(module)] if module is not None else f"{param_names[id(ps[0])]}, ..."
         u.tag = f"unit {u.index}: {what}"
         # [Note: parameter dtype] in gather.py
-        cast = low is not None and policy.shard_params and low.dtype != u.dtype
+        cast = low is not None and low.dtype != u.dtype
         if low is not None and cast and not any(id(p) in low.keep for p in ps):
             u.compute_dtype = low.dtype
         _lay_out(u, policy)
@@ -269,6 +277,15 @@ def _lay_out(u: FlatUnit, policy: ZeroPolicy) -> None:
         shard = u.shard = u.flatten(u.lo, u.hi)  # only the shard: the rest is never materialised
         u.release_params()
         u.state = UnitState.SHARDED
+    elif u.compute_dtype is not None:
+        # [Note: parameter dtype] at stages 1-2: the parameters are views of a whole flat
+        # buffer in the compute dtype, the masters a shard of their own in the parameters'
+        # dtype; after each step the updated shard is cast and all-gathered into the buffer.
+        flat = u.flatten()
+        u.flat_param = flat.to(u.compute_dtype)
+        u.point_params_at(u.flat_param)
+        shard = u.shard = flat[u.lo : u.hi].clone()
+        del flat
     else:
         flat = u.flatten()
         u.flat_param = flat
