@@ -34,7 +34,8 @@ RATES = Rates(
     link_bytes_per_s=1e9,
     latency_s=1e-4,
 )
-TINY = {"model": "tiny-gpt", "seq_len": 16}
+#: One stage, no tensor parallelism: the tests of the other dimensions keep their spaces small.
+TINY: dict[str, Any] = {"model": "tiny-gpt", "seq_len": 16, "pp": (1,), "tp": (1,)}
 
 
 class FakeRunner:
@@ -485,6 +486,7 @@ def test_a_real_search_at_two_ranks_measures_all_that_fits_and_chooses_the_faste
     # the machine's business: nothing here asserts a time or an order between them.
     spec_args = ["--model", "tiny-gpt", "--seq-len", "16", "--world-size", "2"]
     space = ["--global-batch", "8", "--micro-batches", "2,4", "--bucket-mb", "25"]
+    space += ["--pp", "1", "--tp", "1"]
     from longboat.bench.models import resolve_model
 
     planner = default_planner(resolve_model("tiny-gpt", 16), 2)

@@ -24,6 +24,13 @@ from longboat.models import GPT, DigitsCNN, gpt_loss, reference_gpt, synthetic_t
 Batch = tuple[torch.Tensor, ...]
 
 
+def share_of(batch: Batch, rank: int, n: int) -> Batch:
+    """Data-parallel rank ``rank``'s share of ``batch``: the ``rank``-th of ``n`` equal slices of
+    dim 0."""
+    m = batch[0].shape[0] // n
+    return tuple(t[rank * m : (rank + 1) * m] for t in batch)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model to benchmark and how to feed it.

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
-from longboat.bench.models import Batch, resolve_model
+from longboat.bench.models import Batch, resolve_model, share_of
 from longboat.bench.sides import (
     CONFIG_PREFIX,
     LONGBOAT_SIDES,
@@ -129,11 +129,6 @@ def sides_at(names: list[str], n: int) -> list[str]:
 def _peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
-
-
-def _slice(batch: Batch, rank: int, n: int) -> Batch:
-    m = batch[0].shape[0] // n
-    return tuple(t[rank * m : (rank + 1) * m] for t in batch)
 
 
 def _timed_step(
@@ -234,7 +229,7 @@ def _steps(
         for _ in range(k):
             batch = spec.batch(gb, gens[name])
             if not sides[name].shares_batch:
-                batch = _slice(batch, rank, n)
+                batch = share_of(batch, rank, n)
             dt, c, loss = _timed_step(sides[name].step, batch, n)
             losses[name].append(loss)
             if keep:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from longboat.bench.models import Batch, ModelSpec
+from longboat.bench.models import Batch, ModelSpec, share_of
 
 if TYPE_CHECKING:
     from longboat.engine import Engine
@@ -186,11 +186,11 @@ class LongboatSide(_EngineSide):
 
 
 class ConfigSide:
-    """A longboat config given whole (``config:NAME`` sides): ``engine.train_step`` runs this
-    rank's share of the step as the config's micro-batches, so its batch triple, strategy,
-    buckets, recompute and communication dtype are all the config's."""
+    """A longboat config given whole (``config:NAME`` sides): ``engine.train_step`` runs its
+    data-parallel rank's share of the step (the ranks of one pipeline or tensor-parallel group
+    take the same samples, as a run's loader gives them) as the config's micro-batches."""
 
-    shares_batch = False
+    shares_batch = True  # it takes its share of the whole batch itself, in step
 
     def __init__(
         self, name: str, spec: ModelSpec, model: nn.Module, lr: float, config: dict[str, Any]
@@ -205,7 +205,7 @@ class ConfigSide:
 
     def step(self, batch: Batch) -> torch.Tensor:
         loss = self.engine.train_step(
-            batch,
+            share_of(batch, self.engine.topology.coords["dp"], self.engine.topology.mesh.dp),
             lambda out, mb: self.spec.loss(out, mb[-1]),
             inputs=lambda mb: tuple(mb[:-1]),
         )

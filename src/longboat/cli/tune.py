@@ -13,6 +13,15 @@ from longboat.cli.app import app, usage_error
 
 @app.command()
 def tune(
+    script: Path | None = typer.Argument(
+        None,
+        metavar="SCRIPT",
+        help="a training script to tune instead of --model: each candidate is a run of it "
+        "(longboat run -n WORLD_SIZE SCRIPT ARGS) for --warmup + --steps steps",
+    ),
+    script_args: list[str] | None = typer.Argument(
+        None, metavar="-- ARGS", help="arguments for the script, after --"
+    ),
     model: str = typer.Option(
         "reference-gpt",
         "--model",
@@ -75,6 +84,28 @@ def tune(
     offload_dir: Path | None = typer.Option(
         None, "--offload-dir", help="also try ZeRO-3 with its state on disk in this directory"
     ),
+    pp: str = typer.Option(
+        "auto",
+        "--pp",
+        help="pipeline stages to try, e.g. 1,2; auto: 1 and every divisor of the world size "
+        "where the model lists its layers",
+    ),
+    tp: str = typer.Option(
+        "auto",
+        "--tp",
+        help="tensor-parallel ranks to try, e.g. 1,2; auto: 1 and every divisor of the world "
+        "size where a tensor-parallel plan names the model",
+    ),
+    schedules: str = typer.Option(
+        "1f1b,zb-h1", "--schedules", help="pipeline schedules to try, with --pp above 1"
+    ),
+    plan_model: str | None = typer.Option(
+        None,
+        "--plan-model",
+        help="with a script: package.module:callable building its model, in a module with "
+        "example_input(model, micro_batch) (the script's directory is searched first); "
+        "without it a script is measured, not planned",
+    ),
     noise_band: float = typer.Option(
         0.05,
         "--noise-band",
@@ -82,7 +113,8 @@ def tune(
         "to count as faster than the default's choice",
     ),
 ) -> None:
-    """Find the fastest configuration whose planned memory fits the budget, and write it."""
+    """Find the fastest configuration whose planned memory fits the budget, and write it: of a
+    bench model (--model), or of your own script (longboat tune train.py -- ARGS)."""
     from longboat.bench.runner import BenchError
     from longboat.tune.command import Flags, TuneUsageError, run
 
@@ -103,6 +135,12 @@ def tune(
         precisions=precisions,
         offload_dir=offload_dir,
         noise_band=noise_band,
+        pp=pp,
+        tp=tp,
+        schedules=schedules,
+        script=script,
+        script_args=tuple(script_args or ()),
+        plan_model=plan_model,
     )
     try:
         text, code, _ = run(flags, out, as_json)

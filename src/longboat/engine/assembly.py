@@ -17,6 +17,7 @@ from longboat import sync_batchnorm
 from longboat.compile import Compiler, unwrap
 from longboat.config.errors import ConfigError
 from longboat.config.loading import load_config
+from longboat.config.override import overridden
 from longboat.config.sections import Config
 from longboat.engine.core import Engine
 from longboat.mesh import Mesh, MeshError
@@ -97,7 +98,7 @@ def _join(
 ) -> tuple[Config, World, bool, Any, Mesh, DoorwayOptions]:
     """The config, the world (joined), the ranks that serve beside the mesh, the mesh and the
     doorways' options."""
-    cfg = load_config(config)
+    cfg = overridden(load_config(config))  # [Note: config override]
     world = world or World.from_env()
     setup_logging(world, cfg.log.level)
     owns = init_process_group(world, backend=cfg.comm.backend, timeout_s=cfg.comm.timeout_s)

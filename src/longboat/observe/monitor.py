@@ -26,6 +26,7 @@ from longboat.observe.breakdown import COLUMNS, Blocked, Breakdown
 from longboat.observe.events import Sink, StepEvent, count_tokens
 from longboat.observe.flops import StepFlops, matmul_rate
 from longboat.observe.report import RunRecord, gather_summary, render
+from longboat.observe.step_budget import StepBudget
 
 # A piped console (``longboat run``) prints a line about this often, not every step.
 LINE_EVERY = 50
@@ -54,6 +55,10 @@ class Monitor:
         extra_columns: tuple[str, ...] = (),
     ) -> None:
         mon, prof = config.monitor, config.profile
+        # [Note: step budget]: a run asked by the environment to stop after N steps
+        self.budget = StepBudget.from_env(
+            comm.rank, config=config.model_dump(mode="json", exclude_unset=True)
+        )
         # The strategy's own values for each event (a callable run on rank 0 only) and their
         # names, for the CSV's fixed columns.
         self._extra = extra if is_main else None
@@ -171,6 +176,8 @@ class Monitor:
 
     def step_end(self, step: int, loss: float | None) -> None:
         """After optimizer step number ``step`` (1-based); emits an event when one is due."""
+        if self.budget is not None:
+            self.budget.step_end(loss)  # ends the process at the budget
         if not self.active:
             return
         now = time.perf_counter()

@@ -17,6 +17,12 @@ from longboat.pipeline.partition import StageInfo
 Method = str | Sequence[int] | None
 
 
+def stageable(model: nn.Module) -> bool:
+    """Whether :func:`as_layers` can split ``model`` into pipeline stages (asked without
+    splitting it): what ``longboat tune`` asks before it searches ``mesh.pp``."""
+    return isinstance(model, (nn.Sequential, PipelineModule)) or layered.lists_layers(model)
+
+
 def as_layers(model: nn.Module, partition: Method) -> nn.Module:
     """``model`` as something with stages: an ``nn.Sequential`` becomes a
     :class:`PipelineModule` (``partition``, default: measured cost when measured, else
@@ -25,7 +31,7 @@ def as_layers(model: nn.Module, partition: Method) -> nn.Module:
     is returned as is."""
     if isinstance(model, nn.Sequential):
         return PipelineModule(list(model), partition=partition)
-    if isinstance(model, PipelineModule) or layered.lists_layers(model):
+    if stageable(model):
         return model
     raise TypeError(
         "pipeline stages need a model made of layers in order: a "

@@ -180,3 +180,14 @@ def resolve(plan: str | dict[str, Any], model: nn.Module, divide: dict[str, list
         extra = tuple((p, a) for p, attrs in divide.items() for a in attrs)
         built = Plan(built.name, built.styles, built.divide + extra, built.check)
     return built
+
+
+def has_plan(plan: str | dict[str, Any], model: nn.Module) -> bool:
+    """Whether the config's ``tensor_parallel.plan`` names a plan for ``model`` (what
+    :func:`resolve` would find, asked without building it): a table of patterns, a built-in by
+    name, or ``"auto"`` for a model class with a built-in plan."""
+    if isinstance(plan, dict):
+        return True
+    if plan == "auto":
+        return type(model).__name__ in BY_CLASS
+    return plan in BUILT_IN

@@ -9,12 +9,14 @@ measures, :mod:`.verify` checks the default's choice when every candidate that f
 """
 
 from longboat.tune.cost import Planned, Prediction, Rates, Work, predict
+from longboat.tune.layout import Layout
 from longboat.tune.search import Outcome, TuneResult, TuneSettings, search
 from longboat.tune.space import Candidate, Invalid, Space, build_space
 
 __all__ = [
     "Candidate",
     "Invalid",
+    "Layout",
     "Outcome",
     "Planned",
     "Prediction",

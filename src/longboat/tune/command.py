@@ -65,6 +65,12 @@ class Flags:
     precisions: str = "auto"
     offload_dir: Path | None = None
     noise_band: float = NOISE_BAND
+    pp: str = "auto"  # degrees, e.g. 1,2; auto: what the model can take
+    tp: str = "auto"
+    schedules: str = "1f1b,zb-h1"
+    script: Path | None = None  # a user's training script, tuned instead of --model
+    script_args: tuple[str, ...] = ()
+    plan_model: str | None = None  # package.module:callable, the planner's view of the script
 
 
 def parse_top(text: str) -> int | None:
@@ -101,6 +107,46 @@ def _precisions(text: str) -> tuple[str, ...]:
     return names
 
 
+def _degrees(flag: str, text: str) -> tuple[int, ...] | None:
+    """``--pp``/``--tp``: ``auto`` (None), or degrees such as ``1,2``."""
+    if text.strip().lower() == "auto":
+        return None
+    return tuple(int(x) for x in _numbers(flag, text, int))
+
+
+def _schedules(text: str) -> tuple[str, ...]:
+    from typing import get_args
+
+    from longboat.config.sections import PipelineConfig
+
+    known = get_args(PipelineConfig.model_fields["schedule"].annotation)
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [x for x in names if x not in known] or ([] if names else [text])
+    if bad:
+        raise TuneUsageError(
+            f"--schedules has unknown value {bad[0]!r}: choose from {','.join(known)}"
+        )
+    return names
+
+
+def _script(f: Flags) -> None:
+    """A script, its planner's model and --model, checked together."""
+    if f.script is None:
+        if f.plan_model is not None:
+            raise TuneUsageError(
+                f"--plan-model {f.plan_model!r} describes a script's model: give the script "
+                "(longboat tune train.py --plan-model train:build_model -- ARGS)"
+            )
+        return
+    if f.model != Flags.model:
+        raise TuneUsageError(
+            f"--model {f.model!r} and the script {str(f.script)!r}: a search tunes one of "
+            "them; drop --model to tune the script"
+        )
+    if not f.script.is_file():
+        raise TuneUsageError(f"script {str(f.script)!r} does not exist: give a Python file")
+
+
 def settings_from_flags(f: Flags) -> TuneSettings:
     """Validate the flags into :class:`TuneSettings`; :class:`TuneUsageError` names the flag."""
     from longboat.bench.models import resolve_model
@@ -115,6 +161,7 @@ def settings_from_flags(f: Flags) -> TuneSettings:
     ):
         if v < 1:
             raise TuneUsageError(f"{flag} {v} is invalid: use 1 or more")
+    _script(f)
     try:
         resolve_model(f.model, f.seq_len)  # here, so a bad --model fails before any work
     except ValueError as e:
@@ -144,7 +191,7 @@ def settings_from_flags(f: Flags) -> TuneSettings:
         raise TuneUsageError(
             f"--noise-band {f.noise_band} is invalid: give a fraction from 0 to below 1, e.g. 0.05"
         )
-    return TuneSettings(
+    settings = TuneSettings(
         model=f.model,
         world_size=f.world_size,
         global_batch=batch,
@@ -161,7 +208,21 @@ def settings_from_flags(f: Flags) -> TuneSettings:
         precisions=precisions,
         offload_dir=None if f.offload_dir is None else str(f.offload_dir),
         noise_band=f.noise_band,
+        pp=_degrees("--pp", f.pp),
+        tp=_degrees("--tp", f.tp),
+        schedules=_schedules(f.schedules),
+        script=None if f.script is None else str(f.script),
+        script_args=tuple(f.script_args),
+        plan_model=f.plan_model,
     )
+    if settings.plan_model is not None:
+        from longboat.tune.script import script_target
+
+        try:
+            script_target(settings)  # here, so a bad --plan-model fails before any work
+        except PlanInputError as e:  # the planner's words, about the flag given here
+            raise TuneUsageError(str(e).replace("--model", "--plan-model", 1)) from None
+    return settings
 
 
 def header(result: TuneResult) -> list[str]:
@@ -170,13 +231,15 @@ def header(result: TuneResult) -> list[str]:
 
     s = result.settings
     w = result.outcome(result.winner or "")
-    assert w.measured is not None and w.planned is not None and w.prediction is not None
+    assert w.measured is not None
     m = w.measured
     budget = "no budget" if s.budget is None else f"budget {s.budget / 2**20:,.1f} MiB per rank"
     live = m["live_peak_bytes_per_rank"]
     rss = m["peak_rss_bytes_per_rank"]
     grew = m["rss_increase_bytes_per_rank"]
-    memory = f"Memory per rank: planned peak {w.planned.peak / 2**20:,.1f} MiB (live tensors)"
+    memory = "Memory per rank: not planned"
+    if w.planned is not None:
+        memory = f"Memory per rank: planned peak {w.planned.peak / 2**20:,.1f} MiB (live tensors)"
     if live:
         memory += f"; measured live-tensor peak {max(live) / 2**20:,.1f} MiB"
     if rss and grew:
@@ -184,13 +247,18 @@ def header(result: TuneResult) -> list[str]:
             f", peak RSS {max(rss) / 2**20:,.0f} MiB ({max(grew) / 2**20:,.0f} MiB above the "
             "RSS before the model was built)"
         )
+    elif rss:
+        memory += f", peak RSS {max(rss) / 2**20:,.0f} MiB"
     v = versions()
+    what = s.model if s.script is None else s.script
+    how = "side by side with" if m["paired"] else "one run after another, with"
+    pred = "" if w.prediction is None else f" (predicted {w.prediction.total_s:.3f} s)"
     return [
-        f"Written by longboat tune: {s.model} at {s.world_size} rank(s), global batch {s.batch}, "
+        f"Written by longboat tune: {what} at {s.world_size} rank(s), global batch {s.batch}, "
         f"{budget}.",
         f"Chosen: {w.name}. Measured median step {m['step_time_median_s']:.3f} s over "
-        f"{m['measured_steps']} steps, side by side with {len(result.launched) - 1} other "
-        f"candidate(s) (predicted {w.prediction.total_s:.3f} s).",
+        f"{m['measured_steps']} steps, {how} {len(result.launched) - 1} other "
+        f"candidate(s){pred}.",
         memory + ".",
         f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC with torch "
         f"{v['torch']}, longboat {v['longboat']} ({v['commit'] or 'not a checkout'}).",

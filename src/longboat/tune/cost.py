@@ -20,7 +20,17 @@
   all-reduce of a few MiB on the gloo group, plus each collective's measured latency, twice
   with the desync check on (a fingerprint exchange precedes each collective);
 - disk: with ZeRO's state offloaded, the bytes read and written per step over a measured
-  write-and-read rate of the offload directory.
+  write-and-read rate of the offload directory;
+- bubble: with pipeline stages (``mesh.pp``), the time the rank waits in its schedule. Each
+  stage does ``1/pp`` of the counted flops and operators (the default split balances the
+  stages), and the schedule's own simulator
+  (:meth:`longboat.pipeline.PipelineSchedule.simulate`, a backward costing two forwards, a split
+  one half and half) gives the step's makespan over a rank's busy time: the compute and overhead
+  terms are of the busy time, the bubble term the rest. With tensor-parallel ranks
+  (``mesh.tp``), each does ``1/tp`` of the flops (the plan divides every matrix product) but
+  dispatches every operator; their all-reduces and gathers are in the planner's bytes and
+  collectives, under ``tp`` names, and so in the communication term, on the step's critical path
+  as they are.
 
 The terms are added: overlap of communication with the backward is not modelled (on a CPU
 whose cores the ranks share it is small), nor the per-step work outside these (the loss, the
@@ -87,10 +97,12 @@ class Prediction:
     optimizer_s: float
     comm_s: float
     disk_s: float
+    bubble_s: float = 0.0  # a pipeline rank's idle time in its schedule
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.overhead_s + self.optimizer_s + self.comm_s + self.disk_s
+        busy = self.compute_s + self.overhead_s + self.optimizer_s + self.comm_s + self.disk_s
+        return busy + self.bubble_s
 
     def to_json(self) -> dict[str, float]:
         return {**asdict(self), "total_s": self.total_s}
@@ -103,11 +115,16 @@ def predict(
     rates: Rates,
     desync_check: bool = True,
     compute_dtype: str = "fp32",
+    *,
+    pp: int = 1,
+    tp: int = 1,
+    schedule: str = "1f1b",
 ) -> Prediction:
-    """The step time of a candidate that runs ``accumulation`` micro-batches of ``work`` per
-    optimizer step and that the planner found to hold and send ``planned``; its matrix work in
-    ``compute_dtype`` (``precision.dtype``: bf16 counts at the measured bf16 rate; fp16 too,
-    for want of a rate of its own)."""
+    """The step time of a candidate that runs ``accumulation`` micro-batches of ``work`` (the
+    whole model's) per optimizer step and that the planner found to hold and send ``planned``;
+    its matrix work in ``compute_dtype`` (``precision.dtype``: bf16 counts at the measured bf16
+    rate; fp16 too, for want of a rate of its own); laid out on ``pp`` pipeline stages run by
+    ``schedule`` and ``tp`` tensor-parallel ranks ([Note: cost model])."""
     comm_bytes = sum(planned.comm_bytes.values())
     calls = sum(planned.comm_calls.values())
     comm = 0.0
@@ -129,13 +146,28 @@ def predict(
                 f"a candidate computes in {compute_dtype} but no bf16 rate was measured"
             )
         matmul = rates.bf16_matmul_flops_per_s
+    compute = accumulation * work.flops / matmul / (pp * tp)
+    overhead = accumulation * work.ops * rates.op_s / pp
+    stretch = pipeline_stretch(schedule, pp, accumulation)
     return Prediction(
-        compute_s=accumulation * work.flops / matmul,
-        overhead_s=accumulation * work.ops * rates.op_s,
+        compute_s=compute,
+        overhead_s=overhead,
         optimizer_s=stepped / rates.adamw_elements_per_s,
         comm_s=comm,
         disk_s=disk,
+        bubble_s=(stretch - 1.0) * (compute + overhead),
     )
+
+
+def pipeline_stretch(schedule: str, pp: int, micro_batches: int) -> float:
+    """A pipeline step's makespan over one rank's work in it, from ``schedule``'s simulator with
+    equal stages (a backward of two forwards): 1.0 without stages."""
+    if pp == 1:
+        return 1.0
+    from longboat.pipeline import build_pipeline_schedule
+
+    timeline = build_pipeline_schedule(schedule, pp, micro_batches, 1).simulate()
+    return timeline.makespan / max(timeline.busy)
 
 
 class CountOps(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's is unannotated

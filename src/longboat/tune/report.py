@@ -83,6 +83,7 @@ def to_json(result: TuneResult, outputs: dict[str, Any] | None = None) -> dict[s
         "reason": result.reason,
         "launched": result.launched,
         "phases_s": result.phases_s,
+        "notes": result.notes,
         # --top all: [Note: verifying the choice] in verify.py
         "verification": None if result.verification is None else result.verification.to_json(),
         "candidates": [outcome_json(o, result.winner) for o in _sorted(result)],
@@ -107,7 +108,8 @@ def render(result: TuneResult, outputs: dict[str, Any] | None = None, width: int
     s = result.settings
     budget = "no budget" if s.budget is None else f"budget {s.budget / _MIB:,.1f} MiB per rank"
     title = (
-        f"longboat tune: {s.model} at {s.world_size} rank(s), global batch {s.batch}, {budget}; "
+        f"longboat tune: {s.script or s.model} at {s.world_size} rank(s), global batch "
+        f"{s.batch}, {budget}; "
         "peaks in MiB per rank (live tensors, as longboat plan counts them), steps in s"
     )
     table = Table(title=title, title_justify="left")
@@ -163,6 +165,7 @@ def render(result: TuneResult, outputs: dict[str, Any] | None = None, width: int
         "ratios; live peak: the planner's count on the real run; RSS +: peak RSS over RSS "
         "before the model (includes allocator retention)",
     ]
+    lines += [f"note: {x}" for x in result.notes]
     if result.winner:
         lines.append(f"chosen: {result.winner} ({result.reason})")
     else:

@@ -3,20 +3,28 @@ measure the best few side by side, and choose the fastest measured one that fits
 
 [Note: tune phases] In order, each bounded by the ``--time`` budget counted from the start:
 
-1. the search space (``space.py``): every combination the config accepts;
+1. the search space (``space.py``): every combination the config accepts, on every layout
+   (pipeline stages, tensor-parallel ranks) the model can take ([Note: capabilities] in
+   ``planning.py``);
 2. the planner on every candidate (``longboat.plan.simulate``, fake tensors, nothing
    allocated): its predicted peak per rank; a candidate over the budget is *dropped* and is
-   never launched, whatever else happens; a candidate a strategy refuses at setup is invalid.
+   never launched, whatever else happens; a candidate a strategy refuses at setup is invalid;
+   one the planner cannot run (an operator fake tensors cannot take...) is *unplanned*, with
+   its error, and is not launched either (nothing says it fits).
    Planning takes at most ``PLAN_SHARE`` of ``--time`` (a second or two per candidate adds up
    over a large space), the rest being for the rates and measuring; it goes round the
-   strategies, each one's plainest candidates first (:func:`promising_first`), so that what is
-   planned in the time spans the strategies, and what is not is reported so;
+   layouts and strategies, each one's plainest candidates first (:func:`promising_first`), so
+   that what is
+   planned in the time spans them, and what is not is reported so;
 3. this machine's rates (``machine.py``, a few seconds), when anything fits;
 4. the cost model (``cost.py``) on what fits, fastest first;
 5. the first ``--top`` of them whose estimated measuring time still fits the time left are
-   measured in one bench run (``longboat.bench.run_bench``: all of them built in one launch
-   of ranks, single steps alternating, medians; then each alone for its memory, with the
-   live-tensor peak the planner predicts and peak RSS). The bench's deadline is the end of the
+   measured (a user's script: one run of it per candidate while the time lasts, [Note: tuning
+   a script] in ``script.py``; nothing is planned without the planner's view of its model,
+   and the candidates are measured in planning order), a bench model in one bench run
+   (``longboat.bench.run_bench``: all of them built in one launch of ranks, single steps
+   alternating, medians; then each alone for its memory, with the live-tensor peak the planner
+   predicts and peak RSS). The bench's deadline is the end of the
    time budget: no round and no memory launch starts after it;
 6. the winner: the measured candidate with the lowest median step whose measured live-tensor
    peak is within the budget (every one of them was predicted to fit);
@@ -30,189 +38,53 @@ tests use to count launches, to rank synthetic candidates and to time phases wit
 
 from __future__ import annotations
 
-import itertools
-import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from longboat.bench.models import ModelSpec, resolve_model
-from longboat.bench.runner import MEMORY_STEPS, BenchProgressFn, BenchSettings, run_bench
-from longboat.bench.sides import CONFIG_PREFIX
+from longboat.bench.models import resolve_model
+from longboat.bench.runner import BenchProgressFn
 from longboat.config.errors import ConfigError
-from longboat.plan.target import PlanInputError
-from longboat.tune.cost import Planned, Prediction, Rates, Work, count_work, predict
-from longboat.tune.space import DEFAULT_BUCKETS_MB, Candidate, Invalid, build_space
+from longboat.plan.target import PlanInputError, Target
+from longboat.tune.cost import Rates, predict
+from longboat.tune.measure import LAUNCH_S, Runner, bench_measure, measuring_cost_s
+from longboat.tune.planning import (
+    Planner,
+    WorkOf,
+    default_planner,
+    default_work,
+    layouts,
+    planner_for,
+    promising_first,
+    work_for,
+)
+from longboat.tune.results import Outcome, Status, TuneResult, TuneSettings
+from longboat.tune.script import measure_script, script_target
+from longboat.tune.space import DEFAULT_BUCKETS_MB, Invalid, build_space
 from longboat.tune.target import plan_target
-from longboat.tune.verify import DEFAULT_TOP, NOISE_BAND, Verification, paired_ratio, verify
+from longboat.tune.verify import DEFAULT_TOP, paired_ratio, verify
 
-#: measured; dropped (over the budget: never launched); not measured (below the --top, or not
-#: in the --time left); invalid (refused by the config or by a strategy at setup)
-Status = Literal["measured", "dropped", "not measured", "invalid"]
-#: Rough costs of a bench launch and of building a side in it, to decide what can be measured
-#: in the time left (the bench's deadline holds the line when they are wrong).
-LAUNCH_S = 3.0
-BUILD_S = 2.0
-TRACKED = 1.5  # a memory launch's steps run under the live-tensor tracker: slower
 #: The share of ``--time`` planning may take ([Note: tune phases]).
 PLAN_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class TuneSettings:
-    """What a search depends on (recorded in full in its report)."""
-
-    model: str = "reference-gpt"
-    world_size: int = 2
-    global_batch: int | None = None  # default: 8 per rank, as longboat bench's default
-    budget: int | None = None  # bytes per rank, as the planner counts them (live tensors)
-    time_s: float = 600.0
-    top: int | None = DEFAULT_TOP  # None: every candidate that fits (``--top all``)
-    seq_len: int = 128
-    warmup: int = 1
-    steps: int = 5
-    micro_sizes: tuple[int, ...] = ()  # default: powers of two up to a rank's share
-    buckets_mb: tuple[float, ...] = DEFAULT_BUCKETS_MB
-    recompute: bool = True  # search activation checkpointing of the model's block classes
-    comm_dtypes: tuple[str, ...] = ("fp32",)
-    precisions: tuple[str, ...] = ("fp32",)  # keys of tune.space.PRECISIONS
-    offload_dir: str | None = None  # adds ZeRO-3 with its state on disk, there
-    #: with ``top=None``: the paired-ratio margin of [Note: verifying the choice]
-    noise_band: float = NOISE_BAND
-
-    @property
-    def batch(self) -> int:
-        return self.global_batch or 8 * self.world_size
-
-
-@dataclass
-class Outcome:
-    """One combination's fate: its plan, prediction and measurement where it got that far."""
-
-    name: str
-    status: Status
-    reason: str = ""
-    candidate: Candidate | None = None
-    mapping: dict[str, Any] = field(default_factory=dict)
-    planned: Planned | None = None
-    prediction: Prediction | None = None
-    rank: int | None = None  # place in the cost model's order (0: predicted fastest)
-    measured: dict[str, Any] | None = None  # the bench's figures (see _measured)
-
-
-@dataclass
-class TuneResult:
-    """Everything a search found; ``winner`` is the chosen outcome's name (None: none)."""
-
-    settings: TuneSettings
-    model_info: dict[str, Any]
-    rates: Rates | None  # None when nothing fitted, so nothing needed predicting
-    outcomes: list[Outcome]
-    winner: str | None
-    reason: str
-    launched: list[str]  # the candidates handed to the bench, in rank order
-    phases_s: dict[str, float]
-    bench: dict[str, Any] | None = None  # the bench's raw result (settings, rows, order)
-    #: with ``--top all``: whether the default's choice is the fastest ([Note: verifying the
-    #: choice]); None otherwise
-    verification: Verification | None = None
-
-    def outcome(self, name: str) -> Outcome:
-        return next(o for o in self.outcomes if o.name == name)
-
-
-Planner = Callable[[Candidate], Planned]
-WorkOf = Callable[[int, tuple[str, ...]], Work]
-Runner = Callable[[BenchSettings, BenchProgressFn], dict[str, Any]]
 Say = Callable[[str, int, int], None]  # (what, done, total)
 
-
-def default_planner(spec: ModelSpec, world_size: int) -> Planner:
-    """Plans a candidate with ``longboat.plan.simulate``: the engine and the candidate's
-    strategy on fake tensors, two optimizer steps of its accumulation."""
-    from longboat.plan.planner import OFFLOAD_PATH, OPTIMIZERS
-    from longboat.plan.simulate import simulate
-
-    target = plan_target(spec)
-
-    def plan(c: Candidate) -> Planned:
-        cfg = c.config
-        if cfg.zero.offload_optimizer.device == "disk":  # the fake run writes no file
-            zero = cfg.zero.model_copy(
-                update={
-                    "offload_optimizer": cfg.zero.offload_optimizer.model_copy(
-                        update={"path": OFFLOAD_PATH}
-                    ),
-                    "offload_param": cfg.zero.offload_param.model_copy(
-                        update={"path": OFFLOAD_PATH}
-                    ),
-                }
-            )
-            cfg = cfg.model_copy(update={"zero": zero})
-        cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"progress": False})})
-        sim = simulate(target, cfg, world_size, c.micro_batch, OPTIMIZERS["adamw"])
-        return Planned(
-            peak=sim.peak,
-            model_state=sim.model_state,
-            activations=sim.activations,
-            comm_bytes=sim.comm_bytes,
-            comm_calls=sim.comm_calls,
-            disk_moved=sim.disk_moved,
-        )
-
-    return plan
-
-
-def default_work(spec: ModelSpec) -> WorkOf:
-    """Counts a micro-batch's flops and operators on fake tensors, once per size and recompute."""
-    target = plan_target(spec)
-    cache: dict[tuple[int, tuple[str, ...]], Work] = {}
-
-    def work(micro: int, recompute: tuple[str, ...]) -> Work:
-        key = (micro, recompute)
-        if key not in cache:
-            cache[key] = count_work(target.build, target.example_input, target.loss, *key)
-        return cache[key]
-
-    return work
-
-
-def default_runner(settings: BenchSettings, on_progress: BenchProgressFn) -> dict[str, Any]:
-    """The bench itself."""
-    return run_bench(settings, on_progress)
-
-
-def measuring_cost_s(predicted_s: float, warmup: int, steps: int) -> float:
-    """Estimated seconds to measure one candidate: its part of the timing launch and its own
-    memory launch."""
-    timing = BUILD_S + (warmup + steps) * predicted_s
-    memory = LAUNCH_S + BUILD_S + (warmup + MEMORY_STEPS) * predicted_s * TRACKED
-    return timing + memory
+__all__ = [
+    "PLAN_SHARE",
+    "Outcome",
+    "Planner",
+    "Status",
+    "TuneResult",
+    "TuneSettings",
+    "WorkOf",
+    "default_planner",
+    "default_work",
+    "promising_first",
+    "search",
+]
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
-
-
-def _measured(row: dict[str, Any]) -> dict[str, Any]:
-    """What the report keeps of a bench row."""
-    live = row.get("live_peak_bytes_per_rank")
-    rss = row.get("peak_rss_bytes_per_rank")
-    base = row.get("rss_after_import_bytes_per_rank")
-    return {
-        "step_time_median_s": row["step_time_median_s"],
-        "step_time_iqr_s": row["step_time_iqr_s"],
-        "step_times_s": row["step_times_s"],
-        "measured_steps": row["measured_steps"],
-        "losses": row["losses"],
-        "live_peak_bytes_per_rank": live,
-        "peak_rss_bytes_per_rank": rss,
-        "rss_increase_bytes_per_rank": (
-            [p - b for p, b in zip(rss, base, strict=True)] if rss and base else None
-        ),
-        "state_bytes_per_rank": row.get("state_bytes_per_rank"),
-    }
 
 
 def search(
@@ -231,8 +103,22 @@ def search(
     wall_deadline = time.time() + settings.time_s
     say = say or (lambda *_: None)
     phases: dict[str, float] = {}
-    spec = resolve_model(settings.model, settings.seq_len)
     n = settings.world_size
+    target: Target | None
+    if settings.script is None:
+        spec = resolve_model(settings.model, settings.seq_len)
+        target, units, info = plan_target(spec), spec.unit_classes, dict(spec.info)
+    else:
+        target, units = script_target(settings), ()
+        info = {"script": settings.script, "args": list(settings.script_args)}
+    lays, notes = layouts(
+        None if target is None else target.build, n, settings.pp, settings.tp, settings.schedules
+    )
+    if target is None:
+        notes.append(
+            "measure-only: no --plan-model, so nothing was planned; the candidates were "
+            "measured in planning order while --time lasted"
+        )
 
     def left() -> float:
         return settings.time_s - (clock() - t0)
@@ -242,22 +128,28 @@ def search(
         phases[name] = now - since
         return now
 
+    buckets = settings.buckets_mb or DEFAULT_BUCKETS_MB
     space = build_space(
         n,
         settings.batch,
         micro_sizes=settings.micro_sizes or None,
-        buckets_mb=settings.buckets_mb,
-        recompute_classes=spec.unit_classes if settings.recompute else (),
+        buckets_mb=buckets,
+        recompute_classes=units if settings.recompute else (),
         comm_dtypes=settings.comm_dtypes,
         offload_dir=settings.offload_dir,
         precisions=settings.precisions,
+        layouts=lays,
     )
     outcomes = [_invalid(x) for x in space.invalid]
     t = lap("space", t0)
 
-    planner = planner or default_planner(spec, n)
     fitting: list[Outcome] = []
-    ordered = promising_first(space.candidates, settings.buckets_mb)
+    ordered = promising_first(space.candidates, buckets)
+    if target is None:  # measure-only: in planning order, nothing known to drop
+        fitting = [Outcome(c.name, "not measured", "", c, c.mapping) for c in ordered]
+        outcomes += fitting
+        ordered = []
+    planner = planner or (planner_for(target, n) if target is not None else None)
     for i, c in enumerate(ordered):
         if clock() - t0 > PLAN_SHARE * settings.time_s:
             why = (
@@ -266,10 +158,17 @@ def search(
             outcomes.append(Outcome(c.name, "not measured", why, c, c.mapping))
             continue
         say(f"planning {c.name}", i, len(ordered))
+        assert planner is not None
         try:
             planned = planner(c)
         except (ConfigError, PlanInputError) as e:  # a strategy refused it at setup
             outcomes.append(Outcome(c.name, "invalid", str(e), c, c.mapping))
+            continue
+        except Exception as e:  # the planner's limit, not the candidate's: said in its row
+            from longboat.plan.planner import one_line
+
+            why = f"the planner could not plan it: {one_line(e)}"
+            outcomes.append(Outcome(c.name, "unplanned", why, c, c.mapping))
             continue
         o = Outcome(c.name, "not measured", "", c, c.mapping, planned)
         if settings.budget is not None and planned.peak > settings.budget:
@@ -280,85 +179,42 @@ def search(
         outcomes.append(o)
     t = lap("plan", t)
 
-    if fitting and rates is None:
+    planned_fits = [o for o in fitting if o.planned is not None]
+    if planned_fits and rates is None:
         from longboat.tune import machine
 
         say("measuring this machine", 0, 1)
         low = any(o.candidate is not None and o.candidate.precision != "fp32" for o in fitting)
         rates = machine.measure(n, settings.offload_dir, bf16=low)
     t = lap("rates", t)
-    work_of = work_of or default_work(spec)
-    for o in fitting:
-        fit = o.candidate
-        assert fit is not None and o.planned is not None and rates is not None
-        work = work_of(fit.micro_batch, fit.recompute)
-        o.prediction = predict(
-            fit.accumulation,
-            work,
-            o.planned,
-            rates,
-            fit.config.comm.desync_check,
-            fit.config.precision.dtype,
-        )
+    if planned_fits:
+        assert target is not None and rates is not None
+        work_of = work_of or work_for(target)
+        for o in planned_fits:
+            fit = o.candidate
+            assert fit is not None and o.planned is not None
+            o.prediction = predict(
+                fit.accumulation,
+                work_of(fit.micro_batch, fit.recompute),
+                o.planned,
+                rates,
+                fit.config.comm.desync_check,
+                fit.config.precision.dtype,
+                pp=fit.layout.pp,
+                tp=fit.layout.tp,
+                schedule=fit.layout.schedule,
+            )
+        fitting.sort(key=lambda o: o.prediction.total_s if o.prediction else 0.0)
     t = lap("predict", t)
 
-    fitting.sort(key=lambda o: o.prediction.total_s if o.prediction else 0.0)
-    chosen: list[Outcome] = []
-    budget_s = left()
-    spent = LAUNCH_S  # the timing launch itself
-    for i, o in enumerate(fitting):
-        o.rank = i
-        assert o.prediction is not None
-        if settings.top is not None and len(chosen) >= settings.top:
-            o.reason = f"ranked {i + 1} by the cost model; --top {settings.top}"
-            continue
-        cost = measuring_cost_s(o.prediction.total_s, settings.warmup, settings.steps)
-        if spent + cost > budget_s:
-            o.reason = (
-                f"time: about {cost:.0f} s to measure, {max(budget_s - spent, 0):.0f} s of "
-                "--time left"
-            )
-            continue
-        spent += cost
-        chosen.append(o)
-
+    chosen = _to_measure(fitting, settings, left(), timed=settings.script is None)
     bench: dict[str, Any] | None = None
     launched = [o.name for o in chosen]
-    if chosen:
-        configs = {}
-        for o in chosen:
-            assert o.candidate is not None
-            configs[CONFIG_PREFIX + o.name] = _for_measuring(o.candidate)
-        bench_settings = BenchSettings(
-            model=settings.model,
-            strategies=(),
-            peers=(),
-            world_sizes=(n,),
-            micro_batch=settings.batch // n,  # a rank's share of the step
-            seq_len=settings.seq_len,
-            warmup=settings.warmup,
-            steps=settings.steps,
-            memory=True,
-            configs=configs,
-            live_peak=True,
-            deadline=wall_deadline,
-        )
+    if chosen and settings.script is not None:
+        launched = measure_script(chosen, settings, wall_deadline, say)
+    elif chosen:
         say("measuring", 0, len(chosen))
-        try:
-            bench = (runner or default_runner)(bench_settings, on_bench or (lambda *_: None))
-        finally:  # the measuring runs' offload files are theirs only
-            for data in configs.values():
-                where = data.get("zero", {}).get("offload_optimizer", {}).get("path")
-                if where:
-                    shutil.rmtree(where, ignore_errors=True)
-        rows = {r["side"].removeprefix(CONFIG_PREFIX): r for r in bench["rows"]}
-        for o in chosen:
-            row = rows.get(o.name)
-            if row is None:
-                o.reason = "the bench returned no row for it"
-                continue
-            o.status = "measured"
-            o.measured = _measured(row)
+        bench = bench_measure(chosen, settings, runner, on_bench, wall_deadline)
     lap("measure", t)
 
     winner, reason, eligible = _choose(outcomes, settings.budget)
@@ -366,19 +222,20 @@ def search(
         w = next(o for o in outcomes if o.name == winner)
         assert w.measured is not None
         for o in outcomes:
-            if o.measured is not None:
+            if o.measured is not None and o.measured["paired"] and w.measured["paired"]:
                 o.measured["vs_winner_paired"] = paired_ratio(
                     o.measured["step_times_s"], w.measured["step_times_s"]
                 )
     verification = None
-    if settings.top is None and fitting:  # --top all: [Note: verifying the choice]
+    if settings.top is None and fitting and settings.script is None:
+        # --top all: [Note: verifying the choice], by rounds that only a bench run pairs
         verification = verify(
             fitting, eligible, DEFAULT_TOP, settings.noise_band, {o.name: o.reason for o in fitting}
         )
     phases["total"] = clock() - t0
     return TuneResult(
         settings=settings,
-        model_info=dict(spec.info),
+        model_info=info,
         rates=rates,
         outcomes=outcomes,
         winner=winner,
@@ -387,47 +244,38 @@ def search(
         phases_s=phases,
         bench=bench,
         verification=verification,
+        notes=notes,
     )
 
 
-def promising_first(candidates: list[Candidate], buckets_mb: tuple[float, ...]) -> list[Candidate]:
-    """``candidates`` in the order to plan them when the time may not cover all: round the
-    strategies, each one's plainest first (no recompute, gradients in fp32, the first bucket
-    size given, the largest micro-batch: the usual fastest that fits)."""
-
-    def plainness(c: Candidate) -> tuple[bool, bool, int, int]:
-        bucket = buckets_mb.index(c.bucket_mb) if c.bucket_mb in buckets_mb else 0
-        return (
-            bool(c.recompute),
-            c.comm_dtype != "fp32" or c.precision != "fp32",
-            bucket,
-            -c.micro_batch,
-        )
-
-    by_strategy: dict[str, list[Candidate]] = {}
-    for c in sorted(candidates, key=plainness):
-        by_strategy.setdefault(c.strategy, []).append(c)
-    rounds = itertools.zip_longest(*by_strategy.values())
-    return [c for row in rounds for c in row if c is not None]
+def _to_measure(
+    fitting: list[Outcome], settings: TuneSettings, budget_s: float, timed: bool
+) -> list[Outcome]:
+    """The first ``--top`` of ``fitting`` (in order) whose estimated measuring time fits
+    ``budget_s``; ``timed`` False: the measuring checks the time itself, launch by launch."""
+    chosen: list[Outcome] = []
+    spent = LAUNCH_S  # the timing launch itself
+    for i, o in enumerate(fitting):
+        o.rank = i
+        if settings.top is not None and len(chosen) >= settings.top:
+            by = "the cost model" if o.prediction is not None else "planning order"
+            o.reason = f"ranked {i + 1} by {by}; --top {settings.top}"
+            continue
+        if timed and o.prediction is not None:
+            cost = measuring_cost_s(o.prediction.total_s, settings.warmup, settings.steps)
+            if spent + cost > budget_s:
+                o.reason = (
+                    f"time: about {cost:.0f} s to measure, {max(budget_s - spent, 0):.0f} s of "
+                    "--time left"
+                )
+                continue
+            spent += cost
+        chosen.append(o)
+    return chosen
 
 
 def _invalid(x: Invalid) -> Outcome:
     return Outcome(x.name, "invalid", x.reason, None, x.mapping)
-
-
-def _for_measuring(c: Candidate) -> dict[str, Any]:
-    """The candidate's config for the bench: with offload, a directory of its own under the
-    offload directory, as two candidates in one process must not share files."""
-    import copy
-    import tempfile
-
-    data = copy.deepcopy(c.mapping)
-    zero = data.get("zero", {})
-    if zero.get("offload_optimizer", {}).get("device") == "disk":
-        where = tempfile.mkdtemp(prefix="tune-", dir=zero["offload_optimizer"]["path"])
-        zero["offload_optimizer"]["path"] = where
-        zero["offload_param"]["path"] = where
-    return data
 
 
 def _choose(outcomes: list[Outcome], budget: int | None) -> tuple[str | None, str, set[str]]:
@@ -450,7 +298,12 @@ def _choose(outcomes: list[Outcome], budget: int | None) -> tuple[str | None, st
             f"the lowest measured median step of {len(eligible)} measured candidate(s) that fit",
             {o.name for o in eligible},
         )
-    if any(o.prediction is not None for o in outcomes):
+    if any(o.status == "failed" for o in outcomes):
+        return None, "no candidate was measured: the runs failed (see why above)", set()
+    if any(
+        o.prediction is not None or (o.candidate is not None and o.status == "not measured")
+        for o in outcomes
+    ):
         return None, "no candidate was measured in the --time given", set()
     if any(o.status == "dropped" for o in outcomes):
         return None, "no candidate fits the --budget", set()

@@ -15,6 +15,16 @@ batch triple through :func:`~longboat.config.resolve_batch` and its mesh through
 own check, and what any of them refuses is recorded with the message they gave (the planner's
 run adds what the strategies refuse at setup). The search never invents a rule of its own about
 what is valid.
+
+[Note: layouts] Each combination is also laid out on a mesh (:class:`Layout`): pipeline stages
+(``mesh.pp``, with a schedule, ``1f1b`` or ``zb-h1``; the split is the default one, the
+micro-batches per step are the accumulation) and tensor-parallel ranks (``mesh.tp``), with the
+data-parallel strategies on the ranks they leave. Which degrees are tried is the caller's
+(``longboat tune`` asks the model whether it lists its layers and whether a tensor-parallel
+plan names it). A layout that leaves one data-parallel rank has nothing to share between ranks:
+its only strategy is ``replicate`` (what ``auto`` resolves to), with no bucket or
+communication-dtype dimension, as at one rank nothing travels either. A schedule that cannot run
+the accumulation's micro-batches is refused by the pipeline's own check, in its words.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from longboat.config.batch import resolve_batch
 from longboat.config.errors import ConfigError
 from longboat.config.loading import load_config
 from longboat.config.sections import Config
+from longboat.tune.layout import PLAIN, Layout
 
 #: Strategies searched at two ranks or more; ``single`` is the only one at one rank.
 STRATEGIES = ("replicate", "zero-1", "zero-2", "zero-3")
@@ -58,10 +69,12 @@ class Candidate:
     mapping: dict[str, Any] = field(compare=False, repr=False)
     config: Config = field(compare=False, repr=False)
     precision: str = "fp32"  # a key of PRECISIONS
+    layout: Layout = PLAIN
 
     @property
     def name(self) -> str:
-        """Short and unique within a search: ``zero-2 m4x2 b25 rc bf16``."""
+        """Short and unique within a search: ``zero-2 m4x2 b25 rc bf16``, ``pp2 1f1b replicate
+        m2x8``."""
         return label(
             self.strategy,
             f"m{self.micro_batch}x{self.accumulation}",
@@ -69,6 +82,7 @@ class Candidate:
             bool(self.recompute),
             self.comm_dtype,
             self.precision,
+            self.layout,
         )
 
 
@@ -79,11 +93,13 @@ def label(
     rc: bool,
     comm: str,
     precision: str = "fp32",
+    layout: Layout = PLAIN,
 ) -> str:
-    """A combination's name: strategy, micro-batch (x accumulation), bucket, ``rc`` for
-    recompute, the communication dtype unless fp32, and the precision unless fp32
-    (``bf16-amp``, ``bf16-params``)."""
-    parts = [strategy, batch]
+    """A combination's name: the layout (``pp2 1f1b``, ``tp2``) unless plain, strategy,
+    micro-batch (x accumulation), bucket, ``rc`` for recompute, the communication dtype unless
+    fp32, and the precision unless fp32 (``bf16-amp``, ``bf16-params``)."""
+    parts = [layout.label] if layout.label else []
+    parts += [strategy, batch]
     if bucket_mb is not None:
         parts.append(f"b{bucket_mb:g}")
     parts += ["rc"] if rc else []
@@ -126,12 +142,14 @@ def _mapping(
     comm_dtype: str,
     offload_dir: str | None,
     precision: str = "fp32",
+    layout: Layout = PLAIN,
 ) -> dict[str, Any]:
     """The longboat config of one combination: only what differs from the defaults, so the
     written file says what was chosen and nothing else."""
     data: dict[str, Any] = {
         "strategy": strategy.split("-")[0],
         "batch": {"train_batch_size": global_batch, "micro_batch_size": micro},
+        **layout.sections(),
     }
     if strategy == "replicate" and bucket_mb is not None:
         data["replicate"] = {"bucket_mb": bucket_mb}
@@ -160,8 +178,21 @@ def _validate(data: dict[str, Any], world_size: int) -> int:
     from longboat.engine import resolve_mesh
 
     cfg = load_config(data)
-    resolve_mesh(cfg, world_size)  # the world must lay out on the config's mesh
-    return resolve_batch(cfg.batch, cfg.data_parallel_size(world_size)).gradient_accumulation_steps
+    mesh = resolve_mesh(cfg, world_size)  # the world must lay out on the config's mesh
+    batch = resolve_batch(cfg.batch, cfg.data_parallel_size(world_size))
+    if mesh.pp > 1:  # the schedule must run the step's micro-batches: the pipeline's own check
+        from longboat.pipeline import ScheduleError, build_pipeline_schedule
+
+        p = cfg.pipeline
+        m = batch.gradient_accumulation_steps
+        try:
+            build_pipeline_schedule(p.schedule, mesh.pp, m, p.virtual_stages)
+        except ScheduleError as e:
+            raise ConfigError(
+                f"key 'pipeline.schedule' = {p.schedule!r} with {m} micro-batches "
+                f"(batch.gradient_accumulation_steps): {e}"
+            ) from None
+    return batch.gradient_accumulation_steps
 
 
 def build_space(
@@ -174,45 +205,70 @@ def build_space(
     comm_dtypes: Sequence[str] = ("fp32",),
     offload_dir: str | None = None,
     precisions: Sequence[str] = ("fp32",),
+    layouts: Sequence[Layout] = (PLAIN,),
 ) -> Space:
     """Every combination ([Note: search space]) at ``world_size`` ranks and ``global_batch``
     samples per step. ``recompute_classes``: the model's block classes (empty: activation
     checkpointing is not searched); ``offload_dir``: adds ZeRO-3 with its state on disk there;
-    ``precisions``: keys of :data:`PRECISIONS`."""
-    strategies: tuple[str, ...] = ("single",) if world_size == 1 else STRATEGIES
-    if offload_dir is not None and world_size > 1:
-        strategies = (*strategies, OFFLOADED)
-    share = max(global_batch // world_size, 1)
-    sizes = sorted(set(micro_sizes)) if micro_sizes else micro_batches(share)
+    ``precisions``: keys of :data:`PRECISIONS`; ``layouts``: the meshes to lay each on
+    ([Note: layouts])."""
     recomputes = [(), tuple(recompute_classes)] if recompute_classes else [()]
-    comms = list(comm_dtypes) if world_size > 1 else ["fp32"]  # nothing travels at one rank
     space = Space([], [])
-    for strategy in strategies:
-        bucketed = strategy in ("replicate", "zero-1", "zero-2")
-        buckets = list(buckets_mb) if bucketed else [None]
-        combos = itertools.product(sizes, buckets, recomputes, comms, precisions)
-        for micro, bucket, rc, comm, prec in combos:
-            data = _mapping(strategy, global_batch, micro, bucket, rc, comm, offload_dir, prec)
-            try:
-                accumulation = _validate(data, world_size)
-            except ConfigError as e:
-                name = label(strategy, f"m{micro}", bucket, bool(rc), comm, prec)
-                space.invalid.append(Invalid(name, data, str(e)))
-                continue
-            # The file states the whole triple, so a run at another world size is refused
-            # rather than silently given another accumulation.
-            data["batch"]["gradient_accumulation_steps"] = accumulation
-            space.candidates.append(
-                Candidate(
-                    strategy=strategy,
-                    micro_batch=micro,
-                    accumulation=accumulation,
-                    bucket_mb=bucket,
-                    recompute=rc,
-                    comm_dtype=comm,
-                    mapping=data,
-                    config=load_config(data),
-                    precision=prec,
-                )
-            )
+    for layout in layouts:
+        dp = max(world_size // (layout.pp * layout.tp), 1)
+        strategies: tuple[str, ...] = (
+            ("single",) if world_size == 1 else ("replicate",) if dp == 1 else STRATEGIES
+        )
+        if offload_dir is not None and dp > 1:
+            strategies = (*strategies, OFFLOADED)
+        share = max(global_batch // dp, 1)
+        sizes = sorted(set(micro_sizes)) if micro_sizes else micro_batches(share)
+        comms = list(comm_dtypes) if dp > 1 else ["fp32"]  # nothing travels at one dp rank
+        for strategy in strategies:
+            bucketed = dp > 1 and strategy in ("replicate", "zero-1", "zero-2")
+            buckets = list(buckets_mb) if bucketed else [None]
+            combos = itertools.product(sizes, buckets, recomputes, comms, precisions)
+            for micro, bucket, rc, comm, prec in combos:
+                at = (layout, strategy, micro, bucket, rc, comm, prec)
+                _add(space, world_size, global_batch, offload_dir, *at)
     return space
+
+
+def _add(
+    space: Space,
+    world_size: int,
+    global_batch: int,
+    offload_dir: str | None,
+    layout: Layout,
+    strategy: str,
+    micro: int,
+    bucket: float | None,
+    rc: tuple[str, ...],
+    comm: str,
+    prec: str,
+) -> None:
+    """One combination into ``space``: a candidate, or an invalid one with the refusal."""
+    data = _mapping(strategy, global_batch, micro, bucket, rc, comm, offload_dir, prec, layout)
+    try:
+        accumulation = _validate(data, world_size)
+    except ConfigError as e:
+        name = label(strategy, f"m{micro}", bucket, bool(rc), comm, prec, layout)
+        space.invalid.append(Invalid(name, data, str(e)))
+        return
+    # The file states the whole triple, so a run at another world size is refused rather than
+    # silently given another accumulation.
+    data["batch"]["gradient_accumulation_steps"] = accumulation
+    space.candidates.append(
+        Candidate(
+            strategy=strategy,
+            micro_batch=micro,
+            accumulation=accumulation,
+            bucket_mb=bucket,
+            recompute=rc,
+            comm_dtype=comm,
+            mapping=data,
+            config=load_config(data),
+            precision=prec,
+            layout=layout,
+        )
+    )
