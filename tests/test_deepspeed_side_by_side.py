@@ -1,6 +1,8 @@
 """The same DeepSpeed scripts under real DeepSpeed 0.19.8 (torchrun, 2 ranks, gloo, CPU) and
 under ``longboat run -n 2`` with ``import longboat.deepspeed as deepspeed``: loss by loss, lr by
-lr, and across a save and a resume (tests/launch_scripts/ds_side_by_side.py holds the scripts).
+lr, and across a save and a resume, at ZeRO stages 0 to 3 (stage 3 built under
+``deepspeed.zero.Init`` and read through ``deepspeed.zero.GatheredParameters``;
+tests/launch_scripts/ds_side_by_side.py holds the scripts).
 
 Real DeepSpeed is looked for in ``.deepspeed/`` at the repository's root, where ``make test``
 installs it (``make deepspeed-compare``; DeepSpeed alone, ``--no-deps``, so that it never brings
@@ -97,7 +99,7 @@ def _close(a: list[float], b: list[float]) -> None:
     assert a == pytest.approx(b, rel=TOL, abs=TOL)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_engine_loop_with_warmup_lr_gives_deepspeeds_losses_and_lrs(runs, stage):
     for rank in range(2):
         ds = runs["deepspeed"][rank][f"stage{stage}"]
@@ -106,23 +108,27 @@ def test_the_engine_loop_with_warmup_lr_gives_deepspeeds_losses_and_lrs(runs, st
         assert [lr for (lr,) in lb["lrs"]] == pytest.approx([lr for (lr,) in ds["lrs"]])
         for key in ("global_steps", "stage", "batch", "boundaries", "samples"):
             assert lb[key] == ds[key], key
+        for a, b in zip(lb["params"], ds["params"], strict=True):
+            _close(a, b)
+        # read through GatheredParameters on rank 0 only, before and after training
+        weights = lb["weight_on_rank0"], ds["weight_on_rank0"]
+        if rank == 0:
+            for a, b in zip(*weights, strict=True):
+                _close(a, b)
+        else:
+            assert weights == ([None, None], [None, None])
         if stage == 0:  # DeepSpeed reports no norm at stage 0; longboat the one it clipped by
             assert ds["norms"] == [None] * len(ds["norms"])
             ds = runs["deepspeed"][rank]["stage1"]
         assert (lb["norms"][0], ds["norms"][0]) == (None, None)  # before the first step
         _close(lb["norms"][1:], ds["norms"][1:])
-    for a, b in zip(
-        runs["longboat"][0]["stage0"]["params"],
-        runs["deepspeed"][0]["stage0"]["params"],
-        strict=True,
-    ):
-        _close(a, b)
 
 
-def test_save_and_resume_with_client_state_continue_as_deepspeed_does(runs):
+@pytest.mark.parametrize("key", ["resume", "resume3"])
+def test_save_and_resume_with_client_state_continue_as_deepspeed_does(runs, key):
     for rank in range(2):
-        ds = runs["deepspeed"][rank]["resume"]
-        lb = runs["longboat"][rank]["resume"]
+        ds = runs["deepspeed"][rank][key]
+        lb = runs["longboat"][rank][key]
         for side in (ds, lb):  # a resumed run is the uninterrupted one, in each framework
             # a fresh engine has no norm before its first step, in both
             norms = side["resumed"].pop("norms"), side["after"].pop("norms")
@@ -136,6 +142,8 @@ def test_save_and_resume_with_client_state_continue_as_deepspeed_does(runs):
                 [lr for (lr,) in ds[part]["lrs"]]
             )
             assert lb[part]["global_steps"] == ds[part]["global_steps"]
+        for a, b in zip(lb["params_after"], ds["params_after"], strict=True):
+            _close(a, b)
 
 
 def test_a_loop_on_comm_accelerator_and_repeating_loader_matches(runs):
