@@ -7,11 +7,14 @@ axis when ``deepspeed.initialize`` reads the config (the config's ``pipeline.sta
 must agree), ``partition_method`` is longboat's ``partition`` (``parameters``, ``uniform``,
 ``type:REGEX``, with DeepSpeed's meanings), ``activation_checkpoint_interval`` recomputes runs
 of that many layers ([Note: checkpoint interval] in ``longboat/pipeline/module.py``) and
-``loss_fn`` is what ``engine.train_batch()`` computes the loss with. Unlike DeepSpeed's, the
-module builds its layers in ``initialize``, not in its constructor, so it may be made before
-the process group exists and ``model.parameters()`` is empty until then (the optimizer the
-config describes is built after). Arguments whose DeepSpeed meaning longboat cannot give
-(``topology``, ``seed_layers``, ``partition_method='profile'``) are refused by name.
+``loss_fn`` is what ``engine.train_batch()`` computes the loss with. As DeepSpeed's, it builds
+this rank's stage's layers in its constructor ([Note: DeepSpeed layer initialisation]), but it
+may be made before the process group exists: the rank and world are then the launcher's
+environment's, and where that world is not a multiple of ``num_stages`` (a script started
+without a launcher) the layers are built in ``initialize`` instead, ``model.parameters()`` being
+empty until then (the optimizer the config describes is built after). Arguments whose DeepSpeed
+meaning longboat cannot give (``topology``, ``seed_layers``, ``partition_method='profile'``) are
+refused by name.
 
 [Note: DeepSpeed layer initialisation] DeepSpeed's ``PipelineModule`` builds its stage's
 ``LayerSpec`` layers in its constructor, from the random state the script left, so a layer's
