@@ -156,19 +156,29 @@ class PipelineModule(_module.PipelineModule):
                     spec.build()
         stage = rank // (world // self.num_stages)
         bounds = self.boundaries(self.num_stages)
-        tied: dict[str, nn.Module] = {}
         for i in range(bounds[stage], bounds[stage + 1]):
             spec = self._specs[i]
             if isinstance(spec, _module.TiedLayerSpec):
-                if spec.key not in tied:  # a tied key's module at its first use, once
-                    tied[spec.key] = self._built[i] = spec.build()
+                if spec.key not in self.tied:  # a tied key's module at its first use, once
+                    self.tied[spec.key] = spec.build()
             elif isinstance(spec, LayerSpec):
+                # a child now, as in DeepSpeed: model.parameters() holds this stage's
                 self._built[i] = spec.build()
+                self.add_module(str(i), self._built[i])
         self._built_for = (bounds, [stage])
+
+    def _unbuild(self) -> None:
+        """Drop what the constructor built (``bind`` was given another layout)."""
+        for i in self._built:
+            del self._modules[str(i)]
+        self._built.clear()
+        if self._tied_keys:
+            self.tied = nn.ModuleDict()
 
     def build_layer(self, index: int, spec: LayerSpec) -> nn.Module:
         """The module built in the constructor for this layer, where it was (see [Note:
-        DeepSpeed layer initialisation]); else built now."""
+        DeepSpeed layer initialisation]; a tied key's is found in ``tied`` by ``bind``); else
+        built now."""
         built = self._built.pop(index, None)
         return spec.build() if built is None else built
 
@@ -215,8 +225,8 @@ class PipelineModule(_module.PipelineModule):
                 f"{len(bounds) - 1} stage(s) here (mesh.pp x pipeline.virtual_stages): build "
                 f"the engine with deepspeed.initialize, or set mesh.pp = {self.num_stages}"
             )
-        if self._built_for != (list(bounds), sorted(held)):
-            self._built.clear()  # another layout than DeepSpeed's: built in bind instead
+        if self._built_for is not None and self._built_for != (list(bounds), sorted(held)):
+            self._unbuild()  # another layout than DeepSpeed's: built in bind instead
         try:
             return super().bind(bounds, held)
         finally:
