@@ -1,6 +1,7 @@
 """DeepSpeed's ``engine.eval_batch(data_iter)``: the module's loss without gradients, in eval
 mode, through the pipeline's stages, averaged over micro-batches and data-parallel ranks, equal
-to a plain PyTorch evaluation of the same layers; the training mode comes back afterwards."""
+to a plain PyTorch evaluation of the same layers; the module is left in eval mode, as DeepSpeed
+leaves it, until the next ``train_batch``."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def _eval(pipeline: bool) -> dict:
     except ConfigError as e:
         refused = str(e)
     loss = engine.eval_batch(iter(batches)).item()
-    training = engine.module.training
+    training = [engine.module.training]
+    engine.train_batch(iter(batches))
+    training.append(engine.module.training)
     engine.destroy()
     plain = nn.Sequential(*_layers()).eval()
     count = 4 if pipeline else 8
@@ -69,5 +72,5 @@ def _eval(pipeline: bool) -> dict:
 def test_eval_batch_is_the_plain_evaluation(ranks, pipeline):
     for r in ranks(2, _eval, pipeline):
         assert r["loss"] == pytest.approx(r["want"], rel=1e-6)
-        assert r["training"]  # the mode it had
+        assert r["training"] == [False, True]  # eval mode until train_batch, as in DeepSpeed
         assert "eval_batch(return_logits=True) is not supported" in r["refused"]

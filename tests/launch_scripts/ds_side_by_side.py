@@ -4,8 +4,10 @@ longboat.deepspeed as deepspeed``; each rank writes what it saw to ``OUT/rank<N>
 tests/test_deepspeed_side_by_side.py to compare.
 
 Scenarios: the plain engine loop (``engine(x)``, ``backward``, ``step``) with a WarmupLR
-scheduler from the config at ZeRO stages 0, 1 and 2; ``save_checkpoint`` with a tag and
-``client_state``, then a fresh engine's ``load_checkpoint`` and the run resumed; a loop fed by a
+scheduler from the config at ZeRO stages 0, 1, 2 and 3 (at stage 3 the model is built under
+``deepspeed.zero.Init`` and read whole on rank 0 through ``deepspeed.zero.GatheredParameters``,
+as DeepSpeed's ZeRO-3 tutorial does); ``save_checkpoint`` with a tag and ``client_state``, then
+a fresh engine's ``load_checkpoint`` and the run resumed, at stages 1 and 3; a loop fed by a
 ``DistributedSampler`` over ``deepspeed.comm``'s ranks through ``deepspeed.utils.RepeatingLoader``,
 on ``get_accelerator()``'s device, its loss averaged with ``deepspeed.comm.all_reduce``.
 """
@@ -52,9 +54,17 @@ def config(stage: int) -> dict:
     }
 
 
+def net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
 def build(stage: int):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    if stage == 3:  # parameters partitioned as they are made, as DeepSpeed's ZeRO-3 docs build
+        with deepspeed.zero.Init(config_dict_or_path=config(3)):
+            model = net()
+    else:
+        model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config(stage))
     return engine
@@ -90,36 +100,29 @@ def train(engine, rank: int, first: int, last: int) -> dict:
 
 
 def params(engine) -> list[list[float]]:
-    return [p.detach().flatten().tolist() for p in engine.module.parameters()]
+    """Every parameter, whole (under ZeRO-3 gathered for the read: every rank enters)."""
+    held = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(held, modifier_rank=None):
+        return [p.detach().flatten().tolist() for p in held]
 
 
-def main() -> None:
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = deepspeed.comm.get_rank()
-    out: dict = {}
-    for stage in (0, 1, 2):
-        engine = build(stage)
-        run = train(engine, rank, 0, 12)
-        run["stage"] = engine.zero_optimization_stage()
-        run["batch"] = [
-            engine.train_batch_size(),
-            engine.train_micro_batch_size_per_gpu(),
-            engine.gradient_accumulation_steps(),
-        ]
-        out[f"stage{stage}"] = run
-        if stage == 0:
-            out["stage0"]["params"] = params(engine)
+def last_weight_on_rank0(engine, rank: int) -> list[float] | None:
+    """The last layer's weight read on rank 0 only, as DeepSpeed's docs read one under ZeRO-3."""
+    weight = engine.module[2].weight
+    with deepspeed.zero.GatheredParameters(weight, modifier_rank=None):
+        return weight.detach().flatten().tolist() if rank == 0 else None
 
-    # save, resume in a fresh engine, and go on: as one uninterrupted run
-    ckpt = OUT / "ckpt"
-    first = build(1)
+
+def resume(stage: int, rank: int, ckpt: Path) -> dict:
+    """Save mid-run, resume in a fresh engine and go on: as one uninterrupted run."""
+    first = build(stage)
     before = train(first, rank, 0, 6)
     first.save_checkpoint(str(ckpt), tag="mid", client_state={"epoch": 3, "seen": 6})
     after = train(first, rank, 6, 10)
-    second = build(1)
+    second = build(stage)
     path, client = second.load_checkpoint(str(ckpt), tag="mid")
     resumed = train(second, rank, 6, 10)
-    out["resume"] = {
+    return {
         "before": before,
         "after": after,
         "resumed": resumed,
@@ -128,6 +131,28 @@ def main() -> None:
         "params_after": params(first),
         "params_resumed": params(second),
     }
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = deepspeed.comm.get_rank()
+    out: dict = {}
+    for stage in (0, 1, 2, 3):
+        engine = build(stage)
+        start = last_weight_on_rank0(engine, rank)
+        run = train(engine, rank, 0, 12)
+        run["stage"] = engine.zero_optimization_stage()
+        run["batch"] = [
+            engine.train_batch_size(),
+            engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps(),
+        ]
+        run["params"] = params(engine)
+        run["weight_on_rank0"] = [start, last_weight_on_rank0(engine, rank)]
+        out[f"stage{stage}"] = run
+
+    out["resume"] = resume(1, rank, OUT / "ckpt1")
+    out["resume3"] = resume(3, rank, OUT / "ckpt3")
 
     # deepspeed.comm, the accelerator and RepeatingLoader, as the tutorials' data loops use them
     device = get_accelerator().device_name()

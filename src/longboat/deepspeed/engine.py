@@ -111,7 +111,8 @@ class DeepSpeedEngine:
         ``data_iter`` (default: the ``training_data`` loader given to :func:`initialize`), each
         an ``(inputs, labels)`` pair, the loss ``loss_fn(outputs, labels)`` (default: the
         module's ``loss_fn``, as DeepSpeed's ``PipelineModule`` has); returns the mean loss.
-        Runs through the pipeline schedule when ``mesh.pp > 1``."""
+        Runs through the pipeline schedule when ``mesh.pp > 1``. The module is put in training
+        mode first, as DeepSpeed's pipeline engine does (``eval_batch`` leaves it in eval mode)."""
         loss_fn = loss_fn or getattr(self.module, "loss_fn", None)
         if loss_fn is None:
             raise ConfigError(
@@ -130,6 +131,7 @@ class DeepSpeedEngine:
         if len(micro) < self.gradient_accumulation_steps():
             raise StopIteration("data_iter ran out within a step")
         batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
+        self.engine.train()
         mean = self.engine.train_step(batch, lambda out, mb: loss_fn(out, mb[1]))
         return torch.tensor(mean)
 
@@ -147,7 +149,8 @@ class DeepSpeedEngine:
         micro-batches from ``data_iter``, through the pipeline's stages when ``mesh.pp > 1``;
         returns the loss (the module's ``loss_fn``) averaged over them and over the
         data-parallel ranks, on every rank, as DeepSpeed's ``reduce_output='avg'`` with
-        ``bcast_loss`` does. The module's mode is restored afterwards. ``return_logits``,
+        ``bcast_loss`` does. The module is left in eval mode, as DeepSpeed leaves it
+        (``train_batch`` puts it back in training mode). ``return_logits``,
         ``compute_loss=False`` and another ``reduce_output`` are refused by name."""
         del bcast_loss  # the losses are on every rank of the pipeline here
         for name, bad in (
@@ -169,15 +172,11 @@ class DeepSpeedEngine:
         micro = list(itertools.islice(data_iter, count))
         if len(micro) < count:
             raise StopIteration("data_iter ran out within eval_batch")
-        training = self.engine.model.training
         self.engine.eval()
-        try:
-            with torch.no_grad():
-                losses = self.engine.schedule.evaluate(
-                    self.engine, micro, lambda out, mb: loss_fn(out, mb[1]), default_inputs
-                )
-        finally:
-            self.engine.train(training)
+        with torch.no_grad():
+            losses = self.engine.schedule.evaluate(
+                self.engine, micro, lambda out, mb: loss_fn(out, mb[1]), default_inputs
+            )
         mean = sum(losses) / len(losses)
         total = self.engine.reduce_metrics({"loss": mean})["loss"]
         return torch.tensor(total / self.engine.topology.mesh.dp)

@@ -7,24 +7,45 @@ axis when ``deepspeed.initialize`` reads the config (the config's ``pipeline.sta
 must agree), ``partition_method`` is longboat's ``partition`` (``parameters``, ``uniform``,
 ``type:REGEX``, with DeepSpeed's meanings), ``activation_checkpoint_interval`` recomputes runs
 of that many layers ([Note: checkpoint interval] in ``longboat/pipeline/module.py``) and
-``loss_fn`` is what ``engine.train_batch()`` computes the loss with. Unlike DeepSpeed's, the
-module builds its layers in ``initialize``, not in its constructor, so it may be made before
-the process group exists and ``model.parameters()`` is empty until then (the optimizer the
-config describes is built after). Arguments whose DeepSpeed meaning longboat cannot give
-(``topology``, ``seed_layers``, ``partition_method='profile'``) are refused by name.
+``loss_fn`` is what ``engine.train_batch()`` computes the loss with. As DeepSpeed's, it builds
+this rank's stage's layers in its constructor ([Note: DeepSpeed layer initialisation]), but it
+may be made before the process group exists: the rank and world are then the launcher's
+environment's, and where that world is not a multiple of ``num_stages`` (a script started
+without a launcher) the layers are built in ``initialize`` instead, ``model.parameters()`` being
+empty until then (the optimizer the config describes is built after). Arguments whose DeepSpeed
+meaning longboat cannot give (``topology``, ``seed_layers``, ``partition_method='profile'``) are
+refused by name.
+
+[Note: DeepSpeed layer initialisation] DeepSpeed's ``PipelineModule`` builds its stage's
+``LayerSpec`` layers in its constructor, from the random state the script left, so a layer's
+starting weights depend on which other layers that rank built before it. With
+``partition_method='parameters'`` it first builds every spec once to count its parameters
+(dropped after), which draws from the random state too; ``uniform`` and ``type:`` build nothing
+to partition. This module does the same, on the stage this rank holds (its rank over the
+world's ranks per stage, the pipeline being the outermost axis in both), and keeps what it built
+for ``bind`` (:meth:`PipelineModule.build_layer`): the same script starts from DeepSpeed's
+weights, layer for layer, and draws from the same random state afterwards. Where the rank's
+stage cannot be known yet (a world that ``num_stages`` does not divide, which DeepSpeed refuses)
+or ``bind`` is given another layout, the layers are built in ``bind`` instead.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from longboat.config.errors import ConfigError
+from longboat.deepspeed.partition import deepspeed_balanced
 from longboat.pipeline import module as _module
+from longboat.pipeline.measure import LayerCosts
 from longboat.pipeline.module import LayerSpec
+from longboat.pipeline.partition import StageInfo, describe_stages
+from longboat.world import World
 
 
 class TiedLayerSpec(_module.TiedLayerSpec):
@@ -115,6 +136,80 @@ class PipelineModule(_module.PipelineModule):
         # child named "loss_fn", beside the layers named by index, and its buffers (a class
         # weight) would join the checkpoint of every stage.
         self.__dict__["loss_fn"] = loss_fn
+        self._built: dict[int, nn.Module] = {}  # layer index -> built as DeepSpeed builds it
+        self._built_for: tuple[list[int], list[int]] | None = None  # (bounds, held)
+        self._build_as_deepspeed(method)
+
+    def _build_as_deepspeed(self, method: str) -> None:
+        """Draw from the random state as DeepSpeed's constructor does, building this rank's
+        stage's specs now (see [Note: DeepSpeed layer initialisation])."""
+        if dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            found = World.from_env()
+            rank, world = found.rank, found.world_size
+        if world % self.num_stages:
+            return
+        if method == "parameters":  # DeepSpeed builds each spec once to count its parameters
+            for spec in self._specs:
+                if isinstance(spec, LayerSpec):
+                    spec.build()
+        stage = rank // (world // self.num_stages)
+        bounds = self.boundaries(self.num_stages)
+        for i in range(bounds[stage], bounds[stage + 1]):
+            spec = self._specs[i]
+            if isinstance(spec, _module.TiedLayerSpec):
+                if spec.key not in self.tied:  # a tied key's module at its first use, once
+                    self.tied[spec.key] = spec.build()
+            elif isinstance(spec, LayerSpec):
+                # a child now, as in DeepSpeed: model.parameters() holds this stage's
+                self._built[i] = spec.build()
+                self.add_module(str(i), self._built[i])
+        self._built_for = (bounds, [stage])
+
+    def _unbuild(self) -> None:
+        """Drop what the constructor built (``bind`` was given another layout)."""
+        for i in self._built:
+            del self._modules[str(i)]
+        self._built.clear()
+        if self._tied_keys:
+            self.tied = nn.ModuleDict()
+
+    def build_layer(self, index: int, spec: LayerSpec) -> nn.Module:
+        """The module built in the constructor for this layer, where it was (see [Note:
+        DeepSpeed layer initialisation]; a tied key's is found in ``tied`` by ``bind``); else
+        built now."""
+        built = self._built.pop(index, None)
+        return spec.build() if built is None else built
+
+    def plan(
+        self,
+        stages: int,
+        method: str | Sequence[int] | None = None,
+        costs: LayerCosts | None = None,
+    ) -> tuple[list[int], list[StageInfo]]:
+        """As longboat's, except that ``parameters`` and ``type:REGEX`` split as DeepSpeed's
+        ``partition_balanced`` does ([Note: DeepSpeed's balanced partition] in
+        ``deepspeed/partition.py``)."""
+        chosen = self.partition if method is None else method
+        if not isinstance(chosen, str):
+            return super().plan(stages, method, costs)
+        params, classes = self.layer_parameters(), self.layer_classes()
+        name = chosen.strip().lower()
+        if name == "parameters":
+            weights = params
+        elif name.startswith("type:"):
+            try:
+                found = re.compile(chosen.strip()[len("type:") :], re.IGNORECASE)
+            except re.error:  # longboat's error, naming the pattern
+                return super().plan(stages, method, costs)
+            weights = [1 if found.search(c) else 0 for c in classes]
+            if not any(weights):  # longboat's error, naming the classes there are
+                return super().plan(stages, method, costs)
+        else:
+            return super().plan(stages, method, costs)
+        bounds = deepspeed_balanced(weights, stages)
+        return bounds, describe_stages(params, classes, bounds)
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages
@@ -130,7 +225,12 @@ class PipelineModule(_module.PipelineModule):
                 f"{len(bounds) - 1} stage(s) here (mesh.pp x pipeline.virtual_stages): build "
                 f"the engine with deepspeed.initialize, or set mesh.pp = {self.num_stages}"
             )
-        return super().bind(bounds, held)
+        if self._built_for is not None and self._built_for != (list(bounds), sorted(held)):
+            self._unbuild()  # another layout than DeepSpeed's: built in bind instead
+        try:
+            return super().bind(bounds, held)
+        finally:
+            self._built.clear()
 
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]

@@ -254,15 +254,21 @@ class PipelineModule(nn.Module):
                 continue
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self.tied:
-                    self.tied[layer.key] = layer.build()
+                    self.tied[layer.key] = self.build_layer(i, layer)
                 module = self.tied[layer.key]
                 fn = layer.forward_fn
                 self._layers[i] = module if fn is None else functools.partial(fn, module)
             elif isinstance(layer, LayerSpec):
-                built = layer.build()
+                built = self.build_layer(i, layer)
                 self._layers[i] = built
                 self.add_module(str(i), built)
         return self._spec_ties(stage_of) + place_ties(self, tied, params, list(names), self.held)
+
+    def build_layer(self, index: int, spec: LayerSpec) -> nn.Module:
+        """The module for layer ``index`` (a tied key's at its first use on this rank), made by
+        :meth:`bind`: ``spec.build()``. A subclass may hand back one it made earlier."""
+        del index  # which layer, for subclasses
+        return spec.build()
 
     def build_all(self) -> None:
         """Build every spec: the whole model as one stage (without pipeline stages)."""
