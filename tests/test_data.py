@@ -216,3 +216,37 @@ def test_a_regrouped_loader_deals_the_rest_of_the_epoch_over_the_new_ranks(remai
         for r in range(2)
     ]
     assert len(dealt) == 4 * steps
+
+
+def test_a_replacements_loader_starts_where_the_others_stand_and_the_next_epoch_grows():
+    """[Note: regrouped loader]: a loader placed before its first iteration (a replacement's)
+    deals from the others' position at the new size; regrouped at an epoch's very end, a live
+    loader finishes that epoch and deals the next over the new ranks."""
+    n, micro = 24, 2
+    ds = TensorDataset(torch.arange(n))
+
+    def loader(r, world):
+        return make_loader(
+            ds,
+            rank=r,
+            world_size=world,
+            micro_batch_size=micro,
+            train_batch_size=micro * world,
+            shuffle=False,
+            seed=5,
+            remainder="drop",
+            announce=False,
+        )
+
+    joiner = loader(2, 3)
+    joiner.place(0, 8)  # two steps of 2 ranks were taken
+    assert joiner.where() == (0, 8)
+    # positions 8 + 2 + 3i, then the next step's from 14: whole steps of 6 from sample 8
+    assert [b[0].tolist() for b in joiner] == [[10, 13], [16, 19]]
+    live = loader(1, 2)
+    it = iter(live)
+    assert [next(it)[0].tolist() for _ in range(6)][-1] == [21, 23]  # the epoch's last step
+    assert live.where() == (1, 0)
+    live.regroup(1, 3, *live.where())
+    assert next(it, None) is None and live.epoch == 1  # the old epoch ends as it was
+    assert next(iter(live))[0].tolist() == [1, 4]  # the next one over 3 ranks

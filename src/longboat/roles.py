@@ -7,7 +7,8 @@ launcher's reports ("parameter server 0") and whether the job goes on without it
 replica under in-job recovery, which the survivors regroup without), with ``after`` saying what
 happens then. Outside ``longboat run`` nothing is written. A rank that dies before it wrote its
 file is an ordinary rank: its death stops the job. When the launcher drops a rank it writes
-``dead<global rank>.json`` beside the roles, so the ranks on its node need not wait to learn
+``dead<id>.json`` beside the roles (``id``: the global rank, or a replacement's id,
+``REPLACEMENT_ENV``), so the ranks on its node need not wait to learn
 of the death ([Note: membership] in ``longboat/recovery/membership.py``).
 """
 
@@ -19,6 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ENV = "LONGBOAT_ROLES_DIR"
+# Set by ``longboat run`` in a process it started in place of a dead replica: the new process's
+# id ([Note: joining a replacement] in ``longboat/recovery/joining.py``).
+REPLACEMENT_ENV = "LONGBOAT_REPLACEMENT_ID"
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class Role:
     what: str
     droppable: bool = False
     after: str = "the servers drop it"  # what happens when a droppable rank dies, in words
+    # The launcher may start a new process in its place (a replica under in-job recovery,
+    # which joins from a live peer), within its budget of --max-restarts.
+    replaceable: bool = False
 
 
 def announce(rank: int, role: Role) -> None:
@@ -53,7 +60,7 @@ def read(directory: Path) -> dict[int, Role]:
 
 
 def mark_dead(directory: Path, rank: int, how: str) -> None:
-    """The launcher's record that global rank ``rank`` died (``how``, in words)."""
+    """The launcher's record that the process of id ``rank`` died (``how``, in words)."""
     path = Path(directory, f"dead{rank}.json")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"rank": rank, "how": how}))
@@ -75,4 +82,4 @@ def dead() -> set[int]:
     return out
 
 
-__all__ = ["ENV", "Role", "announce", "dead", "mark_dead", "read"]
+__all__ = ["ENV", "REPLACEMENT_ENV", "Role", "announce", "dead", "mark_dead", "read"]

@@ -1,14 +1,18 @@
 """Replicated training with in-job recovery: ``train_in_job.py OUT STEPS --kill-rank R
---kill-after K [--model tiny|resnet]``.
+--kill-after K [--kill R:K ...] [--model tiny|resnet] [--wait-joiner]``.
 
 A model of tests/reference.py's recipes (TinyNet; or the ResNet, whose BatchNorm buffers are
 broadcast after each backward, so that the survivors notice the loss in a backward rather than
 in the optimizer step) under strategy 'replicate' with ``recovery.in_job``, one
 micro-batch of 2 samples per rank and step, samples in their stored order. Rank R (numbered at
-launch) SIGKILLs itself right after step K. Each rank that finishes STEPS writes
-``OUT/rank<launch rank>.json`` (per completed step: its rank then, its sample ids and its loss)
-and ``OUT/rank<launch rank>.safetensors`` (the model's state and the optimizer's, by parameter
-name). No checkpoint is written or read.
+launch) SIGKILLs itself right after step K (each ``--kill R:K`` adds one; a replacement that
+``longboat run --max-restarts`` started in a killed rank's place does not kill itself). With
+``--wait-joiner``, while the world is smaller than at launch, each rank waits after every step
+until the replacements have started (each writes ``OUT/started.<id>`` before it builds its
+engine), then 1 s more, so that a replacement has steps to join at. Each rank that finishes
+STEPS writes ``OUT/rank<launch rank>.json`` (per completed step: the rank and world size that
+trained it, its sample ids and its loss) and ``OUT/rank<launch rank>.safetensors`` (the model's
+state and the optimizer's, by parameter name). No checkpoint is written or read.
 """
 
 import argparse
@@ -16,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reference
@@ -29,15 +34,34 @@ import longboat
 SAMPLES = 60
 
 
+def _wait_for_replacements(out: Path, missing: int) -> None:
+    """Hold this step boundary until as many replacements as ranks are missing have started
+    (at most 180 s: a busy machine starts a process slowly), then give them 1 s per step to
+    build their engines and ask to be taken in."""
+    deadline = time.monotonic() + 180
+    while len(list(out.glob("started.*"))) < missing and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("steps", type=int)
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--kill-after", type=int, default=2)
+    ap.add_argument("--kill", action="append", default=[])
     ap.add_argument("--model", choices=("tiny", "resnet"), default="tiny")
+    ap.add_argument("--wait-joiner", action="store_true")
+    ap.add_argument("--samples", type=int, default=SAMPLES)
     args = ap.parse_args()
+    kills = {(args.kill_rank, args.kill_after)}
+    kills |= {(int(r), int(k)) for r, k in (x.split(":") for x in args.kill)}
+    replacement = "LONGBOAT_REPLACEMENT_ID" in os.environ
     torch.set_num_threads(1)  # several ranks share the machine
+    if replacement:  # the others wait for this file before they go on at the smaller size
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"started.{os.environ['LONGBOAT_REPLACEMENT_ID']}").touch()
     model, optimizer, _ = reference.Recipe(args.model, "adamw").build()
     config = {
         "strategy": "replicate",
@@ -48,28 +72,34 @@ def main() -> None:
         "recovery": {"in_job": True, "wait_s": 10},
     }
     engine = longboat.initialize(model, optimizer, config)
-    me = engine.world.rank  # the launch's numbering; engine.world.rank may change
+    me = int(os.environ["RANK"])  # the launch's numbering; engine.world.rank may change
+    launched = int(os.environ["WORLD_SIZE"])
     data = reference.dataset if args.model == "tiny" else reference.image_dataset
-    loader = engine.loader(reference.indexed(data(SAMPLES)))
+    loader = engine.loader(reference.indexed(data(args.samples)))
     records = []
     while engine.global_step < args.steps:
         for ids, x, y in loader:
             loss = reference.forward_loss(engine, (x, y))
             engine.backward(loss)
+            # The group that trained this step: a replacement taken in at its end (inside
+            # step()) counts from the next one.
+            rank, world = engine.world.rank, engine.world.world_size
             if not engine.step():
                 continue  # a step redone after a regroup (or mid-accumulation)
             step = engine.global_step
             records.append(
                 {
                     "step": step,
-                    "rank": engine.world.rank,
-                    "world": engine.world.world_size,
+                    "rank": rank,
+                    "world": world,
                     "ids": ids.tolist(),
                     "loss": float(loss.detach()),
                 }
             )
-            if me == args.kill_rank and step == args.kill_after:
+            if not replacement and (me, step) in kills:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.wait_joiner and engine.world.world_size < launched:
+                _wait_for_replacements(args.out, launched - engine.world.world_size)
             if step == args.steps:
                 break
     names = {id(p): n for n, p in model.named_parameters()}

@@ -122,7 +122,9 @@ class RecoveryConfig(_Section):
         False,
         description="under strategy 'replicate', the surviving ranks agree on a new membership "
         "through the launcher's store, rebuild their process groups and redo the failed step "
-        "without the lost rank, from their in-memory state (no restart, no checkpoint read)",
+        "without the lost rank, from their in-memory state (no restart, no checkpoint read); "
+        "under `longboat run --max-restarts K`, up to K replacements are started and taken in "
+        "at a step boundary with a live replica's state (docs/recovery.md)",
     )
     wait_s: float = Field(
         30.0,

@@ -118,6 +118,11 @@ class Loader:
         ``world_size`` data-parallel ranks ([Note: regrouped loader])."""
         self.where()  # says which loaders cannot
 
+    def place(self, epoch: int, samples: int) -> None:
+        """Before its first iteration: begin at ``samples`` into ``epoch`` (a replacement's
+        loader, where the others' stand, [Note: regrouped loader])."""
+        self.where()  # says which loaders cannot
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (see :meth:`state_dict`) at the next iteration."""
         per_batch = self.batch_size * self.world_size

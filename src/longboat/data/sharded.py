@@ -15,13 +15,15 @@ position in the epoch's permutation: the same draws whatever the number of worke
 resume. (Without workers, samples draw from the training process's generators, which checkpoints
 restore.)
 
-[Note: regrouped loader] When in-job recovery (``longboat/recovery/``) continues an epoch on
-fewer ranks, the samples the epoch consumed so far (``offset``, the same on every survivor)
-stay consumed and the rest of the permutation is dealt over the new ranks as at the start of an
-epoch: rank ``r`` of ``n`` takes positions ``offset + r, offset + r + n, ...``. So the step the
-failure interrupted is redone on the survivors' ranks from its first sample, and no sample is
-lost or seen twice. The epoch's end is recounted in whole steps of the new size from
-``offset``. The live iteration of the training loop picks the change up at its next batch.
+[Note: regrouped loader] When in-job recovery (``longboat/recovery/``) continues an epoch on fewer
+ranks (or more, when a replacement joins at a step boundary), the samples the epoch consumed so far
+(``offset``, the same on every survivor) stay consumed and the rest of the permutation is dealt over
+the new ranks as at the start of an epoch: rank ``r`` of ``n`` takes positions ``offset + r, offset
++ r + n, ...``. So the step the failure interrupted is redone on the survivors' ranks from its first
+sample, and no sample is lost or seen twice. The epoch's end is recounted in whole steps of the new
+size from ``offset``. The live iteration of the training loop picks the change up at its next batch;
+at an epoch's very end nothing is re-dealt: the next epoch begins over the new ranks. A
+replacement's new loader is placed at the others' position before its first iteration.
 """
 
 from __future__ import annotations
@@ -202,7 +204,12 @@ class ShardedLoader(Loader):
     def regroup(self, rank: int, world_size: int, epoch: int, samples: int) -> None:
         self.world_size = world_size
         self.sampler.regroup(rank, world_size)
+        if (epoch, samples) == (self.epoch + 1, 0):
+            return  # the epoch ran out at a step boundary: the next one deals over the new ranks
         self._restart = (epoch, samples)
+
+    def place(self, epoch: int, samples: int) -> None:
+        self.epoch, self._offset, self.position, self._skip = epoch, samples, 0, 0
 
     def __len__(self) -> int:
         return len(self.loader)

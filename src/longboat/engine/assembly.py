@@ -3,6 +3,7 @@ tensor-parallel layers, the optimizer and the strategy, in that order."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from longboat.observe.log import setup_logging
 from longboat.optim import build_optimizer, build_scheduler
 from longboat.pipeline import build_schedule
 from longboat.recompute import apply_activation_checkpointing
+from longboat.recovery.injob import replacing
 from longboat.strategies.registry import build_service
 from longboat.tensor import TensorParallel
 from longboat.topology import DoorwayOptions, Topology
@@ -79,7 +81,7 @@ def initialize(
         if service.serves(world.rank):  # serves, then ends the process (ServerExit)
             service.serve(_optimizer_of(model, optimizer, cfg), mesh, options)
         topology = service.topology(mesh, options, device_for(world))
-    return assemble(
+    engine = assemble(
         model,
         optimizer,
         cfg,
@@ -91,6 +93,9 @@ def initialize(
         param_init_fn=param_init_fn,
         example_input=example_input,
     )
+    if replacing(cfg):  # built alone: now taken into the job ([Note: joining a replacement])
+        engine._take_place(options)
+    return engine
 
 
 def _join(
@@ -101,6 +106,11 @@ def _join(
     cfg = overridden(load_config(config))  # [Note: config override]
     world = world or World.from_env()
     setup_logging(world, cfg.log.level)
+    if replacing(cfg):
+        # A replacement of a dead replica builds its engine alone (its rank at launch kept, so
+        # that logs and monitors say who it is) and joins the members' group afterwards: they
+        # are mid-run and take no part in what building an engine communicates.
+        world = dataclasses.replace(world, world_size=1, local_world_size=1)
     owns = init_process_group(world, backend=cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
     # Ranks that serve the strategy instead of training ([Note: parameter server roles] in
     # ps/service.py): the mesh covers the others.

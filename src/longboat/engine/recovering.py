@@ -4,9 +4,12 @@ The engine inherits this (``longboat.engine.core.Engine``)."""
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+import logging
+import time
+from typing import Any, Protocol, cast
 
 import torch
+from torch import nn
 
 from longboat.comm.hang import CollectiveTimeout, PeerLost
 from longboat.comm.protocol import Comm
@@ -14,10 +17,14 @@ from longboat.config.batch import ResolvedBatch, resolve_batch
 from longboat.config.sections import BatchConfig
 from longboat.join import UNEVEN_HINT, JoinVote
 from longboat.observe.monitor import Monitor
-from longboat.recovery.injob import InJob, Regroupable
+from longboat.precision import Precision
+from longboat.recovery import transfer
+from longboat.recovery.injob import InJob, Regroupable, join_job
 from longboat.strategies.base import Strategy
-from longboat.topology import Topology
+from longboat.topology import DoorwayOptions, Topology
 from longboat.world import World
+
+log = logging.getLogger("longboat")
 
 
 class _Engine(Protocol):
@@ -31,6 +38,12 @@ class _Engine(Protocol):
     strategy: Strategy
     monitor: Monitor
     optimizer: torch.optim.Optimizer
+    model: nn.Module
+    scheduler: Any
+    precision: Precision
+    schedule: Any
+    skipped_steps: int
+    _backwards: int
     global_step: int
     micro_step: int
     _begun: int
@@ -40,6 +53,10 @@ class _Engine(Protocol):
     _redo: bool
     _join: JoinVote | None
     _recovery: InJob | None
+    config: Any
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 class Recovering:
@@ -50,9 +67,83 @@ class Recovering:
     _redo = False
 
     def _stepped(self: _Engine) -> None:
-        """An optimizer step completed (taken or skipped) on every rank."""
-        if self._recovery is not None:
-            self._recovery.stepped()
+        """An optimizer step completed (taken or skipped) on every rank; a replacement waiting
+        is taken in now ([Note: joining a replacement] in ``longboat/recovery/joining.py``)."""
+        r = self._recovery
+        if r is None or not r.stepped(self.global_step):
+            return
+        world, topology, loaders = r.admit(self.global_step, self.topology)
+        b = self.batch
+        Recovering._adopt(self, world, topology, b.micro_batch_size, b.gradient_accumulation_steps)
+        header = {
+            "counters": [self.global_step, self.micro_step, self._begun, self.skipped_steps],
+            "batch": [b.micro_batch_size, b.gradient_accumulation_steps],
+            "loaders": loaders,
+            "precision": self.precision.state_dict(),
+        }
+        # [Note: what a joiner receives]: every member takes part; rank 0 sends.
+        t0 = time.monotonic()
+        transfer.share(
+            self.comm,
+            self.control,
+            header,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.device,
+        )
+        if world.rank == 0:
+            log.info(
+                "in-job recovery: state sent to the replacement (%.3f s)", time.monotonic() - t0
+            )
+
+    def _take_place(self: _Engine, options: DoorwayOptions) -> None:
+        """In a replacement whose engine was built alone: join the job at its members' next
+        boundary and take the state a live member sends ([Note: joining a replacement])."""
+        r, world, topology = join_job(
+            self.config, World.from_env(), self.strategy, self.model, self.topology, options
+        )
+        self._recovery = cast("InJob | None", r)
+        b = self.batch
+        Recovering._adopt(self, world, topology, b.micro_batch_size, b.gradient_accumulation_steps)
+        header, optim, sched, rng = transfer.share(
+            self.comm, self.control, {}, self.model, self.optimizer, self.scheduler, self.device
+        )
+        self.optimizer.load_state_dict(optim)
+        if self.scheduler is not None and sched is not None:
+            self.scheduler.load_state_dict(sched)
+        torch.set_rng_state(rng)
+        self.precision.load_state_dict(header["precision"])
+        step, micro_step, begun, skipped = (int(c) for c in header["counters"])
+        self.global_step, self.micro_step, self._begun, self.skipped_steps = (
+            step,
+            micro_step,
+            begun,
+            skipped,
+        )
+        micro, accumulation = (int(c) for c in header["batch"])
+        Recovering._adopt(self, world, topology, micro, accumulation, again=True)
+        self._backwards = int(accumulation * self.schedule.stages_per_rank)
+        r.places = [(int(e), int(s)) for e, s in header["loaders"]]
+
+    def _adopt(
+        self: _Engine,
+        world: World,
+        topology: Topology,
+        micro: int,
+        accumulation: int,
+        again: bool = False,
+    ) -> None:
+        """Go on as rank ``world.rank`` of ``topology``, ``micro`` x ``accumulation`` samples
+        per rank and step (``again``: the same topology, only the batch changed)."""
+        self.world, self.topology = world, topology
+        self.comm, self.control = topology.data("dp"), topology.control("world")
+        kept = BatchConfig(micro_batch_size=micro, gradient_accumulation_steps=accumulation)
+        self.batch = resolve_batch(kept, topology.mesh.dp)
+        if not again:
+            cast(Regroupable, self.strategy).regroup(topology, world)
+        self.monitor.regroup(self.control, topology, self.batch.train_batch_size)
+        self._owns_group = world.distributed  # the new default group is the engine's own
 
     def _carry_on(
         self: _Engine, error: CollectiveTimeout | PeerLost, *, rest_of_step: bool = False
@@ -68,17 +159,9 @@ class Recovering:
                 raise type(error)(f"{error}; {UNEVEN_HINT}") from None
             return False
         world, topology = self._recovery.recover(self.global_step, self.topology, error)
-        self.world, self.topology = world, topology
-        self.comm, self.control = topology.data("dp"), topology.control("world")
         # The micro-batch and the accumulation stay: the global batch shrinks with the world.
-        kept = BatchConfig(
-            micro_batch_size=self.batch.micro_batch_size,
-            gradient_accumulation_steps=self.batch.gradient_accumulation_steps,
-        )
-        self.batch = resolve_batch(kept, topology.mesh.dp)
-        cast(Regroupable, self.strategy).regroup(topology, world)
-        self.monitor.regroup(self.control, topology, self.batch.train_batch_size)
-        self._owns_group = world.distributed  # the new default group is the engine's own
+        b = self.batch
+        Recovering._adopt(self, world, topology, b.micro_batch_size, b.gradient_accumulation_steps)
         self.optimizer.zero_grad(set_to_none=True)
         self.micro_step = self._begun  # the failed step's backwards never happened
         self._loss_sum, self._loss_count = 0.0, 0

@@ -288,7 +288,7 @@ def launch(opts: RunOptions) -> int:
             log_dir.mkdir(parents=True, exist_ok=True)
         roles_dir = log_dir / "roles"  # [Note: rank roles] in longboat/roles.py
         roles_dir.mkdir(exist_ok=True)
-        survivors = Survivors(roles_dir, report)
+        survivors = Survivors(roles_dir, report, opts.max_restarts)
         # Entered after the log directory, so leftovers are ended before it is removed.
         stack.enter_context(_agent_environment(opts, marker, roles_dir))
         stack.enter_context(_restored_signal_handlers())

@@ -1,4 +1,5 @@
-"""Keep a job running when a rank it can lose dies (an async or ssp parameter-server worker).
+"""Keep a job running when a rank it can lose dies (an async or ssp parameter-server worker,
+a replica under in-job recovery), and start a replacement in its place when it can have one.
 
 torch elastic's agent ends every worker as soon as one fails: its process context stops the
 others at the first non-zero exit. A rank that announced itself ``droppable`` ([Note: rank
@@ -12,12 +13,23 @@ is wrapped for the time of one launch, and the process context's ``subprocess_ha
 is replaced (``longboat run`` always starts a binary, so the context is a subprocess one). The
 attributes are checked, and without them the agent's own rule (every failure stops the job)
 stays in force, with one line saying so. There is no public hook for this in torch elastic.
+
+A rank whose role is also ``replaceable`` (a replica under in-job recovery) is started again,
+while ``--max-restarts`` allows: the same command and environment as the process context
+started it with (its ``entrypoint``, ``args`` and ``envs``), its output appended to the same
+log files (so the tee'd console shows it), plus ``LONGBOAT_REPLACEMENT_ID``, and the new
+process takes the handler's ``proc``. It joins from a live peer ([Note: joining a replacement]
+in ``longboat/recovery/joining.py``). --max-restarts is the budget because it already means
+"how many failures the job survives by starting processes again" to torchrun users; under
+in-job recovery nothing else is restarted, so the same number counts replacements.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,13 +69,38 @@ def _how(code: int) -> str:
     return f"failed with exit code {code}"
 
 
+def _start_again(pcontext: Any, local_rank: int, handler: Any, new_id: int) -> Any:
+    """The process context's worker ``local_rank`` started again with ``new_id`` (its output
+    appended to the same files), or None when this torch's context lacks what it takes."""
+    try:
+        entrypoint = pcontext.entrypoint
+        args = pcontext.args[local_rank]
+        env = {**os.environ, **pcontext.envs[local_rank]}
+        out, err = handler._stdout, handler._stderr
+    except (AttributeError, KeyError, TypeError):
+        return None
+    env[roles.REPLACEMENT_ENV] = str(new_id)
+    return subprocess.Popen(
+        (entrypoint, *map(str, args)),
+        env=env,
+        stdout=out,
+        stderr=err,
+        start_new_session=True,  # as torch's handler: the context ends it by its group
+    )
+
+
 class Survivors:
     """The droppable ranks that died during one launch, and the agent hook that drops them."""
 
-    def __init__(self, roles_dir: Path, report: Callable[[str], None]) -> None:
+    def __init__(
+        self, roles_dir: Path, report: Callable[[str], None], replacements: int = 0
+    ) -> None:
         self.roles_dir = roles_dir
         self.report = report
         self.dropped: dict[int, str] = {}  # global rank -> how it ended
+        self.replacements = replacements  # left to start (--max-restarts)
+        self.replaced: list[tuple[int, int]] = []  # (global rank, id of its replacement)
+        self._ids: dict[int, int] = {}  # global rank -> id of its current process
 
     def check(self, agent: Any, worker_group: Any) -> None:
         """Drop each droppable rank that has ended badly since the last tick."""
@@ -85,9 +122,27 @@ class Survivors:
             if role is None or not role.droppable:
                 continue  # the agent's rule: the job stops
             how = _how(code)
+            roles.mark_dead(self.roles_dir, self._ids.get(rank, rank), how)
+            world_size = worker_group.workers[local_rank].world_size
+            new_id = rank + world_size * (1 + sum(r == rank for r, _ in self.replaced))
+            new = None
+            if role.replaceable and self.replacements > 0:
+                new = _start_again(agent._pcontext, local_rank, handler, new_id)
+            if new is not None:
+                handler.proc = new
+                # The agent checks its workers' ids against the context's pids at each tick.
+                worker_group.workers[local_rank].id = new.pid
+                self.replacements -= 1
+                self.replaced.append((rank, new_id))
+                self._ids[rank] = new_id
+                self.report(
+                    f"longboat: rank {rank} ({role.what}) {how}; a replacement (pid {new.pid}, "
+                    f"id {new_id}) joins from a live peer's state, no checkpoint read "
+                    f"({self.replacements} replacement(s) left of --max-restarts)"
+                )
+                continue
             handler.proc = _Dropped(proc.pid)
             self.dropped[rank] = how
-            roles.mark_dead(self.roles_dir, rank, how)
             self.report(
                 f"longboat: rank {rank} ({role.what}) {how}; the job goes on without it "
                 f"({role.after})"

@@ -28,8 +28,10 @@ optimizer only once every bucket's reduction arrived (``keep_steps_whole``: no [
 overlap] in ``strategies/replicate.py``).
 
 The state every survivor carries on from is its own, in memory: replicas hold the same
-parameters, buffers and optimizer state after every step, and no checkpoint is read. See
-``docs/recovery.md`` for what it does not do yet.
+parameters, buffers and optimizer state after every step, and no checkpoint is read. A process
+the launcher starts in a dead rank's place is taken in at a step boundary and sent a live
+replica's state ([Note: joining a replacement] in ``joining.py``, [Note: what a joiner
+receives] in ``transfer.py``). See ``docs/recovery.md`` for what it does not do yet.
 """
 
 from longboat.recovery.membership import Arrival, Membership, RecoveryError, agree

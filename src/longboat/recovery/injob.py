@@ -3,14 +3,17 @@ what it records while training goes well, and the regroup when a collective fail
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import datetime
+import json
 import logging
 import os
 import time
 import weakref
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from longboat import roles
@@ -18,8 +21,9 @@ from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.data import Loader
 from longboat.mesh import Mesh
-from longboat.recovery.membership import ROOT, Arrival, agree
-from longboat.topology import Topology
+from longboat.recovery import joining
+from longboat.recovery.membership import ROOT, Arrival, Membership, agree
+from longboat.topology import DoorwayOptions, Topology
 from longboat.world import World, destroy_process_group, device_for, init_process_group
 
 log = logging.getLogger("longboat")
@@ -56,31 +60,96 @@ def in_job(config: Config, world: World, strategy: object, model: nn.Module) -> 
             "serves the store and the job cannot survive losing it"
         )
     strategy.keep_steps_whole()
-    return InJob(config, world, model)
+    return InJob(config, world, model, launcher_store(config, world))
+
+
+def launcher_store(config: Config, world: World) -> Any:
+    """A client of the store ``longboat run``'s agent serves, without the namespaces the
+    process groups add (a replacement, which joins no group at first, opens the same)."""
+    from torch.distributed import rendezvous  # type: ignore[attr-defined]
+
+    url = f"env://?rank={world.rank}&world_size={world.world_size}"
+    store, _, _ = next(rendezvous(url, timeout=_timeout(config)))
+    return store
+
+
+def replacing(config: Config) -> bool:
+    """True in a process ``longboat run`` started in place of a dead rank under in-job
+    recovery: it joins from a live peer ([Note: joining a replacement])."""
+    return config.recovery.in_job and roles.REPLACEMENT_ENV in os.environ
+
+
+def join_job(
+    config: Config,
+    launch: World,
+    strategy: object,
+    model: nn.Module,
+    old: Topology,
+    options: DoorwayOptions,
+) -> tuple[InJob, World, Topology]:
+    """In a replacement whose engine was built alone on ``old``: take a ticket, wait to be
+    taken in at the members' next boundary, and join their group ([Note: joining a
+    replacement]). Returns the recovery, this rank's world and topology in the job."""
+    if not isinstance(strategy, Regroupable):
+        raise ConfigError(f"a replacement under strategy {getattr(strategy, 'name', strategy)!r}")
+    strategy.keep_steps_whole()
+    store = launcher_store(config, launch)
+    recovery = InJob(config, launch, model, store)
+    t0 = time.monotonic()
+    k = joining.register(store, recovery.id)
+    gen = joining.wait_admitted(store, k, dead=roles.dead)
+    members = tuple(int(i) for i in json.loads(store.get(f"{ROOT}/{gen}/members")))
+    m = Membership(gen, members, (), -1, ())
+    world, topology = recovery._regroup(m, old, options)
+    recovery.joined = k
+    log.warning(
+        "in-job recovery: replacement (id %d) taken in as rank %d of %d in generation %d "
+        "after %.2f s; receiving the state from rank 0, no checkpoint read",
+        recovery.id,
+        world.rank,
+        world.world_size,
+        gen,
+        time.monotonic() - t0,
+    )
+    return recovery, world, topology
+
+
+def _timeout(config: Config) -> datetime.timedelta:
+    return datetime.timedelta(seconds=config.comm.timeout_s)
 
 
 class InJob:
     """The generation this rank is in, its members, and where the loaders and the model's
     buffers stood at the start of the current step."""
 
-    def __init__(self, config: Config, world: World, model: nn.Module) -> None:
+    def __init__(self, config: Config, world: World, model: nn.Module, store: Any) -> None:
         self.config = config
         self.world = world
-        self.id = world.rank  # the rank at launch, the id in every generation
+        # The id in every generation: the rank at launch, or the one a replacement was given
+        # ([Note: joining a replacement] in joining.py).
+        self.id = int(os.environ.get(roles.REPLACEMENT_ENV, world.rank))
         self.generation = 0
         self.members: tuple[int, ...] = tuple(range(world.world_size))
-        # Generation 0's store (the launcher's, through its group's namespace): kept, so the
-        # agreement outlives the group it was opened with.
-        self._store = dist.distributed_c10d._get_default_store()
+        # The launcher's store, outside any group's namespace: the agreement outlives the
+        # groups, and a replacement reaches the same keys.
+        self._store = store
         self._loaders: list[tuple[weakref.ref[Loader], tuple[int, int]]] = []
+        self.joined = 0  # replacements taken in so far: the next ticket is joined + 1
+        self._join_at: int | None = None  # the step after which ticket joined + 1 comes in
+        # A replacement: where the members' loaders stood, for its loaders as it creates them.
+        self.places: list[tuple[int, int]] = []
         # The failed step's forwards moved the buffers (BatchNorm's statistics and count):
         # the redone step starts from these, the same on every replica after a step.
         self._model = model
         self._buffers = [b.detach().clone() for b in model.buffers()]
+        atexit.register(self._leave)
         roles.announce(
             world.rank,
             roles.Role(
-                f"replica {world.rank}", droppable=True, after="the others regroup without it"
+                f"replica {world.rank}",
+                droppable=True,
+                after="the others regroup without it",
+                replaceable=True,
             ),
         )
 
@@ -88,18 +157,77 @@ class InJob:
         """Re-deal ``loader`` at each regroup; refused (ConfigError) for a loader that cannot
         be ([Note: regrouped loader])."""
         try:
+            if self.places:  # a replacement's loader starts where the members' stand
+                loader.place(*self.places.pop(0))
             where = loader.where()
         except NotImplementedError as e:
             raise ConfigError(f"recovery.in_job = true: {e}") from None
         self._loaders = [(r, w) for r, w in self._loaders if r() is not None]
         self._loaders.append((weakref.ref(loader), where))
 
-    def stepped(self) -> None:
-        """A step completed on every rank: the next one starts where the loaders stand."""
+    def stepped(self, step: int) -> bool:
+        """Step ``step`` completed on every rank: the next one starts where the loaders stand.
+        True when a replacement is to be taken in now ([Note: joining a replacement]); costs
+        one store round trip while none is announced, nothing while one is."""
         self._loaders = [(r, lo.where()) for r, _ in self._loaders if (lo := r()) is not None]
         with torch.no_grad():
             for kept, b in zip(self._buffers, self._model.buffers(), strict=True):
                 kept.copy_(b)
+        if self._join_at is None:
+            self._join_at = joining.at_boundary(self._store, self.joined + 1, step)
+        if self._join_at is None or step < self._join_at:
+            return False
+        assert step == self._join_at, (step, self._join_at)  # members are a step apart at most
+        return True
+
+    def admit(self, step: int, old: Topology) -> tuple[World, Topology, list[tuple[int, int]]]:
+        """Take the waiting replacement in after step ``step``: the members agree on the next
+        generation with it last, and join its group. Returns this rank's world and topology,
+        and where the loaders stand (the replacement's start there); the caller then sends
+        the state ([Note: what a joiner receives])."""
+        t0 = time.monotonic()
+        k = self.joined + 1
+        newcomer = joining.joiner_of(self._store, k)
+        gen = self.generation + 1
+        live = [(lo, lo.where()) for r, _ in self._loaders if (lo := r()) is not None]
+        mine = Arrival(self.id, step, tuple(w for _, w in live))
+        wait_s = self.config.recovery.wait_s
+        m = agree(
+            self._store,
+            gen,
+            self.members,
+            mine,
+            wait_s=wait_s,
+            dead=roles.dead,
+            joining=(newcomer,),
+        )
+        joining.admitted(self._store, k, gen, m.members)
+        t1 = time.monotonic()
+        world, topology = self._regroup(m, old)
+        self.joined, self._join_at = k, None
+        for loader, (epoch, samples) in live:
+            loader.regroup(world.rank, world.world_size, epoch, samples)
+        log.warning(
+            "in-job recovery: replacement (id %d) taken in after step %d; generation %d: ids "
+            "%s as ranks 0..%d, this one as rank %d; lost meanwhile: %s (agree %.3f s, "
+            "regroup %.3f s)",
+            newcomer,
+            step,
+            gen,
+            ", ".join(map(str, m.members)),
+            world.world_size - 1,
+            world.rank,
+            ", ".join(map(str, m.lost)) or "none",
+            t1 - t0,
+            time.monotonic() - t1,
+        )
+        return world, topology, [w for _, w in live]
+
+    def _leave(self) -> None:
+        """At exit: no more boundaries from this member (a replacement waiting for one stops
+        once every member left or died)."""
+        with contextlib.suppress(Exception):  # the launcher's store may be gone already
+            joining.close(self._store, self.id)
 
     def recover(self, step: int, old: Topology, error: BaseException) -> tuple[World, Topology]:
         """Agree on the next generation, leave ``old``'s groups and the default group, join the
@@ -114,7 +242,36 @@ class InJob:
         mine = Arrival(self.id, step, tuple(w for _, w in live))
         wait_s = self.config.recovery.wait_s
         m = agree(self._store, gen, self.members, mine, wait_s=wait_s, dead=roles.dead)
-        options = old.options
+        t1 = time.monotonic()
+        world, topology = self._regroup(m, old)
+        for loader, (epoch, samples) in live:
+            loader.regroup(world.rank, world.world_size, epoch, samples)
+        log.warning(
+            "in-job recovery: lost rank(s) %s (ids: the launch rank, or a replacement's) at "
+            "step %d (%s); generation %d: ranks %s go on as ranks 0..%d, this one as rank %d; "
+            "redoing step %d from sample %s, no restart, no checkpoint read (agree %.3f s, "
+            "regroup %.3f s)",
+            ", ".join(map(str, m.lost)) or "none",
+            step + 1,
+            type(error).__name__,
+            gen,
+            ", ".join(map(str, m.members)),
+            world.world_size - 1,
+            world.rank,
+            step + 1,
+            ", ".join(f"{s} of epoch {e}" for e, s in m.loaders) or "(no loader)",
+            t1 - t0,
+            time.monotonic() - t1,
+        )
+        return world, topology
+
+    def _regroup(
+        self, m: Membership, old: Topology, options: DoorwayOptions | None = None
+    ) -> tuple[World, Topology]:
+        """Leave ``old``'s groups and the default group, join generation ``m``'s under its
+        own namespace of the store, and build its topology (with ``options``, by default
+        ``old``'s)."""
+        options = options or old.options
         assert options is not None, "a distributed engine's topology has its options"
         old.close()
         destroy_process_group()
@@ -127,30 +284,16 @@ class InJob:
             node_rank=w.node_rank,
             master_addr=w.master_addr,
             master_port=w.master_port,
-            source=f"{w.source}, generation {gen}",
+            source=f"{w.source.split(', generation')[0]}, generation {m.generation}",
         )
         c = self.config.comm
-        init_process_group(world, c.backend, c.timeout_s, store_prefix=f"{ROOT}/{gen}/group/")
+        prefix = f"{ROOT}/{m.generation}/group/"
+        init_process_group(world, c.backend, c.timeout_s, store_prefix=prefix)
         topology = Topology.build(Mesh.resolve(world.world_size), options, device_for(world))
-        for loader, (epoch, samples) in live:
-            loader.regroup(world.rank, world.world_size, epoch, samples)
-        self.generation, self.members, self.world = gen, m.members, world
-        log.warning(
-            "in-job recovery: lost rank(s) %s (launch numbering) at step %d (%s); generation "
-            "%d: ranks %s go on as ranks 0..%d, this one as rank %d; redoing step %d from "
-            "sample %s, no restart, no checkpoint read (%.2f s)",
-            ", ".join(map(str, m.lost)) or "none",
-            step + 1,
-            type(error).__name__,
-            gen,
-            ", ".join(map(str, m.members)),
-            world.world_size - 1,
-            world.rank,
-            step + 1,
-            ", ".join(f"{s} of epoch {e}" for e, s in m.loaders) or "(no loader)",
-            time.monotonic() - t0,
-        )
+        self.generation, self.members, self.world = m.generation, m.members, world
+        if world.rank == 0:
+            joining.current(self._store, m.members)
         return world, topology
 
 
-__all__ = ["InJob", "Regroupable", "in_job"]
+__all__ = ["InJob", "Regroupable", "in_job", "join_job", "replacing"]

@@ -81,9 +81,12 @@ def agree(
     dead: Callable[[], set[int]] = set,
     poll_s: float = 0.02,
     clock: Callable[[], float] = time.monotonic,
+    joining: Sequence[int] = (),
 ) -> Membership:
     """Agree with the other survivors of ``previous`` (the ids of the generation before) on
-    generation ``generation`` ([Note: membership]). ``dead()``: ids known dead."""
+    generation ``generation`` ([Note: membership]). ``dead()``: ids known dead. ``joining``:
+    the ids of replacements taken in, after the members that arrived ([Note: joining a
+    replacement] in ``joining.py``); they write no arrival of their own."""
     base = f"{ROOT}/{generation}"
     store.set(f"{base}/here/{mine.id}", mine.to_json())
     decided = f"{base}/members"
@@ -92,7 +95,7 @@ def agree(
         arrived = [i for i in previous if store.check([f"{base}/here/{i}"])]
         gone = dead()
         if all(i in arrived or i in gone for i in previous) or clock() >= deadline:
-            store.compare_set(decided, "", json.dumps(arrived))
+            store.compare_set(decided, "", json.dumps([*arrived, *joining]))
             break
         time.sleep(poll_s)
     members = tuple(int(i) for i in json.loads(store.get(decided)))
@@ -102,7 +105,8 @@ def agree(
             f"without it (members {list(members)}); raise recovery.wait_s if the survivors "
             "notice a failure further apart than that"
         )
-    arrivals = [Arrival.from_json(store.get(f"{base}/here/{i}")) for i in members]
+    here = [i for i in members if i not in joining]
+    arrivals = [Arrival.from_json(store.get(f"{base}/here/{i}")) for i in here]
     where = {(a.step, a.loaders) for a in arrivals}
     if len(where) > 1:
         said = "; ".join(f"rank {a.id}: step {a.step}, loaders {list(a.loaders)}" for a in arrivals)
