@@ -50,8 +50,10 @@ def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
 
 
 def _finish(proc: subprocess.Popen[str], name: str, out: Path) -> list[dict]:
+    # A guard against a hang, not a time limit: the ZeRO-0..3 script runs a dozen engines one
+    # after another (about a minute on an idle 2-core machine, over four when it is shared).
     try:
-        log, _ = proc.communicate(timeout=240)
+        log, _ = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         proc.kill()
         log, _ = proc.communicate()
