@@ -1,8 +1,9 @@
 """Handles of operations in flight or over, as a :class:`~longboat.comm.collectives.Collectives`
 doorway gives them back: timed into its count, checked ([Note: overlapped check]) and
 reported (a timeout or a lost peer) when waited; and the reduce-scatter gloo does without its
-copy of the input ([Note: gloo reduce-scatter]). Below every other module of ``comm/``: what
-it is given (records, logs, checks) it only passes on."""
+copy of the input ([Note: gloo reduce-scatter]). Below every other module of ``comm/`` but
+``watched.py`` (its waits under an alarm): what it is given (records, logs, checks) it only
+passes on."""
 
 from __future__ import annotations
 

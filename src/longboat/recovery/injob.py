@@ -259,8 +259,9 @@ class InJob:
         once every member left or died)."""
         with contextlib.suppress(Exception):  # the launcher's store may be gone already
             joining.close(self._store, self.id)
-        # Released while the interpreter is alive ([Note: teardown] in comm/collectives.py);
-        # by now the peers have left those groups, so their pending work has failed.
+        # Released while the interpreter is alive ([Note: teardown] in comm/collectives.py):
+        # this waits until the pending work fails, at the latest when the peers of the old
+        # group exit and their sockets close (no collective follows this handler).
         self._parked.clear()
 
     def recover(self, step: int, old: Topology, error: BaseException) -> tuple[World, Topology]:
@@ -283,6 +284,7 @@ class InJob:
         m = agree(self._store, gen, self.members, mine, wait_s=wait_s, dead=roles.dead)
         t1 = time.monotonic()
         if isinstance(error, Abandoned):
+            # (the default group through a private torch API: nothing public returns it)
             self._parked += [*old.groups(), dist.distributed_c10d._get_default_group()]
         world, topology = self._regroup(m, old)
         for loader, (epoch, samples) in live:
