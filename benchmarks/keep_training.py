@@ -65,9 +65,8 @@ CONFIG: dict[str, Any] = {
     "seed": 0,
     "batch": {"micro_batch_size": MICRO, "gradient_accumulation_steps": 1},
     "log": {"progress": False},
-    # A survivor that is not the lost rank's neighbour in gloo's ring all-reduce notices the
-    # loss only at comm.timeout_s; the agreement must wait longer than that for it.
-    "comm": {"timeout_s": 5},
+    # comm.timeout_s at its default: a survivor that is not the lost rank's neighbour in
+    # gloo's ring all-reduce learns of the loss through the store ([Note: watched waits]).
     "recovery": {"in_job": True, "wait_s": 15},
 }
 
@@ -314,10 +313,10 @@ def main() -> None:
             "(refused: a shard's only copy dies with its rank); not measured.",
             "Each step is padded to step_padded_to_s of wall time, so steps per second do not "
             "depend on the world size: lost time is time in which no step completed.",
-            "comm.timeout_s = 5 and recovery.wait_s = 15: a survivor that is not the lost "
-            "rank's neighbour in gloo's ring all-reduce (buffers this large) notices the loss "
-            "only at comm.timeout_s, so detect is about that long for it; wait_s must exceed it "
-            "or that survivor is left out (and replaced).",
+            "comm.timeout_s at its default (600 s), recovery.wait_s = 15: a survivor that is "
+            "not the lost rank's neighbour in gloo's ring all-reduce (buffers this large) gets "
+            "no connection error and learns of the loss through the store (its wait asks every "
+            "0.15 s while a collective is pending).",
             "steps_lost counts failed steps redone (each once); the samples of a step trained "
             "at a smaller world are not lost, the global batch is smaller there.",
         ],

@@ -283,6 +283,10 @@ class Topology:
             seen.setdefault(id(d), d)
         return list(seen.values())
 
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The process groups this topology made (destroyed by :meth:`close`)."""
+        return list(self._owned)
+
     def close(self) -> None:
         """Close every doorway and destroy the groups the topology made (collective)."""
         if self._closed:

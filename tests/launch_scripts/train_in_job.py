@@ -1,5 +1,6 @@
 """Replicated training with in-job recovery: ``train_in_job.py OUT STEPS --kill-rank R
---kill-after K [--kill R:K ...] [--model tiny|resnet] [--wait-joiner]``.
+--kill-after K [--kill R:K ...] [--model tiny|resnet] [--wait-joiner] [--timeout-s S]``
+(``comm.timeout_s``, 10 s by default).
 
 A model of tests/reference.py's recipes (TinyNet; or the ResNet, whose BatchNorm buffers are
 broadcast after each backward, so that the survivors notice the loss in a backward rather than
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--model", choices=("tiny", "resnet"), default="tiny")
     ap.add_argument("--wait-joiner", action="store_true")
     ap.add_argument("--samples", type=int, default=SAMPLES)
+    ap.add_argument("--timeout-s", type=float, default=10.0)
     args = ap.parse_args()
     kills = {(args.kill_rank, args.kill_after)}
     kills |= {(int(r), int(k)) for r, k in (x.split(":") for x in args.kill)}
@@ -68,7 +70,7 @@ def main() -> None:
         "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 1},
         "data": {"shuffle": False},
         "log": {"progress": False},
-        "comm": {"timeout_s": 10},
+        "comm": {"timeout_s": args.timeout_s},
         "recovery": {"in_job": True, "wait_s": 10},
     }
     engine = longboat.initialize(model, optimizer, config)

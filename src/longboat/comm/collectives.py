@@ -59,6 +59,7 @@ from longboat.comm.messages import PointToPoint
 from longboat.comm.protocol import Comm, Handle, Mailbox
 from longboat.comm.rules import NCCL_RULES_VAR, Rules, RulesError
 from longboat.comm.trace import CallRecord, dtype_name, where_called
+from longboat.comm.watched import Alarm, wait_watched
 from longboat.comm.works import Done, Timed, reduce_scatter_in_place
 
 __all__ = [
@@ -134,6 +135,9 @@ class Collectives(PointToPoint):
             dist.get_process_group_ranks(group) if self.active and group is not None else None
         )
         self._gloo: bool | None = None  # the group's backend is gloo: asked at first need
+        # Set under in-job recovery: why this group is known to have failed, or None; every
+        # wait, synchronous calls included, then asks it ([Note: watched waits] in watched.py)
+        self.alarm: Alarm | None = None
 
     @classmethod
     def alone(cls, global_rank: int = 0, name: str = "alone") -> Collectives:
@@ -234,12 +238,22 @@ class Collectives(PointToPoint):
         )
         raise_report(rep, err)
 
+    def _wait_watched(self, work: Any) -> None:
+        """Wait for ``work`` as a synchronous call would, asking the alarm ([Note: watched
+        waits] in ``comm/watched.py``)."""
+        assert self.alarm is not None
+        what = f"a collective of group '{self._group_name}'"
+        wait_watched(work, self.wait_timeout, self.alarm, what)
+
     # -- issuing -------------------------------------------------------------------------------
 
     def _issue(self, fn: Any, *args: Any, async_op: bool, **kwargs: Any) -> Handle:
         t0 = time.perf_counter()
+        watched = self.alarm is not None and not async_op  # issued async, waited watched
         try:
-            work = fn(*args, group=self._live(), async_op=async_op, **kwargs)
+            work = fn(*args, group=self._live(), async_op=async_op or watched, **kwargs)
+            if watched:
+                self._wait_watched(work)
         except RuntimeError as e:
             self._failed(e, None)
             raise
@@ -270,10 +284,17 @@ class Collectives(PointToPoint):
             if self.desync_check and self._check is not None:
                 if async_op:  # [Note: overlapped check]
                     pending = self._check.start(rec, check_src)
+                elif self.alarm is not None:  # the exchange, watched too
+                    check = self._check.start(rec, check_src)
+                    self._wait_watched(check.work)
+                    self._check.finish(check)
                 else:
                     self._check.exchange(rec, check_src)
             t1 = time.perf_counter()
-            work = fn(*args, group=self._live(), async_op=async_op, **kwargs)
+            watched = self.alarm is not None and not async_op  # issued async, waited watched
+            work = fn(*args, group=self._live(), async_op=async_op or watched, **kwargs)
+            if watched:
+                self._wait_watched(work)
         except RuntimeError as e:
             self.blocked_seconds += time.perf_counter() - t0
             self._failed(e, rec)

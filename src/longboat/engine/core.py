@@ -177,6 +177,8 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering):
                 "each micro-batch's gradient is averaged over the ranks that had one"
             )
         self._recovery = in_job(config, world, self.strategy, model)  # [Note: in-job recovery]
+        if self._recovery is not None:
+            self._recovery.watch(topology)
         # Leave the process group at exit even if the script never calls close(); a weak
         # reference so that an engine dropped early is not kept alive by the registry.
         ref = weakref.ref(self)

@@ -137,6 +137,8 @@ class Recovering:
         """Go on as rank ``world.rank`` of ``topology``, ``micro`` x ``accumulation`` samples
         per rank and step (``again``: the same topology, only the batch changed)."""
         self.world, self.topology = world, topology
+        if self._recovery is not None:
+            self._recovery.watch(topology)
         self.comm, self.control = topology.data("dp"), topology.control("world")
         kept = BatchConfig(micro_batch_size=micro, gradient_accumulation_steps=accumulation)
         self.batch = resolve_batch(kept, topology.mesh.dp)

@@ -14,9 +14,12 @@ import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from longboat import roles
+from longboat.comm.collectives import Collectives
+from longboat.comm.watched import Abandoned
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.data import Loader
@@ -114,6 +117,11 @@ def join_job(
     return recovery, world, topology
 
 
+def _failed_key(generation: int) -> str:
+    """Set by the first member that starts the agreement on ``generation`` after a failure."""
+    return f"{ROOT}/{generation}/failed"
+
+
 def _timeout(config: Config) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.comm.timeout_s)
 
@@ -138,6 +146,10 @@ class InJob:
         self._join_at: int | None = None  # the step after which ticket joined + 1 comes in
         # A replacement: where the members' loaders stood, for its loaders as it creates them.
         self.places: list[tuple[int, int]] = []
+        # The groups of a generation in which this rank abandoned a wait ([Note: watched
+        # waits] in comm/watched.py): kept until exit, so that leaving them does not wait for
+        # the work still pending in them.
+        self._parked: list[Any] = []
         # The failed step's forwards moved the buffers (BatchNorm's statistics and count):
         # the redone step starts from these, the same on every replica after a step.
         self._model = model
@@ -223,11 +235,34 @@ class InJob:
         )
         return world, topology, [w for _, w in live]
 
+    def watch(self, topology: Topology) -> None:
+        """Have every doorway of ``topology`` ask :meth:`alarm` while it waits ([Note: watched
+        waits] in ``comm/watched.py``): a member blocked in a collective that will never
+        complete learns of a failure another survivor noticed, without its own timeout."""
+        for d in topology.doorways():
+            if isinstance(d, Collectives) and d.active:
+                d.alarm = self.alarm
+
+    def alarm(self) -> str | None:
+        """Why this generation is known to have failed, or None: another member started the
+        agreement on the next one after a failure (:meth:`recover` says so first), or the
+        launcher recorded a member dead. One store read and a look at the launcher's records."""
+        if self._store.check([_failed_key(self.generation + 1)]):
+            return f"another member started the agreement on generation {self.generation + 1}"
+        gone = sorted(set(self.members) & roles.dead())
+        if gone:
+            return f"the launcher recorded rank(s) {', '.join(map(str, gone))} dead"
+        return None
+
     def _leave(self) -> None:
         """At exit: no more boundaries from this member (a replacement waiting for one stops
         once every member left or died)."""
         with contextlib.suppress(Exception):  # the launcher's store may be gone already
             joining.close(self._store, self.id)
+        # Released while the interpreter is alive ([Note: teardown] in comm/collectives.py):
+        # this waits until the pending work fails, at the latest when the peers of the old
+        # group exit and their sockets close (no collective follows this handler).
+        self._parked.clear()
 
     def recover(self, step: int, old: Topology, error: BaseException) -> tuple[World, Topology]:
         """Agree on the next generation, leave ``old``'s groups and the default group, join the
@@ -238,11 +273,19 @@ class InJob:
             for kept, b in zip(self._buffers, self._model.buffers(), strict=True):
                 b.copy_(kept)
         gen = self.generation + 1
+        # First: members still blocked in the old group's collectives see it ([Note: watched
+        # waits]) and come to the agreement now rather than at their own timeouts.
+        self._store.set(_failed_key(gen), str(self.id))
+        if isinstance(error, Abandoned):
+            log.warning("in-job recovery: %s", str(error).split("\n")[0])
         live = [(lo, w) for r, w in self._loaders if (lo := r()) is not None]
         mine = Arrival(self.id, step, tuple(w for _, w in live))
         wait_s = self.config.recovery.wait_s
         m = agree(self._store, gen, self.members, mine, wait_s=wait_s, dead=roles.dead)
         t1 = time.monotonic()
+        if isinstance(error, Abandoned):
+            # (the default group through a private torch API: nothing public returns it)
+            self._parked += [*old.groups(), dist.distributed_c10d._get_default_group()]
         world, topology = self._regroup(m, old)
         for loader, (epoch, samples) in live:
             loader.regroup(world.rank, world.world_size, epoch, samples)
