@@ -122,8 +122,8 @@ def evaluate(engine, first: int) -> dict:
 
 
 def balanced_partitions() -> list[list[int]]:
-    """DeepSpeed's partition_balanced, and longboat's reimplementation of its answers, on awkward weights and 2 to 4
-    stages (beyond the 2 stages this script's ranks make)."""
+    """DeepSpeed's partition_balanced, and longboat's reimplementation of its answers, on
+    awkward weights and 2 to 4 stages (beyond the 2 stages this script's ranks make)."""
     if os.environ.get("DS_IMPL") == "deepspeed":
         from deepspeed.runtime.utils import partition_balanced
     else:
