@@ -28,8 +28,7 @@ the times of the recovery's log lines. Recorded in the results file:
   before the first kill, where the data order is the same; after it the global batch shrinks
   with the world and grows back, so the disturbed run sees other batches.
 
-The machine this ran on was shared with other work: timings are noisy and the run is to be
-repeated on a quiet machine.
+Measure it alone on the machine: each run records the load averages before and after it.
 
 Usage::
 
@@ -133,6 +132,7 @@ def _run(out: Path, steps: int, step_s: float, kills: int, seed: int) -> dict[st
         str(steps), "--step-s", str(step_s),
     ]  # fmt: skip
     log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115
+    load_before = os.getloadavg()  # recorded: other work on the machine skews every timing
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     rng = random.Random(seed)
@@ -154,7 +154,9 @@ def _run(out: Path, steps: int, step_s: float, kills: int, seed: int) -> dict[st
         done.append({"rank": rank, "pid": pid, "t": at})
         next_at = at + rng.uniform(15, 20)
     log.close()
-    return {"code": proc.returncode, "wall_s": time.time() - t0, "kills": done}
+    wall = time.time() - t0
+    load = {"before": load_before, "after": os.getloadavg()}
+    return {"code": proc.returncode, "wall_s": wall, "kills": done, "load_avg_1_5_15": load}
 
 
 def _latest_world(out: Path) -> int:
@@ -290,8 +292,18 @@ def main() -> None:
         },
         "versions": versions(),
         "machine": machine(),
-        "undisturbed": {"exit": calm["code"], "wall_s": calm["wall_s"], "steps_per_s": rate},
-        "disturbed": {"exit": hit["code"], "wall_s": hit["wall_s"], "kill_log": hit["kills"]},
+        "undisturbed": {
+            "exit": calm["code"],
+            "wall_s": calm["wall_s"],
+            "steps_per_s": rate,
+            "load_avg_1_5_15": calm["load_avg_1_5_15"],
+        },
+        "disturbed": {
+            "exit": hit["code"],
+            "wall_s": hit["wall_s"],
+            "kill_log": hit["kills"],
+            "load_avg_1_5_15": hit["load_avg_1_5_15"],
+        },
         "kills": kills,
         "checkpoint_reads": reads + restarts,
         "seconds_per_failure": (hit["wall_s"] - args.steps / rate) / kills if kills else None,
@@ -308,7 +320,8 @@ def main() -> None:
             calm_each[k] == v for k, v in hit_each.items() if k[0] <= first
         ),
         "notes": [
-            "Timings from a shared, busy 2-core machine: noisy; to be re-run on a quiet one.",
+            "load_avg_1_5_15: the machine's load averages before and after each run, since "
+            "other work on the machine skews every timing here.",
             "Hybrid sharding 2x2 (dp_replicate x dp_shard) is not supported by recovery.in_job "
             "(refused: a shard's only copy dies with its rank); not measured.",
             "Each step is padded to step_padded_to_s of wall time, so steps per second do not "
