@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from longboat.comm.hang import PeerLost
+from longboat.comm.errors import PeerLost
 from longboat.comm.watched import Abandoned, wait_watched
 
 LONG = datetime.timedelta(seconds=30)  # a deadline only: none of these waits reaches it

@@ -46,9 +46,8 @@ import torch.distributed as dist
 
 from longboat.comm.commlog import CommLog
 from longboat.comm.desync import DesyncCheck, DesyncError
+from longboat.comm.errors import CollectiveTimeout, PeerLost
 from longboat.comm.hang import (
-    CollectiveTimeout,
-    PeerLost,
     build_report,
     is_hang_or_loss,
     is_timeout,
@@ -238,12 +237,12 @@ class Collectives(PointToPoint):
         )
         raise_report(rep, err)
 
-    def _wait_watched(self, work: Any) -> None:
+    def _wait_watched(self, work: Any) -> Any:
         """Wait for ``work`` as a synchronous call would, asking the alarm ([Note: watched
-        waits] in ``comm/watched.py``)."""
+        waits] in ``comm/watched.py``); what ``work.wait`` gives."""
         assert self.alarm is not None
         what = f"a collective of group '{self._group_name}'"
-        wait_watched(work, self.wait_timeout, self.alarm, what)
+        return wait_watched(work, self.wait_timeout, self.alarm, what)
 
     # -- issuing -------------------------------------------------------------------------------
 

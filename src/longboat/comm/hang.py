@@ -21,20 +21,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from longboat.comm.errors import CollectiveTimeout, PeerLost
 from longboat.comm.trace import CallRecord, python_stack
 from longboat.network import node_label
 
 REPORT_DIR_VAR = "LONGBOAT_REPORT_DIR"
 # How long a rank waits for its peers' states; the whole report stays within 1 s of the timeout.
 _ANSWER_WAIT_S = 0.5
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective did not complete within ``comm.timeout_s``; the message is the report."""
-
-
-class PeerLost(RuntimeError):
-    """A peer's connection closed during a collective (it died); the message is the report."""
 
 
 def _store() -> Any:

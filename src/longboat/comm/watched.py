@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from longboat.comm.hang import PeerLost
+from longboat.comm.errors import PeerLost
 
 #: How often a pending wait asks the alarm (one store read per ask under in-job recovery).
 POLL_S = 0.15

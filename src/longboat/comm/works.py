@@ -1,9 +1,8 @@
 """Handles of operations in flight or over, as a :class:`~longboat.comm.collectives.Collectives`
 doorway gives them back: timed into its count, checked ([Note: overlapped check]) and
 reported (a timeout or a lost peer) when waited; and the reduce-scatter gloo does without its
-copy of the input ([Note: gloo reduce-scatter]). Below every other module of ``comm/`` but
-``watched.py`` (its waits under an alarm): what it is given (records, logs, checks) it only
-passes on."""
+copy of the input ([Note: gloo reduce-scatter]). Below every other module of ``comm/``: what
+it is given (records, logs, checks, its doorway's waits under an alarm) it only passes on."""
 
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from longboat.comm.watched import wait_watched
 
 
 class Done:
@@ -58,20 +55,19 @@ class Timed:
     def wait(self) -> Any:
         t0 = time.perf_counter()
         try:
-            alarm = self._owner.alarm
-            what = f"a collective of group '{self._owner._group_name}'"
+            watched = self._owner.alarm is not None
             if self._check is not None:
                 check, self._check = self._check, None
                 assert self._owner._check is not None
-                if alarm is not None:  # the exchange is a collective too ([Note: watched waits])
-                    wait_watched(check.work, self._owner.wait_timeout, alarm, what)
+                if watched:  # the exchange is a collective too ([Note: watched waits])
+                    self._owner._wait_watched(check.work)
                 self._owner._check.finish(check)  # raises DesyncError on every rank alike
             # Bounded: measured with a host's link cut mid-run, a gloo work could wait forever
             # on the side that was cut off while the other side's timed out as configured.
-            if alarm is None:
+            if not watched:
                 out = self._work.wait(self._owner.wait_timeout)
-            else:  # [Note: watched waits]
-                out = wait_watched(self._work, self._owner.wait_timeout, alarm, what)
+            else:  # [Note: watched waits], asked of the doorway: it holds the alarm
+                out = self._owner._wait_watched(self._work)
         except RuntimeError as e:
             self._owner._failed(e, self._rec, self._loss_reported)
             raise

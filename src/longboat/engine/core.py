@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from longboat import checkpoint
 from longboat.checkpoint.exchange import gather_json
-from longboat.comm.hang import CollectiveTimeout, PeerLost
+from longboat.comm.errors import CollectiveTimeout, PeerLost
 from longboat.compile import Compiler
 from longboat.config.batch import ResolvedBatch, resolve_batch
 from longboat.config.compositions import refuse_built
@@ -176,9 +176,7 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering):
                 "shadows the others' collectives with zero contributions until all are done; "
                 "each micro-batch's gradient is averaged over the ranks that had one"
             )
-        self._recovery = in_job(config, world, self.strategy, model)  # [Note: in-job recovery]
-        if self._recovery is not None:
-            self._recovery.watch(topology)
+        self._recovery = in_job(config, world, self.strategy, model, topology)
         # Leave the process group at exit even if the script never calls close(); a weak
         # reference so that an engine dropped early is not kept alive by the registry.
         ref = weakref.ref(self)

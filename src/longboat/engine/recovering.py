@@ -11,7 +11,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from longboat.comm.hang import CollectiveTimeout, PeerLost
+from longboat.comm.errors import CollectiveTimeout, PeerLost
 from longboat.comm.protocol import Comm
 from longboat.config.batch import ResolvedBatch, resolve_batch
 from longboat.config.sections import BatchConfig

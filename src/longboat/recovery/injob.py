@@ -47,8 +47,11 @@ class Regroupable(Protocol):
         ...
 
 
-def in_job(config: Config, world: World, strategy: object, model: nn.Module) -> InJob | None:
-    """The recovery of an engine whose config asks for it (None otherwise, or alone)."""
+def in_job(
+    config: Config, world: World, strategy: object, model: nn.Module, topology: Topology
+) -> InJob | None:
+    """The recovery of an engine whose config asks for it (None otherwise, or alone), its
+    alarm already given to ``topology``'s doorways (:meth:`InJob.watch`)."""
     if not config.recovery.in_job or not world.distributed:
         return None
     if not isinstance(strategy, Regroupable):
@@ -63,7 +66,9 @@ def in_job(config: Config, world: World, strategy: object, model: nn.Module) -> 
             "serves the store and the job cannot survive losing it"
         )
     strategy.keep_steps_whole()
-    return InJob(config, world, model, launcher_store(config, world))
+    recovery = InJob(config, world, model, launcher_store(config, world))
+    recovery.watch(topology)
+    return recovery
 
 
 def launcher_store(config: Config, world: World) -> Any:
