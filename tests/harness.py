@@ -470,3 +470,23 @@ def digits_config(optimizer: str | None = None, extra: str = "") -> str:
     if optimizer is not None:
         toml = toml.replace(DIGITS_OPTIMIZER, optimizer)
     return toml + extra
+
+
+def assert_saved_state_matches_plain(
+    got: dict[str, torch.Tensor], plain: reference.PlainRun, tol: float
+) -> None:
+    """A rank's saved ``model.*`` and ``optim.*`` tensors against the plain loop's parameters,
+    buffers and optimizer state (step counts exactly, the rest within ``tol``)."""
+    model = {k.removeprefix("model."): v for k, v in got.items() if k.startswith("model.")}
+    assert reference.max_rel_diff(model, plain.state) <= tol
+    optim = {
+        f"optim.{name}.{k}": torch.as_tensor(v)
+        for name, st in plain.optim.items()
+        for k, v in st.items()
+    }
+    assert optim.keys() == {k for k in got if k.startswith("optim.")}
+    for k, want in optim.items():
+        if want.dim() == 0:  # Adam's step count
+            assert got[k].item() == want.item(), k
+        else:
+            assert reference.max_rel_diff({k: got[k]}, {k: want}) <= tol, k

@@ -116,20 +116,7 @@ def test_survivors_regroup_and_match_the_shrinking_plain_loop(tmp_path, world, v
     for r in others:  # the replicas stayed replicas
         assert states[r].keys() == states[first].keys()
         assert all(torch.equal(states[r][k], states[first][k]) for k in states[first]), r
-    got = states[first]
-    model = {k.removeprefix("model."): v for k, v in got.items() if k.startswith("model.")}
-    assert reference.max_rel_diff(model, plain.state) <= TOL
-    optim = {
-        f"optim.{name}.{k}": torch.as_tensor(v)
-        for name, st in plain.optim.items()
-        for k, v in st.items()
-    }
-    assert optim.keys() == {k for k in got if k.startswith("optim.")}
-    for k, want in optim.items():
-        if want.dim() == 0:  # Adam's step count
-            assert got[k].item() == want.item(), k
-        else:
-            assert reference.max_rel_diff({k: got[k]}, {k: want}) <= TOL, k
+    harness.assert_saved_state_matches_plain(states[first], plain, TOL)
 
 
 def _initialize_in_job(strategy: str) -> str:

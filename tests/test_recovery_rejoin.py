@@ -96,20 +96,7 @@ def _check(log: str, out: Path, world: int, kills: list[tuple[int, int]]) -> lis
     for r in range(1, world):  # replicas again, replacements included: bit for bit
         assert states[r].keys() == states[0].keys()
         assert all(torch.equal(states[r][k], states[0][k]) for k in states[0]), r
-    got = states[0]
-    model = {k.removeprefix("model."): v for k, v in got.items() if k.startswith("model.")}
-    assert reference.max_rel_diff(model, plain.state) <= TOL
-    optim = {
-        f"optim.{name}.{k}": torch.as_tensor(v)
-        for name, st in plain.optim.items()
-        for k, v in st.items()
-    }
-    assert optim.keys() == {k for k in got if k.startswith("optim.")}
-    for k, want in optim.items():
-        if want.dim() == 0:  # AdamW's step count
-            assert got[k].item() == want.item(), k
-        else:
-            assert reference.max_rel_diff({k: got[k]}, {k: want}) <= TOL, k
+    harness.assert_saved_state_matches_plain(states[0], plain, TOL)
     return worlds
 
 
