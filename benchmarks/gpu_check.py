@@ -253,6 +253,10 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.1f} ms"
 
 
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
 def summary_lines(check: Check, done: dict[str, dict[str, Any]]) -> list[str]:
     env = check.env
     gpu = ", ".join(f"{g['name']} (driver {g['driver']})" for g in env["gpus"]) or "no GPU"
@@ -282,13 +286,13 @@ def summary_lines(check: Check, done: dict[str, dict[str, Any]]) -> list[str]:
             lines.append(f"  -       {u['world']:<16} not runnable here: {u['why']}")
     if "memory" in done:
         r = done["memory"]["results"]
-        lines.append("memory at one rank (fp32; planner's peak / measured peak):")
+        lines.append("memory at one rank (fp32, '+bf16' bf16 parameters; planned / measured peak):")
         for name, e in r["strategies"].items():
             if "strategy" in e:
                 m = e["measured_peak_bytes"]
                 ratio = e["ratio_predicted_over_measured"]
                 lines.append(
-                    f"  {name:<10} predicted {e['predicted_peak_bytes'] / 2**20:8.1f} MiB  "
+                    f"  {name:<12} predicted {e['predicted_peak_bytes'] / 2**20:8.1f} MiB  "
                     + (
                         f"measured {m / 2**20:8.1f} MiB  ratio {ratio:.3f}"
                         if m
@@ -296,14 +300,15 @@ def summary_lines(check: Check, done: dict[str, dict[str, Any]]) -> list[str]:
                     )
                 )
             else:
-                lines.append(f"  {name:<10} {e.get('status')}: {e.get('cause')}")
+                lines.append(f"  {name:<12} {e.get('status')}: {e.get('cause')}")
         o = r["offload_optimizer_cpu"]
         lines.append(
             f"zero.offload_optimizer.device='cpu': {o.get('outcome') or o.get('status')}"
             + (" (not implemented)" if o.get("not_implemented") else "")
             + (
                 f", home {o['home']}, step {o['median_step_s_offload']:.3f} s"
-                f" vs {o['median_step_s_in_memory']:.3f} s in device memory"
+                f" vs {o['median_step_s_in_memory']:.3f} s in device memory, peak "
+                f"{_mib(o['peak_bytes_offload'])} vs {_mib(o['peak_bytes_in_memory'])}"
                 if o.get("outcome") == "trained"
                 else ""
             )

@@ -182,7 +182,7 @@ def test_every_equivalence_case_passes_in_the_dry_run(dry_run):
 
 def test_the_dry_run_measures_memory_and_step_time_sides(dry_run):
     mem = _read(dry_run, "memory")["results"]
-    assert set(mem["strategies"]) == set(memory.STRATEGIES)
+    assert set(mem["strategies"]) == set(memory.STRATEGIES + memory.BF16_PARAMS)
     for entry in mem["strategies"].values():
         assert entry["predicted_peak_bytes"] > 0
         assert entry["measured_peak_bytes"] is None  # no CUDA: not measured, and said so
@@ -194,7 +194,12 @@ def test_the_dry_run_measures_memory_and_step_time_sides(dry_run):
         "plain-read-loss",
         "single",
         "replicate",
+        "zero-2",
+        "zero-2+bf16",
     }
+    # The profile of plain and single, kept so that a GPU run says where the time goes.
+    assert set(steps["eager"]["profile"]) == {"plain", "single"}
+    assert "aten::" in steps["eager"]["profile"]["single"]["host_table"]
     assert steps["compiled"]["compile_backend"] == "eager"
     assert steps["compiled"]["ratio_of_medians"]["plain"] == 1.0
     assert set(steps["compiled"]["ratio_of_medians"]) == {"plain", "single", "single+compile"}

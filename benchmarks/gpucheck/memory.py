@@ -27,6 +27,9 @@ import torch
 from gpucheck.launch import RankContext, Task
 
 STRATEGIES = ("single", "replicate", "zero-1", "zero-2", "zero-3")
+# ZeRO with bf16 parameters ([precision] param_dtype): a bf16 whole copy for compute and fp32
+# masters in the optimizer's shard, under bf16 autocast; "+bf16" after a strategy asks for it.
+BF16_PARAMS = ("zero-1+bf16", "zero-2+bf16")
 GPU_TARGET = {"target": "reference-gpt", "model_args": None, "seq_len": 128, "micro_batch": 8}
 DRY_TARGET = {
     "target": "gpt",
@@ -38,19 +41,26 @@ DRY_TARGET = {
 
 def tasks(dry: bool) -> list[Task]:
     base = dict(DRY_TARGET if dry else GPU_TARGET, warmup=2, steps=2)
-    out = [Task(s, "gpucheck.memory:measure", dict(base, strategy=s), 120.0) for s in STRATEGIES]
+    out = [
+        Task(s, "gpucheck.memory:measure", dict(base, strategy=s), 120.0)
+        for s in STRATEGIES + BF16_PARAMS
+    ]
     out.append(Task("offload-optimizer-cpu", "gpucheck.memory:offload_cpu", dict(base), 90.0))
     return out
 
 
 def _config(strategy: str, micro_batch: int) -> dict[str, Any]:
+    strategy, _, params = strategy.partition("+")
     name, _, stage = strategy.partition("-")
-    return {
+    cfg: dict[str, Any] = {
         "strategy": name,
         "zero": {"stage": int(stage or 1), "unit_classes": ["_Block"]},
         "batch": {"micro_batch_size": micro_batch},
         "log": {"progress": False, "level": "WARNING"},
     }
+    if params:
+        cfg["precision"] = {"dtype": params, "param_dtype": params}
+    return cfg
 
 
 def _target(args: dict[str, Any]) -> Any:
@@ -90,7 +100,8 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     strategy, micro = args["strategy"], args["micro_batch"]
     cfg = _config(strategy, micro)
     target = _target(args)
-    planned = make_plan(target, load_config(cfg), 1, micro, "adamw", [strategy]).strategies[0]
+    plain_name = strategy.partition("+")[0]
+    planned = make_plan(target, load_config(cfg), 1, micro, "adamw", [plain_name]).strategies[0]
     device = torch.device(ctx.device)
     cuda = device.type == "cuda"
     before = _fresh_peak(device)

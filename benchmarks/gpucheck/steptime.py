@@ -9,7 +9,9 @@ same batch, each with its own model and AdamW:
   prints it does (longboat's ``engine.backward`` reads it for its step loss), so that a gap
   between longboat and ``plain`` can be told apart from that one copy;
 - ``single`` and ``replicate`` (a world of one, no process group): ``engine(x)`` (the same
-  autocast), ``engine.backward(loss)``, ``engine.step()``.
+  autocast), ``engine.backward(loss)``, ``engine.step()``;
+- ``zero-2`` and ``zero-2+bf16``: ZeRO-2 at a world of one, the second with bf16 parameters
+  (``[precision] param_dtype = "bf16"``: the forward reads a bf16 copy, fp32 masters step).
 
 Each measured step is bracketed by a device synchronisation, so it is the whole step's time.
 Warm-up steps first, then rounds in which every side runs one step, in an order reversed every
@@ -18,6 +20,10 @@ round (ABBA), so a drift of the machine falls on every side alike. The ratio of 
 and ``single`` with every transformer block compiled (``block.compile()``, in place, so names
 stay), warm-up included the compilation, and adds ``single+compile``: the blocks compiled by
 longboat itself (``[compile] enabled = true``).
+
+After the timed rounds of the eager task, ``torch.profiler`` records a few steps of ``plain``
+and of ``single`` each, and the result keeps both tables of the operators' self time on the
+device and on the host, so that where longboat's extra time goes can be read off a GPU run.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ GOAL = 1.03  # longboat's step at most 3% slower than the plain one
 
 def tasks(dry: bool) -> list[Task]:
     """Eager first (its figures are kept if compiling runs out of time), then compiled."""
-    args = {
+    args: dict[str, Any] = {
         "model": DRY_MODEL if dry else GPU_MODEL,
         "micro_batch": DRY_BATCH if dry else GPU_BATCH,
         "warmup": 1 if dry else 5,
@@ -56,8 +62,13 @@ def tasks(dry: bool) -> list[Task]:
         args, sides=["plain", "single", "single+compile"], compile="eager" if dry else "inductor"
     )
     compiled["warmup"] = 2 if dry else 3  # the first compiles
+    eager = dict(
+        args,
+        sides=["plain", "plain-read-loss", "single", "replicate", "zero-2", "zero-2+bf16"],
+        profile=["plain", "single"],
+    )
     return [
-        Task("eager", "gpucheck.steptime:measure", args, 120.0),
+        Task("eager", "gpucheck.steptime:measure", eager, 180.0),
         Task("compiled", "gpucheck.steptime:measure", compiled, 300.0),
     ]
 
@@ -101,15 +112,21 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
             read = side == "plain-read-loss"
             steps[side] = plain.step_fn(plain_model, plain_opt, (x, y), gpt_loss, dtype, read)
             continue
-        # "single+compile": longboat compiles the blocks itself ([compile] in the config)
+        # "single+compile": longboat compiles the blocks itself ([compile] in the config);
+        # "zero-2+bf16": ZeRO-2 with bf16 parameters
         strategy, _, how = side.partition("+")
         m = model(by_hand=how != "compile")
+        name, _, stage = strategy.partition("-")
         cfg: dict[str, Any] = {
-            "strategy": strategy,
+            "strategy": name,
             "precision": {"dtype": args["dtype"]},
             "batch": {"micro_batch_size": args["micro_batch"]},
             "log": {"progress": False, "level": "WARNING"},
         }
+        if stage:
+            cfg["zero"] = {"stage": int(stage)}
+        if how == "bf16":
+            cfg["precision"]["param_dtype"] = "bf16"
         if how == "compile":
             cfg["compile"] = {"enabled": True, "backend": backend}
         engine = longboat.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-4), cfg)
@@ -135,6 +152,7 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
             steps[side]()
             sync()
             times[side].append(time.perf_counter() - t)
+    profiles = {side: _profile(steps[side], device) for side in args.get("profile", [])}
     for engine in engines:
         engine.close()
     base = statistics.median(times["plain"])
@@ -156,4 +174,35 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     }
     if device.type == "cuda":
         out["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    if profiles:
+        out["profile"] = profiles
     return out
+
+
+PROFILED_STEPS = 3
+
+
+def _profile(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
+    """``PROFILED_STEPS`` steps under ``torch.profiler``: the operators' self time per step on
+    the device and on the host, as tables, and the totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sync = _sync(device)
+    sync()
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+        sync()
+    events = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return {
+        "steps": PROFILED_STEPS,
+        "device_table": events.table(sort_by=sort, row_limit=30, max_name_column_width=60),
+        "host_table": events.table(
+            sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
+        ),
+        "kernel_count": sum(e.count for e in events if getattr(e, "self_device_time_total", 0) > 0),
+    }
