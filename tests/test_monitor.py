@@ -392,3 +392,49 @@ def test_deepspeed_wandb_block_maps() -> None:
         "proj",
         "offline",
     )
+
+
+def test_a_step_does_not_read_the_loss_until_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: the loss stays on the device]: backward and step leave the loss on the device
+    (on a GPU a read after backward idles the device while the optimizer step is launched);
+    last_loss reads it, once, and equals the mean of the step's micro-batch losses."""
+    torch.manual_seed(0)
+    model = reference.TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    engine = longboat.initialize(
+        model,
+        opt,
+        {
+            "log": {"progress": False, "level": "WARNING"},
+            "batch": {"train_batch_size": 8, "gradient_accumulation_steps": 2},
+        },
+    )
+    assert engine.last_loss is None  # before the first step
+    reads: list[str] = []
+    real_float, real_item = torch.Tensor.__float__, torch.Tensor.item
+
+    def counted_float(t: torch.Tensor) -> float:
+        reads.append("float")
+        return real_float(t)
+
+    def counted_item(t: torch.Tensor) -> Any:
+        reads.append("item")
+        return real_item(t)
+
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = next(iter(torch.utils.data.DataLoader(reference.dataset(8), batch_size=8)))
+    losses = []
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "__float__", counted_float)
+        m.setattr(torch.Tensor, "item", counted_item)
+        for half in (slice(0, 4), slice(4, 8)):
+            loss = loss_fn(engine(x[half]), y[half])
+            losses.append(loss.detach().clone())
+            engine.backward(loss)
+        assert engine.step()
+        assert reads == []  # neither backward nor step waited for the loss
+        got = engine.last_loss
+        assert reads == ["float"]
+        assert engine.last_loss == got and reads == ["float"]  # read once, then kept
+    assert got == pytest.approx(float(sum(losses)) / 2, rel=1e-6)
+    engine.close()

@@ -21,16 +21,22 @@ and ``single`` with every transformer block compiled (``block.compile()``, in pl
 stay), warm-up included the compilation, and adds ``single+compile``: the blocks compiled by
 longboat itself (``[compile] enabled = true``).
 
-After the timed rounds of the eager task, ``torch.profiler`` records a few steps of ``plain``
-and of ``single`` each, and the result keeps both tables of the operators' self time on the
-device and on the host, so that where longboat's extra time goes can be read off a GPU run.
+After the timed rounds of the eager task, ``torch.profiler`` records a few steps of ``plain``,
+``single``, ``replicate`` and ``zero-2`` each, and the result keeps both tables of the
+operators' self time on the device and on the host, so that where longboat's extra time goes
+can be read off a GPU run; with ``GPU_CHECK_TRACE_DIR`` set, each side's timeline too
+(``trace_<side>.json.gz``, for chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations
 
+import gzip
+import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,7 +71,7 @@ def tasks(dry: bool) -> list[Task]:
     eager = dict(
         args,
         sides=["plain", "plain-read-loss", "single", "replicate", "zero-2", "zero-2+bf16"],
-        profile=["plain", "single"],
+        profile=["plain", "single", "replicate", "zero-2"],
     )
     return [
         Task("eager", "gpucheck.steptime:measure", eager, 180.0),
@@ -152,7 +158,7 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
             steps[side]()
             sync()
             times[side].append(time.perf_counter() - t)
-    profiles = {side: _profile(steps[side], device) for side in args.get("profile", [])}
+    profiles = {side: _profile(side, steps[side], device) for side in args.get("profile", [])}
     for engine in engines:
         engine.close()
     base = statistics.median(times["plain"])
@@ -182,9 +188,10 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
 PROFILED_STEPS = 3
 
 
-def _profile(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
+def _profile(side: str, step: Callable[[], None], device: torch.device) -> dict[str, Any]:
     """``PROFILED_STEPS`` steps under ``torch.profiler``: the operators' self time per step on
-    the device and on the host, as tables, and the totals."""
+    the device and on the host, as tables, and the totals; the timeline into
+    ``$GPU_CHECK_TRACE_DIR/trace_<side>.json.gz`` when that is set."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -196,6 +203,13 @@ def _profile(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
         for _ in range(PROFILED_STEPS):
             step()
         sync()
+    trace_dir = os.environ.get("GPU_CHECK_TRACE_DIR")
+    if trace_dir:
+        raw = Path(trace_dir) / f"trace_{side.replace('+', '_')}.json"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        raw.unlink()
     events = prof.key_averages()
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return {

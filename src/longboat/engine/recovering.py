@@ -47,7 +47,7 @@ class _Engine(Protocol):
     global_step: int
     micro_step: int
     _begun: int
-    _loss_sum: float
+    _loss_sum: torch.Tensor | float
     _loss_count: int
     _owns_group: bool
     _redo: bool
@@ -65,6 +65,7 @@ class Recovering:
     # A regroup interrupted a step in one of its backwards: the step's remaining backwards are
     # skipped until step() (they would add the failed step's gradients to the redone one's).
     _redo = False
+    _loss_sum: torch.Tensor | float  # [Note: the loss stays on the device] in engine/core.py
 
     def _stepped(self: _Engine) -> None:
         """An optimizer step completed (taken or skipped) on every rank; a replacement waiting

@@ -174,9 +174,12 @@ class Monitor:
         if self.flops is not None:
             self.flops.forward_begin(step_index)
 
-    def step_end(self, step: int, loss: float | None) -> None:
-        """After optimizer step number ``step`` (1-based); emits an event when one is due."""
+    def step_end(self, step: int, loss: torch.Tensor | float | None) -> None:
+        """After optimizer step number ``step`` (1-based); emits an event when one is due.
+        A loss still on the device is read only when something needs it (the step budget, an
+        event), so a step without an event does not wait for the device."""
         if self.budget is not None:
+            loss = _read(loss)
             self.budget.step_end(loss)  # ends the process at the budget
         if not self.active:
             return
@@ -207,7 +210,7 @@ class Monitor:
         ):
             self._finish()
             if emit:
-                self._pending = self._start_reduce(step, loss, due)
+                self._pending = self._start_reduce(step, _read(loss), due)
                 self._n, self._time, self._tokens = 0, 0.0, 0
                 self._phases = dict.fromkeys(COLUMNS, 0.0)
 
@@ -346,3 +349,8 @@ def _stderr_is_tty() -> bool:
     import sys
 
     return sys.stderr.isatty()
+
+
+def _read(loss: torch.Tensor | float | None) -> float | None:
+    """The loss as a number on the host (a tensor is copied, waiting for the device)."""
+    return float(loss) if isinstance(loss, torch.Tensor) else loss
