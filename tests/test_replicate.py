@@ -130,3 +130,46 @@ def test_step_hooks_fire_once_per_step(ranks):
     assert hooked["overlapped"] == 0
     for k in hooked["state"]:
         assert torch.equal(hooked["state"][k], plain["state"][k]), k
+
+
+@pytest.mark.parametrize(
+    "used",
+    [[True] * 5, [False] * 5, [True, False, False, True, False], [False, True, True, False, True]],
+)
+def test_usage_flags_are_written_by_fills(used: list[bool]) -> None:
+    from longboat.strategies.replicate import _write_flags
+
+    flags = torch.full((len(used),), 7.0)
+    _write_flags(flags, used)
+    assert flags.tolist() == [float(u) for u in used]
+
+
+def test_a_bucket_launch_builds_no_host_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host tensor copied into a GPU bucket is a copy from pageable memory, which waits for
+    the stream to drain once per bucket in the middle of the backward: the usage flags are
+    written by fills on the bucket's device (replicate._write_flags)."""
+    import sys
+
+    import longboat
+
+    made_here: list[str] = []
+    real = torch.tensor
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.endswith("strategies/replicate.py"):
+            made_here.append(caller)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    torch.manual_seed(0)
+    model = reference.ZooNet()  # a never-used parameter, and experts that route 0 leaves out
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    cfg = {**_cfg(), "batch": {"micro_batch_size": 4}, "log": {"level": "WARNING"}}
+    engine = longboat.initialize(model, opt, cfg)
+    monkeypatch.setattr(torch, "tensor", recording)
+    x, route, y = torch.randn(4, 3, 5), torch.zeros(4, dtype=torch.long), torch.tensor([0, 1, 2, 3])
+    for _ in range(2):
+        engine.backward(torch.nn.functional.cross_entropy(engine(x, route), y))
+        assert engine.step()
+    engine.close()
+    assert made_here == []
