@@ -26,6 +26,7 @@ from longboat.config.compositions import refuse_built
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.data import Loader, build_loader
+from longboat.engine.closing import Closing
 from longboat.engine.recovering import Recovering
 from longboat.engine.split import SplitBackwardMethods
 from longboat.engine.state import StateMethods
@@ -42,12 +43,12 @@ from longboat.strategies.registry import build_strategy
 from longboat.tensor import TensorParallel
 from longboat.tensor.strategy import wrap as tensor_parallel_over
 from longboat.topology import Topology
-from longboat.world import World, destroy_process_group, device_for
+from longboat.world import World, device_for
 
 T = TypeVar("T")
 
 
-class Engine(StateMethods, SplitBackwardMethods, Recovering):
+class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
     """A model trained by a strategy. Create it with :func:`longboat.initialize`."""
 
     def __init__(
@@ -186,7 +187,7 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering):
         def leave() -> None:
             engine = ref()
             if engine is not None:
-                engine.close()
+                engine._leave()
 
         self._atexit = leave
         atexit.register(self._atexit)
@@ -491,29 +492,6 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering):
 
     def eval(self) -> Engine:
         return self.train(False)
-
-    def close(self) -> None:
-        """Finish progress output, remove hooks and leave the process group if we joined it."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self._atexit)
-        self.monitor.close()
-        self.strategy.close()
-        if self.compiler is not None:
-            self.compiler.restore()
-        self.checkpointing.stop.uninstall()
-        commlog = getattr(self.comm, "commlog", None)
-        if commlog is not None and self.world.is_main:
-            # Rank 0's view of the data-parallel traffic (and of its tensor-parallel layers');
-            # every rank's numbers are in engine.comm.log_summary().
-            print(commlog.table(), end="", flush=True)
-            layers = getattr(self.tensor.comm, "commlog", None)
-            if layers is not None and self.tensor.active:
-                print(layers.table("tp"), end="", flush=True)
-        self.topology.close()
-        if self._owns_group:
-            destroy_process_group()
 
     def __enter__(self) -> Engine:
         return self

@@ -283,10 +283,11 @@ class Monitor:
 
     # -- the end -------------------------------------------------------------------------------
 
-    def close(self) -> dict[str, Any] | None:
-        """Write the last event and close the sinks; with the profiler on, gather every rank's
-        totals (a collective), print the table on rank 0 and return the summary (also kept as
-        ``summary``)."""
+    def close(self, gather: bool = True) -> dict[str, Any] | None:
+        """Write the last event and close the sinks; with the profiler on and ``gather``, gather
+        every rank's totals (a collective), print the table on rank 0 and return the summary
+        (also kept as ``summary``). Without ``gather`` (at exit, [Note: leaving at exit] in
+        ``engine/core.py``) no collective is made and no table printed."""
         self._finish()
         for sink, _ in self.sinks:
             sink.close()
@@ -294,6 +295,13 @@ class Monitor:
         if self.flops is not None:
             self.flops.close()
         if self.breakdown is None and self.flops is None:
+            return None
+        if not gather:
+            if self.is_main:
+                self._log.warning(
+                    "the step profile's table is printed by engine.close(); this engine was "
+                    "not closed before exit"
+                )
             return None
         flops = self.flops.per_rank if self.flops is not None and self.flops.per_rank else 0
         self.summary = gather_summary(

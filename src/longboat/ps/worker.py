@@ -363,3 +363,8 @@ class ParameterServer(WholeModel, StrategyDefaults):
         if self.conn.commlog is not None and self.worker == 0:  # comm.log: worker 0's view
             print(self.conn.commlog.table("parameter servers"), end="", flush=True)
         self.service.close()
+
+    def leave(self) -> None:
+        # The servers' shutdown is this job's own protocol, not a collective of the groups,
+        # and a worker that never closes must still stop them.
+        self.close()

@@ -252,7 +252,14 @@ class Strategy(Protocol):
         ...
 
     def close(self) -> None:
-        """Remove hooks and free buffers."""
+        """Remove hooks and free buffers; may hand the user back an ordinary model, which can
+        take collectives (every rank closes together)."""
+        ...
+
+    def leave(self) -> None:
+        """At exit, for an engine the script never closed: release what :meth:`close` releases
+        (hooks, buffers, files), with no collective, since by then the ranks may hold different
+        engines ([Note: leaving at exit] in ``engine/core.py``)."""
         ...
 
 

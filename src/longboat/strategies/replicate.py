@@ -348,6 +348,9 @@ class Replicate(WholeModel, StrategyDefaults):
         if self._buffers is not None:
             self._buffers.close()
 
+    def leave(self) -> None:
+        self.close()  # no collective in it
+
 
 def _write_flags(flags: torch.Tensor, used: list[bool]) -> None:
     """``flags[i] = used[i]`` by fills on the flags' own device. A copy from a host list would

@@ -87,3 +87,6 @@ class Single(WholeModel, StrategyDefaults):
 
     def close(self) -> None:
         pass
+
+    def leave(self) -> None:
+        pass

@@ -114,6 +114,9 @@ class TensorParallelStrategy(StrategyDefaults):
     def close(self) -> None:
         self.inner.close()
 
+    def leave(self) -> None:
+        self.inner.leave()
+
     # -- in the full model's terms -------------------------------------------------------------
 
     def norm_groups(self) -> list[Comm]:

@@ -373,11 +373,7 @@ class Zero(StrategyDefaults):
         return out
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        if self._buffers is not None:
-            self._buffers.close()
+        self._release_hooks()
         if self._gathering is None:  # stages 1-2: the masters, not the copy computed from
             for u in self.units:
                 if u.compute_dtype is not None:
@@ -398,6 +394,19 @@ class Zero(StrategyDefaults):
                 if u.full is not None:
                     free_storage(u.full)
         self.home.close()  # after the gathers above, which read its files
+
+    def leave(self) -> None:
+        """No model handed back: the gathers of close() are collectives, and at exit the ranks
+        may be closing different engines ([Note: leaving at exit] in ``engine/core.py``)."""
+        self._release_hooks()
+        self.home.close()
+
+    def _release_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._buffers is not None:
+            self._buffers.close()
 
 
 def whole_masters(u: FlatUnit, comm: Comm) -> torch.Tensor:
