@@ -245,3 +245,30 @@ def test_memory_and_step_time_are_measured_on_cuda():
     eager = steptime.tasks(dry=True)[0].args
     timed = steptime.measure(eager, _cuda())
     assert set(timed["median_s"]) == set(eager["sides"])
+
+
+def test_the_peak_composition_replays_the_allocators_record():
+    from gpucheck.allocations import composition
+
+    def frame(path: str, line: int, name: str) -> dict:
+        return {"filename": path, "line": line, "name": name}
+
+    model = [frame("/x/models.py", 52, "forward")]
+    linear = [frame("/y/torch/nn/modules/linear.py", 134, "forward"), *model]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": linear},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": []},  # autograd's thread
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": linear},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": linear},
+        {"action": "alloc", "addr": 3, "size": 70, "frames": model},
+        {"action": "alloc", "addr": 4, "size": 40, "frames": linear},  # the peak: 50+70+40
+        {"action": "free_requested", "addr": 3, "size": 70, "frames": model},
+        {"action": "alloc", "addr": 5, "size": 60, "frames": model},  # 50+40+60: below
+    ]
+    found = composition(trace)
+    assert found["peak_bytes"] == 160
+    assert found["live_at_peak"] == [
+        {"where": "models.py:52 forward", "bytes": 70, "blocks": 1},
+        {"where": "backward (no Python frame)", "bytes": 50, "blocks": 1},
+        {"where": "models.py:52 forward <- linear.py:134 forward", "bytes": 40, "blocks": 1},
+    ]

@@ -9,7 +9,7 @@ reset, the model is built (on the CPU; longboat moves it), trained for a few ste
 peak of ``torch.cuda.max_memory_allocated`` above what was allocated before is compared with
 the planner's peak for the same model, batch, optimizer and config (planned on fake tensors in
 the same process, before). ``engine.memory_report()``'s model state is recorded beside the
-planner's.
+planner's, and what the peak holds, by where it was made (``gpucheck/allocations.py``).
 
 Offload: ``zero.offload_optimizer.device = 'cpu'`` with the parameters on a GPU (masters and
 optimizer state in pinned host memory, [Note: host offload] in ``zero/host.py``): ZeRO-2 trains
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from gpucheck import allocations
 from gpucheck.launch import RankContext, Task
 
 STRATEGIES = ("single", "replicate", "zero-1", "zero-2", "zero-3")
@@ -105,14 +106,15 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     device = torch.device(ctx.device)
     cuda = device.type == "cuda"
     before = _fresh_peak(device)
-    torch.manual_seed(0)
-    model = target.build()
-    engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg)
-    _train(engine, model.vocab_size, args, args["warmup"] + args["steps"])
-    measured = None
-    if cuda:
-        torch.cuda.synchronize(device)
-        measured = torch.cuda.max_memory_allocated(device) - before
+    with allocations.recorded(device) as at_peak:
+        torch.manual_seed(0)
+        model = target.build()
+        engine = longboat.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg)
+        _train(engine, model.vocab_size, args, args["warmup"] + args["steps"])
+        measured = None
+        if cuda:
+            torch.cuda.synchronize(device)
+            measured = torch.cuda.max_memory_allocated(device) - before
     report = engine.memory_report()
     engine.close()
     del engine, model
@@ -130,6 +132,8 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
         "measured_model_state": report.measured,
         "model_state_equal": report.measured == planned.model_state,
         "note": None if cuda else "no CUDA device: the peak is not measured",
+        # what the peak holds, by where it was made (gpucheck/allocations.py; CUDA only)
+        "at_peak": at_peak or None,
     }
 
 
