@@ -454,3 +454,122 @@ def test_a_stage_is_built_in_the_constructor_as_deepspeed_builds_it(monkeypatch,
             assert torch.equal(built[f"{i}.{n}"], p)
     m.bind(bounds, [1])
     assert all(built[n] is p for n, p in m.named_parameters())  # the same tensors, kept
+
+
+# -- stages, and a middle stage that reads no data ----------------------------------------------
+
+
+class _Counting:
+    """An iterator that counts what is drawn from it."""
+
+    def __init__(self, items: list) -> None:
+        self.items, self.drawn = iter(items), 0
+
+    def __iter__(self) -> _Counting:
+        return self
+
+    def __next__(self):
+        self.drawn += 1
+        return next(self.items)
+
+
+def _three_stages(steps: int) -> dict:
+    """DeepSpeed's contract: the first and last stages read (inputs, labels); a middle stage
+    reads nothing, so it may call train_batch() with no iterator and without training_data,
+    and draws nothing from one it is given."""
+    g = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(steps * 8, 6, generator=g), torch.randint(0, 3, (steps * 8,), generator=g)
+    cfg = {
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    model = PipelineModule(
+        _build(), num_stages=3, loss_fn=F.cross_entropy, partition_method="uniform"
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        config=cfg, model=model, model_parameters=model.parameters()
+    )
+    data = _Counting([(xs[i : i + 2], ys[i : i + 2]) for i in range(0, len(xs), 2)])
+    facts = {
+        "stage_id": engine.stage_id,
+        "num_stages": engine.num_stages,
+        "first": engine.is_first_stage(),
+        "last": engine.is_last_stage(),
+    }
+    losses = []
+    for s in range(steps):
+        middle = not (facts["first"] or facts["last"])
+        if middle and s == 0:
+            losses.append(engine.train_batch().item())  # no iterator at all
+        else:
+            losses.append(engine.train_batch(data).item())
+    mine = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+
+    layers = _build()
+    plain = nn.Sequential(*[m if isinstance(m, nn.Module) else _Fn(m) for m in layers])
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    want = []
+    for s in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for k in range(4):
+            i = s * 8 + k * 2
+            loss = F.cross_entropy(plain(xs[i : i + 2]), ys[i : i + 2]) / 4
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        want.append(total)
+    ref = dict(plain.named_parameters())
+    same = all(torch.allclose(p, ref[n], rtol=1e-5, atol=1e-6) for n, p in mine.items())
+    return {**facts, "drawn": data.drawn, "same": same, "losses": (losses, want)}
+
+
+def test_a_middle_stage_reads_no_data_as_in_deepspeed(ranks):
+    results = ranks(3, _three_stages, 3)
+    assert [(r["stage_id"], r["num_stages"], r["first"], r["last"]) for r in results] == [
+        (0, 3, True, False),
+        (1, 3, False, False),
+        (2, 3, False, True),
+    ]
+    # 3 steps x 4 micro-batches drawn by the first and last stages, none by the middle one
+    assert [r["drawn"] for r in results] == [12, 0, 12]
+    for r in results:
+        assert r["same"]
+        losses, want = r["losses"]
+        assert losses == pytest.approx(want, rel=1e-5)  # the loss on every stage
+
+
+def _loss_over_replicas() -> dict:
+    g = torch.Generator().manual_seed(5)
+    cfg = {
+        "train_batch_size": 16,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    model = PipelineModule(
+        _build(), num_stages=2, loss_fn=F.cross_entropy, partition_method="uniform"
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        config=cfg, model=model, model_parameters=model.parameters()
+    )
+    # each replica its own samples: the data-parallel rank seeds them
+    dp_rank = engine.engine.topology.mesh.coords(dist.get_rank())["dp"]
+    g.manual_seed(5 + dp_rank)
+    xs, ys = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    data = iter([(xs[i : i + 2], ys[i : i + 2]) for i in range(0, 8, 2)])
+    returned = engine.train_batch(data).item()
+    local = engine.engine.last_loss
+    engine.destroy()
+    return {"returned": returned, "local": local, "dp": dp_rank}
+
+
+def test_train_batch_returns_the_loss_averaged_over_replicas(ranks):
+    # DeepSpeed's pipeline engine all-reduces the step's loss over the data-parallel group and
+    # shares it with every stage: every rank returns the same number, the replicas' mean.
+    results = ranks(4, _loss_over_replicas)
+    by_replica = {r["dp"]: r["local"] for r in results}
+    assert len(by_replica) == 2 and by_replica[0] != by_replica[1]
+    for r in results:
+        assert r["returned"] == pytest.approx(sum(by_replica.values()) / 2, rel=1e-6)

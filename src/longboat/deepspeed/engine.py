@@ -45,7 +45,8 @@ class DeepSpeedEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.training_dataloader: Any = None  # set by initialize() from training_data
-        self._data_iter: Iterator[Any] | None = None  # train_batch()'s own, over that loader
+        # what train_batch() reads: set_dataiterator's, or its own over that loader
+        self._data_iter: Iterator[Any] | None = None
         self._applied = True  # whether the last optimizer step was applied
         self._no_sync = False  # inside no_sync()
         _LIVE.add(self)
@@ -107,33 +108,71 @@ class DeepSpeedEngine:
     def train_batch(
         self, data_iter: Iterator[Any] | None = None, loss_fn: Callable[..., Any] | None = None
     ) -> torch.Tensor:
-        """One optimizer step on ``gradient_accumulation_steps()`` micro-batches drawn from
-        ``data_iter`` (default: the ``training_data`` loader given to :func:`initialize`), each
-        an ``(inputs, labels)`` pair, the loss ``loss_fn(outputs, labels)`` (default: the
-        module's ``loss_fn``, as DeepSpeed's ``PipelineModule`` has); returns the mean loss.
-        Runs through the pipeline schedule when ``mesh.pp > 1``. The module is put in training
-        mode first, as DeepSpeed's pipeline engine does (``eval_batch`` leaves it in eval mode)."""
+        """One optimizer step on ``gradient_accumulation_steps()`` micro-batches, each an
+        ``(inputs, labels)`` pair, the loss ``loss_fn(outputs, labels)`` (default: the module's
+        ``loss_fn``, as DeepSpeed's ``PipelineModule`` has); returns the mean loss, averaged
+        over the data-parallel ranks, on every rank (DeepSpeed's pipeline engine's
+        ``agg_train_loss``). Runs through the pipeline schedule when ``mesh.pp > 1``.
+
+        As DeepSpeed's pipeline engine: ``data_iter`` is kept for later calls
+        (:meth:`set_dataiterator`), else the ``training_data`` given to :func:`initialize` is
+        read, repeating; a stage that is neither the first nor the last reads no data, so it
+        may pass none and draws nothing from one it is given. The module is put in training
+        mode first (``eval_batch`` leaves it in eval mode)."""
         loss_fn = loss_fn or getattr(self.module, "loss_fn", None)
         if loss_fn is None:
             raise ConfigError(
                 "train_batch() needs a loss: give loss_fn=..., or set the module's loss_fn "
                 "attribute (DeepSpeed's PipelineModule(loss_fn=...))"
             )
-        if data_iter is None:
-            if self.training_dataloader is None:
-                raise ConfigError(
-                    "train_batch() without data_iter needs training_data given to initialize()"
-                )
-            if self._data_iter is None:
-                self._data_iter = iter(_repeating(self.training_dataloader))
-            data_iter = self._data_iter
-        micro = list(itertools.islice(data_iter, self.gradient_accumulation_steps()))
-        if len(micro) < self.gradient_accumulation_steps():
-            raise StopIteration("data_iter ran out within a step")
-        batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        batch = None  # a middle pipeline stage's: it reads no data
+        if self.engine.schedule.reads_data:
+            count = self.gradient_accumulation_steps()
+            micro = list(itertools.islice(self._source(), count))
+            if len(micro) < count:
+                raise StopIteration("data_iter ran out within a step")
+            batch = tuple(torch.cat(parts) for parts in zip(*micro, strict=True))
         self.engine.train()
         mean = self.engine.train_step(batch, lambda out, mb: loss_fn(out, mb[1]))
-        return torch.tensor(mean)
+        total = self.engine.reduce_metrics({"loss": mean})["loss"]
+        return torch.tensor(total / self.engine.topology.mesh.dp)
+
+    def _source(self) -> Iterator[Any]:
+        if self._data_iter is None:
+            if self.training_dataloader is None:
+                raise ConfigError(
+                    "train_batch() without data_iter needs training_data given to "
+                    "initialize(), or an iterator given earlier (train_batch(data_iter) or "
+                    "set_dataiterator)"
+                )
+            self._data_iter = iter(_repeating(self.training_dataloader))
+        return self._data_iter
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """The iterator :meth:`train_batch` reads from from now on, on the first and last
+        pipeline stages (the others read no data), as DeepSpeed's."""
+        if self.engine.schedule.reads_data:
+            self.training_dataloader = None
+            self._data_iter = iterator
+
+    # -- the pipeline's stages, as DeepSpeed's pipeline engine names them ----------------------
+
+    @property
+    def stage_id(self) -> int:
+        """This rank's pipeline stage (0 without a pipeline)."""
+        return self.engine.schedule.held_stages[0]
+
+    @property
+    def num_stages(self) -> int:
+        return self.engine.schedule.stages
+
+    def is_first_stage(self) -> bool:
+        return 0 in self.engine.schedule.held_stages
+
+    def is_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.engine.schedule.held_stages
 
     def eval_batch(
         self,

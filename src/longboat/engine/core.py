@@ -35,7 +35,7 @@ from longboat.join import JoinVote, Turn
 from longboat.observe.monitor import Monitor
 from longboat.optim.checks import check_parameters, facts_of
 from longboat.optim.self_reducing import check_bound
-from longboat.pipeline.schedule import LossFn, Schedule, Sequential, default_inputs, split
+from longboat.pipeline.schedule import LossFn, Schedule, Sequential, default_inputs, steps_of
 from longboat.precision import Precision, SkippedStep
 from longboat.recovery.injob import in_job
 from longboat.strategies.base import cannot_shadow
@@ -282,22 +282,18 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
 
     @property
     def last_loss(self) -> float | None:
-        """The mean loss of the last optimizer step's micro-batches on this rank (None before
-        the first step). The first read after a step waits for the device to reach the loss
-        ([Note: the loss stays on the device])."""
+        """The mean loss of the last step's micro-batches on this rank (None before the first);
+        the first read waits for the device ([Note: the loss stays on the device])."""
         if isinstance(self._last_loss, torch.Tensor):
             self._last_loss = float(self._last_loss)
         return self._last_loss
 
     # Note [the loss stays on the device]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # backward() adds each micro-batch's loss to a device tensor instead of reading it with
-    # float(): a read after backward makes the host wait for the backward to finish before it
-    # launches the optimizer step, and the device then idles while the host launches the
-    # step's few hundred kernels (measured on an H200: 1.6 ms of a 44 ms GPT-2-small step,
-    # benchmarks/results/gpu/step_time.json). The loss is read when someone asks: last_loss,
-    # the monitor when an event is due, the step budget. A plain loop that prints its loss
-    # every step pays the same wait; one that does not, does not, and neither does longboat.
+    # backward() adds each loss to a device tensor: a float() after backward made the host wait
+    # for it before launching the optimizer step, and the GPU idled while the host launched
+    # the step's kernels (1.6 ms of a 44 ms step on an H200, docs/gpu.md). It is read when
+    # asked for: last_loss, the monitor when an event is due, the step budget.
 
     def _optimizer_step(self) -> None:
         self.strategy.finish_gradients()
@@ -342,7 +338,8 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
         The batch is split into micro-batches that the schedule runs forward (the model called
         on ``inputs(micro_batch)``, by default the first element of a tuple) and backward
         (``loss_fn(output, micro_batch)``), then :meth:`step` runs. Returns the mean loss of
-        the micro-batches on this rank.
+        the micro-batches on this rank. ``batch`` is None on a pipeline rank that holds
+        neither the first stage nor the last (``schedule.reads_data`` is False).
         """
         if self.micro_step % self._backwards:
             raise RuntimeError(
@@ -355,7 +352,8 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
                 "loop (engine(x), backward, step) one micro-batch at a time; iterate "
                 "micro-batches, or use data.remainder = 'pad'"
             )
-        micro_batches = split(batch, self.batch.micro_batch_size, self.accumulation_steps)
+        n, size = self.accumulation_steps, self.batch.micro_batch_size
+        micro_batches = steps_of(self.schedule, batch, size, n)
         losses = self.schedule.run(self, micro_batches, loss_fn, inputs or default_inputs)
         # The step's losses as the schedule reports them (a pipeline's come from its last
         # stage, shared with every stage).

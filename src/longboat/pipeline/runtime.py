@@ -67,6 +67,20 @@ class Pipeline:
         self.stage_costs: tuple[list[float], list[float]] | None = None
         self.log = logging.getLogger("longboat")
 
+    @property
+    def stages(self) -> int:
+        return self.ranks * self.stages_per_rank
+
+    @property
+    def held_stages(self) -> list[int]:
+        """This rank's stages: one per chunk, ``ranks`` apart (interleaved schedules)."""
+        return [c * self.ranks + self.rank for c in range(self.stages_per_rank)]
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this rank runs the first stage (the inputs) or the last (the labels)."""
+        return bool({0, self.stages - 1} & set(self.held_stages))
+
     # -- setting up ----------------------------------------------------------------------------
 
     def prepare(self, model: nn.Module, example_input: Any = None) -> nn.Module:
@@ -75,8 +89,7 @@ class Pipeline:
         model with ``pipeline_layers()`` (:mod:`longboat.pipeline.layered`).
         ``example_input`` (one micro-batch's model inputs) lets the ``measured`` partition,
         the default, time each layer first (:mod:`longboat.pipeline.measure`)."""
-        stages = self.ranks * self.stages_per_rank
-        held = [c * self.ranks + self.rank for c in range(self.stages_per_rank)]
+        stages, held = self.stages, self.held_stages
         try:
             model = staging.as_layers(model, self.partition)
         except TypeError as e:

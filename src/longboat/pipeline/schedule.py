@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from longboat.comm.protocol import Comm
+from longboat.config.errors import ConfigError
 from longboat.pipeline.tied import TiedWeights
 
 #: ``loss_fn(output, micro_batch)``: the micro-batch's loss from the model's output.
@@ -54,10 +55,21 @@ class Schedule(Protocol):
     time the model's layers on ``example_input``, one micro-batch's model inputs);
     ``restrict`` drops from the user's optimizer what this rank does not train;
     ``stages_per_rank`` backwards run per micro-batch on a rank; ``norm_groups`` are the groups
-    over which ranks hold disjoint parameters (beside the strategy's)."""
+    over which ranks hold disjoint parameters (beside the strategy's). ``held_stages`` are the
+    stages this rank runs, of ``stages`` in all; a rank that holds neither the first (it reads
+    the inputs) nor the last (the labels) reads no batch (``reads_data``)."""
 
     stages_per_rank: int
     ties: TiedWeights  # weights whose copies on other ranks must stay equal to this rank's
+
+    @property
+    def stages(self) -> int: ...
+
+    @property
+    def held_stages(self) -> list[int]: ...
+
+    @property
+    def reads_data(self) -> bool: ...
 
     def prepare(self, model: nn.Module, example_input: Any = None) -> nn.Module: ...
 
@@ -97,6 +109,18 @@ class Sequential:
     def __init__(self) -> None:
         self.ties = TiedWeights()  # nothing is tied across ranks without stages
 
+    @property
+    def stages(self) -> int:
+        return 1
+
+    @property
+    def held_stages(self) -> list[int]:
+        return [0]
+
+    @property
+    def reads_data(self) -> bool:
+        return True
+
     def prepare(self, model: nn.Module, example_input: Any = None) -> nn.Module:
         build = getattr(model, "build_all", None)  # a PipelineModule: build its layer specs
         if callable(build):
@@ -134,6 +158,20 @@ class Sequential:
         inputs: Callable[[Any], tuple[Any, ...]],
     ) -> list[float]:
         return [float(loss_fn(steps.forward(*inputs(mb)), mb)) for mb in micro_batches]
+
+
+def steps_of(schedule: Schedule, batch: Any, micro_batch_size: int, count: int) -> list[Any]:
+    """``batch`` split into ``count`` micro-batches of ``micro_batch_size``; for None (a rank
+    whose stages read no batch), ``count`` Nones."""
+    if batch is not None:
+        return split(batch, micro_batch_size, count)
+    if schedule.reads_data:
+        raise ConfigError(
+            f"train_step(None) on a rank that runs stage(s) {schedule.held_stages} of "
+            f"{schedule.stages}: the first stage reads the inputs and the last the labels; "
+            "give this rank's batch (only a rank with neither may pass None)"
+        )
+    return [None] * count
 
 
 def default_inputs(micro_batch: Any) -> tuple[Any, ...]:
