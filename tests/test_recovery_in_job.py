@@ -13,35 +13,20 @@ checkpoint path, which this feature exists to avoid.) The survivors equal each o
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import harness
 import pytest
+import recovery_checks
 import reference
-import torch
-from safetensors.torch import load_file
 
 import longboat
 from longboat.config.errors import ConfigError
 from longboat.config.loading import load_config
 
 SCRIPT = Path(__file__).parent / "launch_scripts" / "train_in_job.py"
-TOL = 1e-5  # fp32, relative
-MICRO = 2
 STEPS = 5
-
-
-def _expected_order(world: int, lost: int, kill_after: int) -> list[list[list[list[int]]]]:
-    """[step][micro-batch][rank] -> sample ids, as [Note: shards] deals them, the world
-    shrinking by ``lost`` ranks after step ``kill_after``."""
-    order, start = [], 0
-    for step in range(STEPS):
-        n = world if step < kill_after else world - lost
-        order.append([[[start + r + i * n for i in range(MICRO)] for r in range(n)]])
-        start += MICRO * n
-    return order
 
 
 # Rank 0 of 4 lost: every survivor is renumbered, and the rank that broadcast the initial
@@ -92,31 +77,9 @@ def test_survivors_regroup_and_match_the_shrinking_plain_loop(tmp_path, world, v
     survivors = [r for r in range(world) if r != victim]
     said = re.findall(r"in-job recovery: lost rank\(s\) (\d+) .* generation (\d+)", log)
     assert said == [(str(victim), "1")] * len(survivors), log
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        f"rank{r}.{ext}" for r in survivors for ext in ("json", "safetensors")
+    recovery_checks.assert_matches_shrinking_plain_loop(
+        out, world, survivors, kill_after, STEPS, model
     )
-
-    order = _expected_order(world, 1, kill_after)
-    data = reference.dataset if model == "tiny" else reference.image_dataset
-    plain = reference.plain_train(
-        reference.Recipe(model, "adamw"), reference.indexed(data(60)), order
-    )
-    states = {}
-    for r in survivors:
-        records = json.loads((out / f"rank{r}.json").read_text())
-        assert [rec["step"] for rec in records] == list(range(1, STEPS + 1))
-        for rec in records:
-            s, rank = rec["step"] - 1, rec["rank"]
-            # every sample of every step once, on the rank the shrinking world gives it
-            assert rec["ids"] == order[s][0][rank], (r, rec)
-            want = plain.losses[s][0][rank]
-            assert abs(rec["loss"] - want) <= TOL * max(abs(want), 1.0), (r, rec, want)
-        states[r] = load_file(out / f"rank{r}.safetensors")
-    first, *others = survivors
-    for r in others:  # the replicas stayed replicas
-        assert states[r].keys() == states[first].keys()
-        assert all(torch.equal(states[r][k], states[first][k]) for k in states[first]), r
-    harness.assert_saved_state_matches_plain(states[first], plain, TOL)
 
 
 def _initialize_in_job(strategy: str) -> str:

@@ -70,3 +70,35 @@ def test_survivors_at_different_steps_are_refused_naming_each():
     for err in got.values():
         assert isinstance(err, RecoveryError)
         assert "rank 0: step 3" in str(err) and "rank 2: step 4" in str(err)
+
+
+def test_a_death_published_by_another_nodes_launcher_closes_the_agreement():
+    # [Note: deaths across nodes]: the survivors share no launcher with the lost rank 2; its
+    # launcher's notice in the store is what they learn it from, not the 30 s window.
+    from longboat.recovery.membership import DeathNotices, publish_death
+
+    store = dist.HashStore()
+    publish_death(store, 2)
+    t0 = time.monotonic()
+    # a reader per call: the two survivors' threads share the keyword arguments
+    got = _together(
+        store,
+        [Arrival(0, 3), Arrival(1, 3)],
+        (0, 1, 2),
+        wait_s=30,
+        dead=lambda: DeathNotices(store)(),
+    )
+    assert time.monotonic() - t0 < 5
+    assert got[0] == got[1] and got[0].members == (0, 1) and got[0].lost == (2,)
+
+
+def test_death_notices_are_read_in_order_with_the_local_records():
+    from longboat.recovery.membership import DeathNotices, publish_death
+
+    store = dist.HashStore()
+    notices = DeathNotices(store, lambda: {7})
+    assert notices() == {7}
+    publish_death(store, 3)
+    publish_death(store, 5)
+    assert notices() == {3, 5, 7}
+    assert DeathNotices(store)() == {3, 5}  # a reader that starts late reads them all

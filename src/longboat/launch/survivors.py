@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from longboat import roles
+from longboat.recovery.membership import publish_death
 
 
 class _Dropped:
@@ -101,6 +102,7 @@ class Survivors:
         self.replacements = replacements  # left to start (--max-restarts)
         self.replaced: list[tuple[int, int]] = []  # (global rank, id of its replacement)
         self._ids: dict[int, int] = {}  # global rank -> id of its current process
+        self._store: Any = None  # the job's store, opened at the first death
 
     def check(self, agent: Any, worker_group: Any) -> None:
         """Drop each droppable rank that has ended badly since the last tick."""
@@ -123,6 +125,7 @@ class Survivors:
                 continue  # the agent's rule: the job stops
             how = _how(code)
             roles.mark_dead(self.roles_dir, self._ids.get(rank, rank), how)
+            self._publish(agent._pcontext, self._ids.get(rank, rank))
             world_size = worker_group.workers[local_rank].world_size
             new_id = rank + world_size * (1 + sum(r == rank for r, _ in self.replaced))
             new = None
@@ -147,6 +150,28 @@ class Survivors:
                 f"longboat: rank {rank} ({role.what}) {how}; the job goes on without it "
                 f"({role.after})"
             )
+
+    def _publish(self, pcontext: Any, id: int) -> None:
+        """The death of ``id`` in the job's store, for survivors on other nodes ([Note: deaths
+        across nodes] in ``longboat/recovery/membership.py``): a client of the store the
+        workers reach at ``MASTER_ADDR:MASTER_PORT`` (the agent's), opened at the first
+        death. Where it cannot be reached, the survivors wait up to ``recovery.wait_s``."""
+        try:
+            if self._store is None:
+                from datetime import timedelta
+
+                from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+                env = next(iter(pcontext.envs.values()))
+                self._store = TCPStore(
+                    env["MASTER_ADDR"],
+                    int(env["MASTER_PORT"]),
+                    is_master=False,
+                    timeout=timedelta(seconds=10),
+                )
+            publish_death(self._store, id)
+        except Exception as e:  # the job goes on; the agreement's window covers it
+            self.report(f"longboat: could not publish the death of rank id {id} ({e})")
 
     def all_failed(self) -> str | None:
         """Each droppable rank that died, in words, when every one of them did (None

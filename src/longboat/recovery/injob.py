@@ -25,7 +25,7 @@ from longboat.config.sections import Config
 from longboat.data import Loader
 from longboat.mesh import Mesh
 from longboat.recovery import joining
-from longboat.recovery.membership import ROOT, Arrival, Membership, agree
+from longboat.recovery.membership import ROOT, Arrival, DeathNotices, Membership, agree
 from longboat.topology import DoorwayOptions, Topology
 from longboat.world import World, destroy_process_group, device_for, init_process_group
 
@@ -105,7 +105,7 @@ def join_job(
     recovery = InJob(config, launch, model, store)
     t0 = time.monotonic()
     k = joining.register(store, recovery.id)
-    gen = joining.wait_admitted(store, k, dead=roles.dead)
+    gen = joining.wait_admitted(store, k, dead=recovery.deaths)
     members = tuple(int(i) for i in json.loads(store.get(f"{ROOT}/{gen}/members")))
     m = Membership(gen, members, (), -1, ())
     world, topology = recovery._regroup(m, old, options)
@@ -146,6 +146,9 @@ class InJob:
         # The launcher's store, outside any group's namespace: the agreement outlives the
         # groups, and a replacement reaches the same keys.
         self._store = store
+        # the deaths this node's launcher recorded and those any launcher published ([Note:
+        # deaths across nodes] in membership.py)
+        self.deaths = DeathNotices(store, roles.dead)
         self._loaders: list[tuple[weakref.ref[Loader], tuple[int, int]]] = []
         self.joined = 0  # replacements taken in so far: the next ticket is joined + 1
         self._join_at: int | None = None  # the step after which ticket joined + 1 comes in
@@ -215,7 +218,7 @@ class InJob:
             self.members,
             mine,
             wait_s=wait_s,
-            dead=roles.dead,
+            dead=self.deaths,
             joining=(newcomer,),
         )
         joining.admitted(self._store, k, gen, m.members)
@@ -286,7 +289,7 @@ class InJob:
         live = [(lo, w) for r, w in self._loaders if (lo := r()) is not None]
         mine = Arrival(self.id, step, tuple(w for _, w in live))
         wait_s = self.config.recovery.wait_s
-        m = agree(self._store, gen, self.members, mine, wait_s=wait_s, dead=roles.dead)
+        m = agree(self._store, gen, self.members, mine, wait_s=wait_s, dead=self.deaths)
         t1 = time.monotonic()
         if isinstance(error, Abandoned):
             # (the default group through a private torch API: nothing public returns it)

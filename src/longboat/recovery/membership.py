@@ -120,4 +120,48 @@ def agree(
     return Membership(generation, members, lost, mine.step, mine.loaders)
 
 
-__all__ = ["ROOT", "Arrival", "Membership", "RecoveryError", "agree"]
+DEATHS = f"{ROOT}/dead"
+
+
+def publish_death(store: Any, id: int) -> None:
+    """The launcher's notice, in the job's store, that the process of ``id`` died: survivors on
+    other nodes see it ([Note: deaths across nodes])."""
+    n = store.add(f"{DEATHS}/count", 1)
+    store.set(f"{DEATHS}/{n}", str(id))
+
+
+class DeathNotices:
+    """The ids the launchers published dead in the store, read in order (one ``check`` a call
+    when there is nothing new), with ``local()``'s (this node's launcher's records) added.
+
+    Note [deaths across nodes]: only the launcher of the node a rank ran on sees it die. Its
+    records on that node's disk tell the survivors there; a survivor on another node would
+    not know, and where no survivor shares the lost rank's node (the rank was alone on it)
+    the agreement waited for it until ``recovery.wait_s`` (measured: 10.0 s at wait_s = 10,
+    two namespace hosts of 2 + 1 ranks). So each launcher also publishes the deaths it
+    records in the job's store, as a list (``<DEATHS>/count`` numbers the notices, notice
+    ``n`` is under ``<DEATHS>/<n>``). A node lost whole, its launcher with it, publishes
+    nothing: its ranks are waited for until ``recovery.wait_s``."""
+
+    def __init__(self, store: Any, local: Callable[[], set[int]] = set) -> None:
+        self._store, self._local = store, local
+        self._known: set[int] = set()
+        self._read = 0  # notices read so far
+
+    def __call__(self) -> set[int]:
+        while self._store.check([f"{DEATHS}/{self._read + 1}"]):
+            self._read += 1
+            self._known.add(int(self._store.get(f"{DEATHS}/{self._read}")))
+        return self._known | self._local()
+
+
+__all__ = [
+    "DEATHS",
+    "ROOT",
+    "Arrival",
+    "DeathNotices",
+    "Membership",
+    "RecoveryError",
+    "agree",
+    "publish_death",
+]
