@@ -174,3 +174,14 @@ def test_split_backward_equals_the_unsplit_one(build, input_grad):
         assert torch.equal(mine[name].grad, p.grad), name
     # one accumulation per micro-batch that used a parameter, as in the unsplit backward
     assert fired["split"] == fired["whole"]
+
+
+def test_a_stage_that_passes_its_input_on_hands_back_the_gradient_it_got():
+    # A stage whose only layer skipped its branch on this micro-batch returns its input: the
+    # output has no grad_fn, and its input's gradient is the one that came back. It used to
+    # be None, and the runtime sent zeros to the stage before.
+    x = torch.randn(4, 6).requires_grad_(True)
+    grad = torch.randn(4, 6)
+    found, weights = backward_input(x, grad, [x], [])
+    assert found[0] is grad
+    weights()  # nothing to do, and no error

@@ -134,8 +134,11 @@ def backward_input(
     :class:`WeightPass` that later puts ``params``' gradients into their ``.grad``."""
     wanted = [x for x in inputs if x is not None and x.requires_grad]
     top = root.grad_fn
-    if top is None:  # nothing here needs a gradient
-        return [None] * len(inputs), WeightPass([])
+    if top is None:
+        # No operation made the output: a stage that passed its input on unchanged (a layer
+        # that skipped its branch on this micro-batch) hands back the gradient it got; other
+        # than that, nothing here needs a gradient.
+        return [grad if x is root else None for x in inputs], WeightPass([])
     into = _consumers(top)
     starts = [n for n in (_node(x) for x in wanted) if n is not None and n in into]
     on_path = _upward(starts, into, {}) if starts else {}
