@@ -292,6 +292,30 @@ def _build() -> list:
     return [Block(), Block(), lambda x: x.flip(1), Block(), nn.Linear(6, 3)]
 
 
+def _plain_sgd(
+    xs: torch.Tensor, ys: torch.Tensor, steps: int, mine: dict[str, torch.Tensor]
+) -> tuple[list[float], bool]:
+    """The same layers as one nn.Sequential in a plain loop (SGD, lr 0.1, 4 micro-batches of 2
+    a step): each step's mean loss, and whether ``mine`` (a stage's parameters by name) equal
+    the loop's."""
+    layers = _build()
+    plain = nn.Sequential(*[m if isinstance(m, nn.Module) else _Fn(m) for m in layers])
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    want = []
+    for s in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for k in range(4):
+            i = s * 8 + k * 2
+            loss = F.cross_entropy(plain(xs[i : i + 2]), ys[i : i + 2]) / 4
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        want.append(total)
+    ref = dict(plain.named_parameters())
+    return want, all(torch.allclose(p, ref[n], rtol=1e-5, atol=1e-6) for n, p in mine.items())
+
+
 def _pipeline_against_plain(steps: int) -> dict:
     g = torch.Generator().manual_seed(3)
     xs, ys = torch.randn(steps * 8, 6, generator=g), torch.randint(0, 3, (steps * 8,), generator=g)
@@ -313,23 +337,7 @@ def _pipeline_against_plain(steps: int) -> dict:
     held = engine.module.held
     engine.destroy()
 
-    # the same layers as one nn.Sequential, a plain loop: the mean of 4 micro-batch losses a step
-    layers = _build()
-    plain = nn.Sequential(*[m if isinstance(m, nn.Module) else _Fn(m) for m in layers])
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    want = []
-    for s in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for k in range(4):
-            i = s * 8 + k * 2
-            loss = F.cross_entropy(plain(xs[i : i + 2]), ys[i : i + 2]) / 4
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        want.append(total)
-    ref = dict(plain.named_parameters())
-    same = all(torch.allclose(p, ref[n], rtol=1e-5, atol=1e-6) for n, p in mine.items())
+    want, same = _plain_sgd(xs, ys, steps, mine)
     return {"held": held, "names": sorted(mine), "same": same, "losses": (losses, want)}
 
 
@@ -507,22 +515,7 @@ def _three_stages(steps: int) -> dict:
     mine = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
 
-    layers = _build()
-    plain = nn.Sequential(*[m if isinstance(m, nn.Module) else _Fn(m) for m in layers])
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    want = []
-    for s in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for k in range(4):
-            i = s * 8 + k * 2
-            loss = F.cross_entropy(plain(xs[i : i + 2]), ys[i : i + 2]) / 4
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        want.append(total)
-    ref = dict(plain.named_parameters())
-    same = all(torch.allclose(p, ref[n], rtol=1e-5, atol=1e-6) for n, p in mine.items())
+    want, same = _plain_sgd(xs, ys, steps, mine)
     return {**facts, "drawn": data.drawn, "same": same, "losses": (losses, want)}
 
 
