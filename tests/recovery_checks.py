@@ -54,7 +54,52 @@ def assert_matches_shrinking_plain_loop(
             assert abs(rec["loss"] - want) <= TOL * max(abs(want), 1.0), (r, rec, want)
         states[r] = load_file(out / f"rank{r}.safetensors")
     first, *others = survivors
+    if any(k.startswith("piece.") for k in states[first]):  # ZeRO: each rank's pieces
+        whole = assemble_pieces(states.values())
+        states = {
+            r: {**whole, **{k: v for k, v in st.items() if k.startswith("model.")}}
+            for r, st in states.items()
+        }
     for r in others:  # the replicas stayed replicas
         assert states[r].keys() == states[first].keys()
         assert all(torch.equal(states[r][k], states[first][k]) for k in states[first]), r
     harness.assert_saved_state_matches_plain(states[first], plain, TOL)
+
+
+def assemble_pieces(states) -> dict[str, torch.Tensor]:
+    """The optimizer state put together from each rank's ``piece.<name>.<key>.<start>.<end>``,
+    ``shape.<name>.<key>`` and ``scalar.<name>.<key>`` (tests/launch_scripts/train_in_job.py
+    with --zero-stage) as ``optim.<name>.<key>``: every element held by some rank, ranks that
+    hold the same element (replicas) equal."""
+    full: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+    for st in states:
+        for k, v in st.items():
+            if k.startswith("shape."):
+                key = k.removeprefix("shape.")
+                if key not in full:
+                    full[key] = torch.full((int(v.prod()),), float("nan"))
+                    seen[key] = torch.zeros(int(v.prod()), dtype=torch.bool)
+        for k, v in st.items():
+            if k.startswith("piece."):
+                key, start, end = k.removeprefix("piece.").rsplit(".", 2)
+                a, b = int(start), int(end)
+                held = seen[key][a:b]
+                assert torch.equal(full[key][a:b][held], v.to(full[key].dtype)[held]), key
+                full[key][a:b] = v
+                seen[key][a:b] = True
+    shapes = {
+        k.removeprefix("shape."): v
+        for st in states
+        for k, v in st.items()
+        if k.startswith("shape.")
+    }
+    out = {}
+    for key, t in full.items():
+        assert bool(seen[key].all()), f"no rank holds all of {key}"
+        out[f"optim.{key}"] = t.view(*[int(d) for d in shapes[key]])
+    for st in states:
+        for k, v in st.items():
+            if k.startswith("scalar."):
+                out[f"optim.{k.removeprefix('scalar.')}"] = v
+    return out

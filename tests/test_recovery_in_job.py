@@ -104,3 +104,60 @@ def test_without_a_launcher_serving_the_store_in_job_recovery_is_refused(ranks):
 def test_sharded_state_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match="only copy of its shard"):
         load_config({"strategy": "zero", "recovery": {"in_job": True}})
+
+
+# Hybrid sharding, two replicas each sharded over two ranks ([Note: membership]): the replica
+# that lost a rank leaves whole, its survivor saying why and ending with status 0; the other
+# replica goes on alone, its ranks renumbered 0 and 1 and keeping their shards. Rank 1 lost:
+# the replica that goes on is the second one (launch ranks 2 and 3, renumbered), so a shard
+# kept at a new rank is checked; rank 3 lost under stage 3: the leaving survivor's next
+# forward gathers from the lost rank. "after-vote": rank 3 dies in step 3 as it starts
+# averaging its shards with the other replica, the step's usage vote over every rank over:
+# rank 0's average (with rank 2) completes, rank 1's (with rank 3) fails, and rank 0 must not
+# step its shard before it knows ([Note: whole steps of a shard group]; without that barrier
+# rank 0's shard stepped twice and this case failed). "before-vote": the vote still in
+# flight, never to complete, under comm.timeout_s = 60: the regroup must not wait for it (when
+# the survivors let go of their old groups at once, the regroup waited out comm.timeout_s in
+# 4 runs of 8 at 10, 20, 30 and 60 s: 9.4 and 29.7 s; the others were spared by the leaving
+# rank's exit failing the vote first).
+@pytest.mark.parametrize(
+    ("victim", "stage", "where"),
+    [(1, 2, None), (3, 3, None), (2, 1, None), (3, 2, "after-vote"), (3, 2, "before-vote")],
+)
+def test_hybrid_sharding_goes_on_with_the_whole_replicas(tmp_path, victim, stage, where):
+    kill_after, world = 2, 4
+    out = tmp_path / "out"
+    proc = harness.longboat_run(
+        "-n",
+        str(world),
+        str(SCRIPT),
+        str(out),
+        str(STEPS),
+        "--kill-rank",
+        str(victim),
+        "--kill-after",
+        str(kill_after),
+        "--zero-stage",
+        str(stage),
+        *(["--in-average", where, "--timeout-s", "60"] if where else []),
+        timeout=150,
+    )
+    log = proc.stdout
+    assert proc.returncode == 0, log
+    assert "restarting all workers" not in log, log
+    block = [0, 1] if victim < 2 else [2, 3]
+    (partner,) = [r for r in block if r != victim]
+    survivors = [r for r in range(world) if r not in block]
+    assert re.search(
+        rf"in-job recovery: rank {partner} \(id at launch\) leaves: the 2 ranks holding its "
+        rf"replica together \(ids \[{block[0]}, {block[1]}\]\) lost {victim}",
+        log,
+    ), log
+    said = re.findall(r"in-job recovery: lost rank\(s\) ([\d, ]+) .* generation (\d+)", log)
+    assert said == [(f"{block[0]}, {block[1]}", "1")] * len(survivors), log
+    # A deadline, not a timing: recovery.wait_s (10 s), the longest the others wait for a member.
+    regroups = [float(t) for t in re.findall(r"lost rank.* regroup ([\d.]+) s\)", log)]
+    assert len(regroups) == len(survivors) and max(regroups) < 10, log
+    recovery_checks.assert_matches_shrinking_plain_loop(
+        out, world, survivors, kill_after, STEPS, "tiny"
+    )

@@ -10,16 +10,17 @@ import pytest
 import torch.distributed as dist
 
 from longboat.recovery import Arrival, Membership, RecoveryError, agree
+from longboat.recovery.membership import Left
 
 
-def _together(store, arrivals, previous, **kwargs) -> dict[int, Membership | Exception]:
+def _together(store, arrivals, previous, **kwargs) -> dict[int, Membership | BaseException]:
     """Run ``agree`` for each arrival on its own thread; each one's membership or error."""
-    out: dict[int, Membership | Exception] = {}
+    out: dict[int, Membership | BaseException] = {}
 
     def one(a: Arrival) -> None:
         try:
             out[a.id] = agree(store, 1, previous, a, **kwargs)
-        except Exception as e:
+        except BaseException as e:  # Left is a SystemExit
             out[a.id] = e
 
     threads = [threading.Thread(target=one, args=(a,)) for a in arrivals]
@@ -53,6 +54,51 @@ def test_without_news_of_the_death_the_window_closes_the_membership():
 def test_every_rank_arriving_keeps_them_all():
     got = _together(dist.HashStore(), [Arrival(i, 0) for i in range(3)], (0, 1, 2), wait_s=30)
     assert {m.members for m in got.values()} == {(0, 1, 2)}
+
+
+def test_in_blocks_only_whole_replicas_go_on_and_the_broken_ones_survivor_leaves():
+    # Two replicas held by two ranks each (hybrid sharding): id 3 lost takes the second
+    # replica with it, and id 2, alive, is told to leave (status 0), naming the lost id.
+    got = _together(
+        dist.HashStore(),
+        [Arrival(i, 3, ((0, 12),)) for i in (0, 1, 2)],
+        (0, 1, 2, 3),
+        wait_s=30,
+        dead=lambda: {3},
+        block=2,
+    )
+    assert got[0] == got[1] == Membership(1, (0, 1), (2, 3), 3, ((0, 12),))
+    assert isinstance(got[2], Left) and got[2].code == 0, got[2]
+    assert "lost 3" in got[2].message and "goes on with ids [0, 1]" in got[2].message
+
+
+def test_in_blocks_the_replica_that_goes_on_keeps_each_rank_at_its_place_in_it():
+    # id 0 lost: the second replica goes on as ranks 0 and 1, each keeping its shard; a
+    # survivor of the other one at another step does not make the members disagree.
+    got = _together(
+        dist.HashStore(),
+        [Arrival(1, 4), Arrival(2, 3), Arrival(3, 3)],
+        (0, 1, 2, 3),
+        wait_s=30,
+        dead=lambda: {0},
+        block=2,
+    )
+    assert got[2] == got[3] and got[2].members == (2, 3) and got[2].step == 3
+    assert [got[2].rank_of(i) for i in (2, 3)] == [0, 1]
+    assert isinstance(got[1], Left)
+
+
+def test_in_blocks_no_whole_replica_left_is_an_error_on_every_survivor():
+    got = _together(
+        dist.HashStore(),
+        [Arrival(0, 3), Arrival(3, 3)],
+        (0, 1, 2, 3),
+        wait_s=30,
+        dead=lambda: {1, 2},
+        block=2,
+    )
+    for i in (0, 3):
+        assert isinstance(got[i], RecoveryError) and "no replica survived whole" in str(got[i])
 
 
 def test_a_survivor_arriving_after_the_agreement_is_told_it_was_left_out():

@@ -1,6 +1,6 @@
 """Replicated training with in-job recovery: ``train_in_job.py OUT STEPS --kill-rank R
---kill-after K [--kill R:K ...] [--model tiny|resnet] [--wait-joiner] [--timeout-s S]``
-(``comm.timeout_s``, 10 s by default).
+--kill-after K [--kill R:K ...] [--model tiny|resnet] [--wait-joiner] [--timeout-s S]
+[--zero-stage S]`` (``comm.timeout_s``, 10 s by default).
 
 A model of tests/reference.py's recipes (TinyNet; or the ResNet, whose BatchNorm buffers are
 broadcast after each backward, so that the survivors notice the loss in a backward rather than
@@ -14,6 +14,15 @@ engine), then 1 s more, so that a replacement has steps to join at. Each rank th
 STEPS writes ``OUT/rank<launch rank>.json`` (per completed step: the rank and world size that
 trained it, its sample ids and its loss) and ``OUT/rank<launch rank>.safetensors`` (the model's
 state and the optimizer's, by parameter name). No checkpoint is written or read.
+
+With ``--zero-stage S``: strategy 'zero' at stage S over hybrid sharding, two replicas
+(``mesh.dp_replicate = 2``), each sharded over half the ranks; with ``--in-average
+after-vote|before-vote`` rank R kills itself inside step K + 1 instead, as it starts averaging
+its gradient shards with the other replica (its shard group's reductions over, its peers'
+averages free to complete without it), after the step's usage vote over every rank completed
+or with it still in flight. The model's state is saved whole
+(``engine.state_dict()``), the optimizer's as this rank's pieces: ``piece.<name>.<key>.<start>.
+<end>`` (flat ranges of the full tensor), ``shape.<name>.<key>`` and ``scalar.<name>.<key>``.
 """
 
 import argparse
@@ -45,6 +54,40 @@ def _wait_for_replacements(out: Path, missing: int) -> None:
     time.sleep(1.0)
 
 
+def _die_in_average(engine, after: int, vote: bool) -> None:
+    """SIGKILL this rank at its first average across replicas in step ``after`` + 1 (a fault
+    injected into ZeRO's reduction: the doorway of its replica group); ``vote``: once the
+    step's usage vote over every rank is over, else with it still in flight."""
+    replicas = engine.strategy._reduction.replicas
+    average = replicas.all_reduce
+
+    def dying(*args, **kwargs):
+        if engine.global_step == after:
+            if vote:  # else the vote, never complete, keeps the others from their steps
+                engine.strategy._reduction._usage_handle.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return average(*args, **kwargs)
+
+    replicas.all_reduce = dying
+
+
+def _sharded_state(engine) -> dict:
+    """ZeRO: the whole model (every rank calls it), and this rank's optimizer pieces."""
+    tensors = {f"model.{k}": v.detach().clone() for k, v in engine.state_dict().items()}
+    state = engine.strategy.checkpoint_state(engine.model, engine.optimizer)
+    for p in state.pieces:
+        if p.key == "model":
+            continue
+        key = f"{p.name}.{p.key.removeprefix('optim.')}"
+        tensors[f"piece.{key}.{p.start}.{p.end}"] = p.tensor.detach().clone().reshape(-1)
+        tensors[f"shape.{key}"] = torch.tensor(list(p.shape), dtype=torch.int64)
+    for name, scalars in state.scalars.items():
+        for k, v in scalars.items():
+            value = v["value"] if isinstance(v, dict) else v
+            tensors[f"scalar.{name}.{k}"] = torch.as_tensor(value).clone()
+    return tensors
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -56,6 +99,8 @@ def main() -> None:
     ap.add_argument("--wait-joiner", action="store_true")
     ap.add_argument("--samples", type=int, default=SAMPLES)
     ap.add_argument("--timeout-s", type=float, default=10.0)
+    ap.add_argument("--zero-stage", type=int, default=0)
+    ap.add_argument("--in-average", choices=("after-vote", "before-vote"))
     args = ap.parse_args()
     kills = {(args.kill_rank, args.kill_after)}
     kills |= {(int(r), int(k)) for r, k in (x.split(":") for x in args.kill)}
@@ -73,7 +118,12 @@ def main() -> None:
         "comm": {"timeout_s": args.timeout_s},
         "recovery": {"in_job": True, "wait_s": 10},
     }
+    if args.zero_stage:
+        config |= {"strategy": "zero", "zero": {"stage": args.zero_stage}}
+        config["mesh"] = {"dp_replicate": 2}
     engine = longboat.initialize(model, optimizer, config)
+    if args.in_average and not replacement and int(os.environ["RANK"]) == args.kill_rank:
+        _die_in_average(engine, args.kill_after, args.in_average == "after-vote")
     me = int(os.environ["RANK"])  # the launch's numbering; engine.world.rank may change
     launched = int(os.environ["WORLD_SIZE"])
     data = reference.dataset if args.model == "tiny" else reference.image_dataset
@@ -98,17 +148,20 @@ def main() -> None:
                     "loss": float(loss.detach()),
                 }
             )
-            if not replacement and (me, step) in kills:
+            if not replacement and not args.in_average and (me, step) in kills:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.wait_joiner and engine.world.world_size < launched:
                 _wait_for_replacements(args.out, launched - engine.world.world_size)
             if step == args.steps:
                 break
-    names = {id(p): n for n, p in model.named_parameters()}
-    tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for p, state in optimizer.state.items():
-        for k, v in state.items():
-            tensors[f"optim.{names[id(p)]}.{k}"] = torch.as_tensor(v).clone()
+    if args.zero_stage:
+        tensors = _sharded_state(engine)
+    else:
+        names = {id(p): n for n, p in model.named_parameters()}
+        tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+        for p, state in optimizer.state.items():
+            for k, v in state.items():
+                tensors[f"optim.{names[id(p)]}.{k}"] = torch.as_tensor(v).clone()
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.out / f"rank{me}.safetensors"))
     (args.out / f"rank{me}.json").write_text(json.dumps(records))

@@ -34,6 +34,14 @@ class _Engine(Protocol):
     def _release(self) -> None: ...
 
 
+def leave_if_alive(ref: Callable[[], Any]) -> None:
+    """At exit: leave as the engine ``ref`` refers to (a weak reference) leaves, if it is still
+    alive ([Note: leaving at exit])."""
+    engine = ref()
+    if engine is not None:
+        engine._leave()
+
+
 class Closing:
     """The engine's end; every rank calls close() together."""
 

@@ -7,6 +7,7 @@ sequences the step.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -26,7 +27,7 @@ from longboat.config.compositions import refuse_built
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.data import Loader, build_loader
-from longboat.engine.closing import Closing
+from longboat.engine.closing import Closing, leave_if_alive
 from longboat.engine.recovering import Recovering
 from longboat.engine.split import SplitBackwardMethods
 from longboat.engine.state import StateMethods
@@ -182,14 +183,7 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
         self._recovery = in_job(config, world, self.strategy, model, topology)
         # Leave the process group at exit even if the script never calls close(); a weak
         # reference so that an engine dropped early is not kept alive by the registry.
-        ref = weakref.ref(self)
-
-        def leave() -> None:
-            engine = ref()
-            if engine is not None:
-                engine._leave()
-
-        self._atexit = leave
+        self._atexit: Callable[[], None] = functools.partial(leave_if_alive, weakref.ref(self))
         atexit.register(self._atexit)
 
     # -- the step ------------------------------------------------------------------------------
@@ -200,7 +194,10 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
         with self.monitor.phase("forward"):
             self.strategy.before_forward()
             with self.precision.autocast():
-                out = self.module(*args, **kwargs)
+                try:
+                    out = self.module(*args, **kwargs)
+                except (CollectiveTimeout, PeerLost) as e:  # ZeRO-3's gathers
+                    raise self._lost_in_forward(e) from None
         return self.precision.cast_output(out)
 
     forward = __call__

@@ -20,6 +20,7 @@ from longboat.observe.monitor import Monitor
 from longboat.precision import Precision
 from longboat.recovery import transfer
 from longboat.recovery.injob import InJob, Regroupable, join_job
+from longboat.recovery.membership import RecoveryError
 from longboat.strategies.base import Strategy
 from longboat.topology import DoorwayOptions, Topology
 from longboat.world import World
@@ -170,6 +171,21 @@ class Recovering:
         self._loss_sum, self._loss_count = 0.0, 0
         self._redo = rest_of_step
         return True
+
+    def _lost_in_forward(self: _Engine, error: CollectiveTimeout | PeerLost) -> Exception:
+        """A collective of a forward failed (ZeRO-3 gathers within its shard group). Under
+        in-job recovery over hybrid sharding, this rank's replica lost a rank: the agreement
+        tells it to leave (:class:`~longboat.recovery.membership.Left`, raised from here).
+        Returned, to be raised: ``error`` without recovery; with it, an error saying that a
+        rank told to go on cannot resume in the middle of a forward."""
+        if self._recovery is None:
+            return error
+        Recovering._carry_on(self, error, rest_of_step=True)
+        return RecoveryError(
+            f"in-job recovery: a collective of a forward failed on rank {self.world.rank} "
+            f"({error}) and the agreement kept this rank: it cannot resume in the middle of "
+            "a forward"
+        )
 
     def _redone(self: _Engine) -> bool:
         """At step(): True (once) when a regroup interrupted this step in a backward; the

@@ -1,6 +1,8 @@
 """In-job recovery of replicated state: the survivors of a lost rank carry on, without a restart.
 
-[Note: in-job recovery] With ``recovery.in_job`` (strategy ``replicate``, one rank per replica),
+[Note: in-job recovery] With ``recovery.in_job`` (strategy ``replicate``, one rank per replica;
+or ``zero`` over hybrid sharding, a shard group per replica: only whole replicas go on, [Note:
+membership] in ``membership.py``),
 every rank tells the launcher that the job goes on without it ([Note: rank roles] in
 ``longboat/roles.py``), so torch elastic's agent does not stop the others when one dies
 ([Note: keeping survivors] in ``launch/survivors.py``). When a collective of the training step

@@ -25,7 +25,7 @@ from longboat.config.sections import Config
 from longboat.data import Loader
 from longboat.mesh import Mesh
 from longboat.recovery import joining
-from longboat.recovery.membership import ROOT, Arrival, DeathNotices, Membership, agree
+from longboat.recovery.membership import ROOT, Arrival, DeathNotices, Left, Membership, agree
 from longboat.topology import DoorwayOptions, Topology
 from longboat.world import World, destroy_process_group, device_for, init_process_group
 
@@ -34,9 +34,16 @@ log = logging.getLogger("longboat")
 
 @runtime_checkable
 class Regroupable(Protocol):
-    """A strategy that can go on over a new data-parallel group (``replicate``)."""
+    """A strategy that can go on over a new data-parallel group (``replicate``; ``zero`` over
+    hybrid sharding's replica axis)."""
 
     name: str
+
+    def replica_ranks(self) -> int:
+        """How many consecutive data-parallel ranks hold one replica of the state together
+        (1: each rank holds all of it); survivors go on in whole replicas ([Note:
+        membership] in ``membership.py``)."""
+        ...
 
     def keep_steps_whole(self) -> None:
         """Move no parameter in a step until all of its reduction arrived."""
@@ -59,6 +66,13 @@ def in_job(
             f"recovery.in_job = true with strategy {getattr(strategy, 'name', strategy)!r}: "
             "only strategy = 'replicate' regroups its state so far"
         )
+    if strategy.replica_ranks() >= world.world_size:
+        raise ConfigError(
+            f"recovery.in_job = true with strategy {strategy.name!r}: its {world.world_size} "
+            "ranks hold one replica of the state together, so a lost rank takes state no "
+            "survivor has; shard within replicas (mesh.dp_replicate = 2 or more) or recover by "
+            "restarting from a checkpoint (longboat run --max-restarts)"
+        )
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         raise ConfigError(
             "recovery.in_job = true needs the store to outlive any rank: start the job with "
@@ -66,7 +80,8 @@ def in_job(
             "serves the store and the job cannot survive losing it"
         )
     strategy.keep_steps_whole()
-    recovery = InJob(config, world, model, launcher_store(config, world))
+    store = launcher_store(config, world)
+    recovery = InJob(config, world, model, store, block=strategy.replica_ranks())
     recovery.watch(topology)
     return recovery
 
@@ -83,8 +98,21 @@ def launcher_store(config: Config, world: World) -> Any:
 
 def replacing(config: Config) -> bool:
     """True in a process ``longboat run`` started in place of a dead rank under in-job
-    recovery: it joins from a live peer ([Note: joining a replacement])."""
-    return config.recovery.in_job and roles.REPLACEMENT_ENV in os.environ
+    recovery: it joins from a live peer ([Note: joining a replacement]). Under hybrid
+    sharding it ends at once (:class:`~longboat.recovery.joining.JobEnded`, saying so): a
+    replica held by several ranks would need them all taken in together, not built yet."""
+    if not (config.recovery.in_job and roles.REPLACEMENT_ENV in os.environ):
+        return False
+    if (config.mesh.dp_replicate or 1) > 1:
+        said = (
+            f"replacement (id {os.environ[roles.REPLACEMENT_ENV]}) not taken in: under hybrid "
+            f"sharding (mesh.dp_replicate = {config.mesh.dp_replicate}) a replica's shards "
+            "would have to join together, which is not built yet; the job goes on with the "
+            "replicas it has"
+        )
+        log.warning("in-job recovery: %s", said)
+        raise joining.JobEnded(said)
+    return True
 
 
 def join_job(
@@ -135,9 +163,13 @@ class InJob:
     """The generation this rank is in, its members, and where the loaders and the model's
     buffers stood at the start of the current step."""
 
-    def __init__(self, config: Config, world: World, model: nn.Module, store: Any) -> None:
+    def __init__(
+        self, config: Config, world: World, model: nn.Module, store: Any, block: int = 1
+    ) -> None:
         self.config = config
         self.world = world
+        # ranks that hold one replica together: they go on, or leave, as one
+        self.block = block
         # The id in every generation: the rank at launch, or the one a replacement was given
         # ([Note: joining a replacement] in joining.py).
         self.id = int(os.environ.get(roles.REPLACEMENT_ENV, world.rank))
@@ -154,9 +186,9 @@ class InJob:
         self._join_at: int | None = None  # the step after which ticket joined + 1 comes in
         # A replacement: where the members' loaders stood, for its loaders as it creates them.
         self.places: list[tuple[int, int]] = []
-        # The groups of a generation in which this rank abandoned a wait ([Note: watched
-        # waits] in comm/watched.py): kept until exit, so that leaving them does not wait for
-        # the work still pending in them.
+        # The groups of the generations this rank left after a failure (an abandoned wait,
+        # [Note: watched waits] in comm/watched.py, or a lost peer): kept until exit, so that
+        # leaving them does not wait for the work still pending in them.
         self._parked: list[Any] = []
         # The failed step's forwards moved the buffers (BatchNorm's statistics and count):
         # the redone step starts from these, the same on every replica after a step.
@@ -220,6 +252,7 @@ class InJob:
             wait_s=wait_s,
             dead=self.deaths,
             joining=(newcomer,),
+            block=self.block,
         )
         joining.admitted(self._store, k, gen, m.members)
         t1 = time.monotonic()
@@ -289,11 +322,26 @@ class InJob:
         live = [(lo, w) for r, w in self._loaders if (lo := r()) is not None]
         mine = Arrival(self.id, step, tuple(w for _, w in live))
         wait_s = self.config.recovery.wait_s
-        m = agree(self._store, gen, self.members, mine, wait_s=wait_s, dead=self.deaths)
+        try:
+            m = agree(
+                self._store,
+                gen,
+                self.members,
+                mine,
+                wait_s=wait_s,
+                dead=self.deaths,
+                block=self.block,
+            )
+        except Left as e:
+            log.warning("in-job recovery: %s", e.message)
+            raise
         t1 = time.monotonic()
-        if isinstance(error, Abandoned):
-            # (the default group through a private torch API: nothing public returns it)
-            self._parked += [*old.groups(), dist.distributed_c10d._get_default_group()]
+        # Every old group is kept, not only the one whose wait failed: another may hold work
+        # that never completes (measured: hybrid sharding's usage vote over every rank, still
+        # pending when the replicas' average failed, held the regroup 9.4 s, until its
+        # comm.timeout_s). (The default group through a private torch API: nothing public
+        # returns it.)
+        self._parked += [*old.groups(), dist.distributed_c10d._get_default_group()]
         world, topology = self._regroup(m, old)
         for loader, (epoch, samples) in live:
             loader.regroup(world.rank, world.world_size, epoch, samples)
@@ -340,7 +388,10 @@ class InJob:
         c = self.config.comm
         prefix = f"{ROOT}/{m.generation}/group/"
         init_process_group(world, c.backend, c.timeout_s, store_prefix=prefix)
-        topology = Topology.build(Mesh.resolve(world.world_size), options, device_for(world))
+        # Whole replicas stay ([Note: membership]): each keeps its shard group's size.
+        shard = {"dp_shard": self.block} if self.block > 1 else {}
+        mesh = Mesh.resolve(world.world_size, **shard)
+        topology = Topology.build(mesh, options, device_for(world))
         self.generation, self.members, self.world = m.generation, m.members, world
         if world.rank == 0:
             joining.current(self._store, m.members)

@@ -13,8 +13,14 @@ of who had arrived differed. A survivor that arrives after that, and is not in i
 and stops (the launcher then drops it too).
 
 The members' new ranks are their positions in the membership (in the order of their old
-ranks). Every member must be at the same step and loader position: replicas that stepped in
-lockstep are, unless one of them finished the failed step's reduction and the optimizer step
+ranks). Where a replica is held by several ranks together (``block`` > 1: the shard group of
+hybrid sharding, [Note: hybrid sharding] in ``strategies/zero/strategy.py``), the members go on
+in whole blocks: a block that lost a rank is left out, its survivors with it (they hold shards
+of a replica that is incomplete; :class:`Left` tells each so), and the blocks that stay keep
+their order, so every member keeps its place within its block (its shard).
+
+Every member must be at the same step and loader position: replicas that stepped in lockstep
+are, unless one of them finished the failed step's reduction and the optimizer step
 before the others lost the peer. Bringing such a replica back in line (state from a live peer)
 is not built yet: the disagreement is refused with the steps of each rank.
 
@@ -36,6 +42,15 @@ ROOT = "longboat/recovery"
 
 class RecoveryError(RuntimeError):
     """The survivors could not agree on how to go on; the message says why and names ranks."""
+
+
+class Left(SystemExit):
+    """This survivor is not among the members that go on: its replica's block lost a rank
+    ([Note: membership]). Its process ends with status 0, ``message`` saying why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -82,11 +97,15 @@ def agree(
     poll_s: float = 0.02,
     clock: Callable[[], float] = time.monotonic,
     joining: Sequence[int] = (),
+    block: int = 1,
 ) -> Membership:
     """Agree with the other survivors of ``previous`` (the ids of the generation before) on
     generation ``generation`` ([Note: membership]). ``dead()``: ids known dead. ``joining``:
     the ids of replacements taken in, after the members that arrived ([Note: joining a
-    replacement] in ``joining.py``); they write no arrival of their own."""
+    replacement] in ``joining.py``); they write no arrival of their own. ``block``: how many
+    consecutive members hold one replica together; only whole blocks go on. Raises
+    :class:`Left` in a survivor whose block lost a rank."""
+    blocks = [tuple(previous[i : i + block]) for i in range(0, len(previous), block)]
     base = f"{ROOT}/{generation}"
     store.set(f"{base}/here/{mine.id}", mine.to_json())
     decided = f"{base}/members"
@@ -95,10 +114,27 @@ def agree(
         arrived = [i for i in previous if store.check([f"{base}/here/{i}"])]
         gone = dead()
         if all(i in arrived or i in gone for i in previous) or clock() >= deadline:
-            store.compare_set(decided, "", json.dumps([*arrived, *joining]))
+            whole = [i for b in blocks if all(i in arrived for i in b) for i in b]
+            store.compare_set(decided, "", json.dumps([*whole, *joining]))
             break
         time.sleep(poll_s)
     members = tuple(int(i) for i in json.loads(store.get(decided)))
+    if not members:
+        raise RecoveryError(
+            f"no replica survived whole into generation {generation}: every block of {block} "
+            f"ranks holding one (ids {[list(b) for b in blocks]}) lost a rank; restart from a "
+            "checkpoint (longboat run --max-restarts)"
+        )
+    mates = next((b for b in blocks if mine.id in b), ())
+    out = mine.id not in members and block > 1
+    missing = [i for i in mates if not store.check([f"{base}/here/{i}"])] if out else []
+    if missing:
+        raise Left(
+            f"rank {mine.id} (id at launch) leaves: the {block} ranks holding its replica "
+            f"together (ids {list(mates)}) lost {', '.join(map(str, missing))}, so its shards "
+            f"are of an incomplete replica; generation {generation} goes on with ids "
+            f"{list(members)}"
+        )
     if mine.id not in members:
         raise RecoveryError(
             f"rank {mine.id} (id at launch) arrived after generation {generation} was agreed "
@@ -160,6 +196,7 @@ __all__ = [
     "ROOT",
     "Arrival",
     "DeathNotices",
+    "Left",
     "Membership",
     "RecoveryError",
     "agree",

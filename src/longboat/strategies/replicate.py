@@ -133,6 +133,10 @@ class Replicate(WholeModel, StrategyDefaults):
             self._hooks.append(hook)
         return model
 
+    def replica_ranks(self) -> int:
+        """Every rank holds a whole replica."""
+        return 1
+
     def keep_steps_whole(self) -> None:
         """Step the optimizer only once every bucket arrived (no [Note: optimizer overlap]):
         in-job recovery redoes a step whose reduction failed, which is exact only if no

@@ -11,6 +11,7 @@ from longboat.config.compositions.rule import (
     Rule,
     compressing,
     named,
+    offloads,
     reducer,
     strategy_of,
 )
@@ -19,26 +20,50 @@ from longboat.config.sections import Config
 IN_JOB = {"recovery": {"in_job": True}}
 
 
+_OFFLOADED = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+
+
 def _in_job(c: Config) -> bool:
     return c.recovery.in_job
+
+
+def _hybrid(c: Config) -> bool:
+    """Hybrid sharding: replicas of the state across ``mesh.dp_replicate``."""
+    return (c.mesh.dp_replicate or 1) > 1
 
 
 RECOVERY: tuple[Rule, ...] = (
     Rule(
         "recovery-sharded",
         "recovery.in_job",
-        "strategy 'zero'",
+        "strategy 'zero' without mesh.dp_replicate",
         "by nature",
         "config",
-        lambda c, f: _in_job(c) and strategy_of(c, f) == "zero",
+        lambda c, f: _in_job(c) and strategy_of(c, f) == "zero" and not _hybrid(c),
         lambda c, f: (
-            "recovery.in_job = true with strategy = 'zero': each rank holds the only copy of "
-            "its shard of the optimizer state (and, from stage 2, of the gradients and "
-            "parameters), so a lost rank takes state no survivor has; use strategy = "
-            "'replicate', or recover by restarting from a checkpoint (longboat run "
-            "--max-restarts, docs/recovery.md)"
+            "recovery.in_job = true with strategy = 'zero' and no mesh.dp_replicate: each rank "
+            "holds the only copy of its shard of the optimizer state (and, from stage 2, of the "
+            "gradients and parameters), so a lost rank takes state no survivor has; shard "
+            "within replicas (mesh.dp_replicate = 2 or more: hybrid sharding, each replica "
+            "holding all of it), use strategy = 'replicate', or recover by restarting from a "
+            "checkpoint (longboat run --max-restarts, docs/recovery.md)"
         ),
         {**IN_JOB, "strategy": "zero"},
+    ),
+    Rule(
+        "recovery-offload",
+        "recovery.in_job",
+        "zero offload",
+        "not built yet",
+        "config",
+        lambda c, f: _in_job(c) and strategy_of(c, f) == "zero" and offloads(c),
+        lambda c, f: (
+            "recovery.in_job = true with zero offload (offload_optimizer.device = "
+            f"{c.zero.offload_optimizer.device!r}, offload_param.device = "
+            f"{c.zero.offload_param.device!r}): the survivors regroup with their state in "
+            "memory only so far; remove the offload keys or recovery.in_job"
+        ),
+        {**IN_JOB, "strategy": "zero", "mesh": {"dp_replicate": 2}, "zero": _OFFLOADED},
     ),
     Rule(
         "recovery-parameter-server",
@@ -57,18 +82,19 @@ RECOVERY: tuple[Rule, ...] = (
     Rule(
         "recovery-mesh",
         "recovery.in_job",
-        "mesh.pp, mesh.tp or mesh.dp_replicate > 1",
+        "mesh.pp or mesh.tp > 1 (or mesh.dp_replicate without zero)",
         "not built yet",
         "config",
         lambda c, f: (
-            _in_job(c) and (c.mesh.pp > 1 or c.mesh.tp > 1 or (c.mesh.dp_replicate or 1) > 1)
+            _in_job(c)
+            and (c.mesh.pp > 1 or c.mesh.tp > 1 or (_hybrid(c) and strategy_of(c, f) != "zero"))
         ),
         lambda c, f: (
             f"recovery.in_job = true with mesh.pp = {c.mesh.pp}, mesh.tp = {c.mesh.tp}, "
             f"mesh.dp_replicate = {c.mesh.dp_replicate or 1}: so far the survivors regroup on "
-            "plain data parallelism only (a lost pipeline stage or tensor slice has no copy on the "
-            "survivors, and hybrid sharding's replica axis is not built yet); remove the axes "
-            "or recovery.in_job"
+            "data parallelism only (a lost pipeline stage or tensor slice has no copy on the "
+            "survivors), and mesh.dp_replicate only with strategy = 'zero' (hybrid sharding); "
+            "remove the axes or recovery.in_job"
         ),
         {**IN_JOB, "mesh": {"tp": 2}},
     ),

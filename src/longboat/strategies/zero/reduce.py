@@ -33,6 +33,7 @@ from longboat.strategies.zero.flat import FlatUnit
 from longboat.strategies.zero.gather import UNIT_FIX
 from longboat.strategies.zero.home import Home
 from longboat.strategies.zero.policy import ZeroPolicy
+from longboat.topology import Topology
 
 
 class Reduction:
@@ -73,6 +74,20 @@ class Reduction:
         self._usage: torch.Tensor | None = None  # the step's usage, all-reduced (in flight)
         self._usage_handle: object | None = None
         self._replicas_due = False  # a step's shards still to be averaged across replicas
+
+    def regroup(self, topology: Topology) -> None:
+        """Reduce over ``topology``'s groups from now on; what was in flight on the old ones
+        is dropped (in-job recovery redoes the step)."""
+        self.topology = topology
+        self.dp, self.comm = topology.data("dp"), topology.data("dp_shard")
+        self.replicas, self.control = topology.data("dp_replicate"), topology.control("dp")
+        self.alone = (
+            self.policy.shard_grads and self.dp.world_size == 1 and self.home.grads_in_memory
+        )
+        self.order.reset()
+        self.sync = False
+        self._usage = self._usage_handle = None
+        self._replicas_due = False
 
     # -- during backward -----------------------------------------------------------------------
 

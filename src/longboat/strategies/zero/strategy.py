@@ -48,6 +48,7 @@ unit's tag); put such modules inside a unit that always runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -74,6 +75,8 @@ from longboat.strategies.zero.shard_swap import ShardSwap
 from longboat.strategies.zero.step import step_and_gather, step_units
 from longboat.strategies.zero.storage import free_storage
 from longboat.strategies.zero.units import LowParams, make_units, plan_units
+from longboat.topology import Topology
+from longboat.world import World
 
 
 class Zero(StrategyDefaults):
@@ -103,6 +106,7 @@ class Zero(StrategyDefaults):
         self.compressor = compression.build(ctx.compression)  # [Note: compressed ZeRO]
         self.home: Home = InMemory(ctx, self.policy)  # [Note: homes], set up below
         self._reduction = self._reducing()
+        self._whole = False  # keep_steps_whole(): in-job recovery over the replica axis
 
     def _reducing(self) -> Reduction:
         """The units' reductions, landing where the home keeps gradients."""
@@ -259,7 +263,11 @@ class Zero(StrategyDefaults):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.wait_gradients()
-        for u, used in zip(self.units, self._reduction.used_by_any_rank(), strict=True):
+        used_by_any = self._reduction.used_by_any_rank()
+        if self._whole and self.comm.world_size > 1:
+            # [Note: whole steps of a shard group]: no shard moves unless all of them will
+            self.ctx.topology.control("dp_shard").barrier()
+        for u, used in zip(self.units, used_by_any, strict=True):
             views = self.home.grad_pieces(u)
             for (i, *_, piece), g in zip(u.pieces, views, strict=True):
                 piece.grad = g if i in used else None
@@ -279,6 +287,50 @@ class Zero(StrategyDefaults):
                 u.flat_grad.zero_()
         if self.compressor is not None:
             self.compressor.step_done()  # the warm-up counts optimizer steps
+
+    # -- in-job recovery over the replica axis ------------------------------------------------
+
+    def replica_ranks(self) -> int:
+        """The shard group holds one replica together ([Note: hybrid sharding])."""
+        return self.comm.world_size
+
+    def keep_steps_whole(self) -> None:
+        """Note [whole steps of a shard group]: in-job recovery redoes a failed step, which is
+        exact only if no shard moved in it. The replicas' average completes on some ranks of
+        a shard group and fails on others (each all-reduces with its own peers in the other
+        replicas, and only some of those may be lost); a rank whose average arrived would step
+        its shard while the rest of its group redoes the step. So each shard group meets once
+        more (a barrier, on the control plane) after every reduction arrived and before any
+        shard steps: a rank passes it only when every rank of its group holds the step's
+        gradients, and none is then left to fail before the step."""
+        self._whole = True
+
+    def regroup(self, topology: Topology, world: World) -> None:
+        """Go on over ``topology`` after in-job recovery ([Note: in-job recovery] in
+        ``longboat/recovery/__init__.py``): whole replicas stay, so this rank's shard group
+        has the same size and its place in it ([Note: membership] in
+        ``recovery/membership.py``); its shards stay as they are. The failed step's
+        gradients and the reductions in flight on the old groups are dropped."""
+        assert topology.mesh.dp_shard == self.comm.world_size, (topology.mesh, self.comm)
+        self.ctx = dataclasses.replace(self.ctx, world=world, topology=topology)
+        self.dp, self.comm = topology.data("dp"), topology.data("dp_shard")
+        self.replicas, self.control = topology.data("dp_replicate"), topology.control("dp")
+        assert self._buffers is not None
+        self._buffers.comm = self.dp
+        if self._gathering is not None:
+            self._gathering.comm = self.comm
+            self._gathering.free_all()
+        for u in self.units:
+            u.arrived.clear()
+            u.used.clear()
+            u.reduced = u.reduce_handle = None
+            u.shard_empty = True
+            if self.policy.shard_grads:
+                u.flat_grad = None  # stages 2-3: a transient buffer per backward
+            for g in (u.flat_grad, u.grad_shard):
+                if g is not None:
+                    g.zero_()
+        self._reduction.regroup(topology)
 
     # -- state ---------------------------------------------------------------------------------
 
