@@ -28,13 +28,20 @@ the times of the recovery's log lines. Recorded in the results file:
   before the first kill, where the data order is the same; after it the global batch shrinks
   with the world and grows back, so the disturbed run sees other batches.
 
+With ``--hybrid``: strategy ``zero`` (stage 2) over hybrid sharding, 2 replicas x 2 shards
+(``mesh.dp_replicate = 2``). A kill takes its replica with it: the dead rank's partner leaves
+that replica and is replaced too, and the two replacements are taken in together, one whole
+replica again (``--max-restarts`` is twice the kills, plus 2).
+
 Measure it alone on the machine: each run records the load averages before and after it.
 
 Usage::
 
     python benchmarks/keep_training.py --steps 1800 --step-s 0.1 --kills 10
+    python benchmarks/keep_training.py --steps 1800 --step-s 0.1 --kills 10 --hybrid
 
-Writes ``benchmarks/results/keep_training.json`` (``--out`` to change).
+Writes ``benchmarks/results/keep_training.json`` (``keep_training_hybrid.json`` with
+``--hybrid``; ``--out`` to change).
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "keep_training.json"
+RESULTS = ROOT / "benchmarks" / "results"
 WORLD = 4
 MICRO = 16
 SAMPLES = 4096
@@ -68,9 +75,14 @@ CONFIG: dict[str, Any] = {
     # gloo's ring all-reduce learns of the loss through the store ([Note: watched waits]).
     "recovery": {"in_job": True, "wait_s": 15},
 }
+HYBRID: dict[str, Any] = {"strategy": "zero", "zero": {"stage": 2}, "mesh": {"dp_replicate": 2}}
 
 
-def worker(out: Path, steps: int, step_s: float) -> None:
+def config_of(hybrid: bool) -> dict[str, Any]:
+    return {**CONFIG, **HYBRID} if hybrid else dict(CONFIG)
+
+
+def worker(out: Path, steps: int, step_s: float, hybrid: bool) -> None:
     """One rank: train ``steps`` steps, one JSON line per step and per recovery log line."""
     import torch
     from torch import nn
@@ -101,7 +113,7 @@ def worker(out: Path, steps: int, step_s: float) -> None:
     data = TensorDataset(
         torch.randn(SAMPLES, 64, generator=g), torch.randint(0, 10, (SAMPLES,), generator=g)
     )
-    engine = longboat.initialize(model, optimizer, CONFIG)
+    engine = longboat.initialize(model, optimizer, config_of(hybrid))
     loader = engine.loader(data)
     lines = open(out / f"steps.{ident}.jsonl", "a", buffering=1)  # noqa: SIM115
     loss_fn = nn.CrossEntropyLoss()
@@ -124,12 +136,14 @@ def worker(out: Path, steps: int, step_s: float) -> None:
     engine.close()
 
 
-def _run(out: Path, steps: int, step_s: float, kills: int, seed: int) -> dict[str, Any]:
+def _run(
+    out: Path, steps: int, step_s: float, kills: int, seed: int, hybrid: bool
+) -> dict[str, Any]:
     """One ``longboat run``; with ``kills``, SIGKILL a worker every 15-20 s until that many."""
     cmd = [
         sys.executable, "-m", "longboat.cli", "run", "-n", str(WORLD),
-        "--max-restarts", str(kills + 2), __file__, "--worker", str(out), "--steps",
-        str(steps), "--step-s", str(step_s),
+        "--max-restarts", str(_restarts(kills, hybrid)), __file__, "--worker", str(out),
+        "--steps", str(steps), "--step-s", str(step_s), *(["--hybrid"] if hybrid else []),
     ]  # fmt: skip
     log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115
     load_before = os.getloadavg()  # recorded: other work on the machine skews every timing
@@ -157,6 +171,11 @@ def _run(out: Path, steps: int, step_s: float, kills: int, seed: int) -> dict[st
     wall = time.time() - t0
     load = {"before": load_before, "after": os.getloadavg()}
     return {"code": proc.returncode, "wall_s": wall, "kills": done, "load_avg_1_5_15": load}
+
+
+def _restarts(kills: int, hybrid: bool) -> int:
+    """Enough for every kill: under hybrid sharding the dead rank's partner is replaced too."""
+    return (2 * kills if hybrid else kills) + 2
 
 
 def _latest_world(out: Path) -> int:
@@ -248,20 +267,23 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.1)
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--hybrid", action="store_true", help="ZeRO-2 over 2 replicas x 2 shards")
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--keep", type=Path, help="keep the runs' logs and records here")
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.steps, args.step_s)
+        worker(args.worker, args.steps, args.step_s, args.hybrid)
         return
+    name = "keep_training_hybrid.json" if args.hybrid else "keep_training.json"
+    out_file = args.out or RESULTS / name
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import machine, versions
 
     with tempfile.TemporaryDirectory(prefix="keep-training-") as tmp:
         base = args.keep or Path(tmp)
         base.mkdir(parents=True, exist_ok=True)
-        calm = _run(base / "undisturbed", args.steps, args.step_s, 0, args.seed)
-        hit = _run(base / "disturbed", args.steps, args.step_s, args.kills, args.seed)
+        calm = _run(base / "undisturbed", args.steps, args.step_s, 0, args.seed, args.hybrid)
+        hit = _run(base / "disturbed", args.steps, args.step_s, args.kills, args.seed, args.hybrid)
         calm_loss, _, calm_each = _curve(base / "undisturbed")
         hit_loss, hit_world, hit_each = _curve(base / "disturbed")
         log = (base / "disturbed.log").read_text()
@@ -277,10 +299,10 @@ def main() -> None:
         "benchmark": "keep_training",
         "command": (
             f"python benchmarks/keep_training.py --steps {args.steps} --step-s {args.step_s} "
-            f"--kills {args.kills} --seed {args.seed}"
+            f"--kills {args.kills} --seed {args.seed}" + (" --hybrid" if args.hybrid else "")
         ),
         "config": {
-            **CONFIG,
+            **config_of(args.hybrid),
             "ranks": WORLD,
             "model": "MLP 64-256-256-10",
             "optimizer": "AdamW lr 1e-3",
@@ -288,7 +310,7 @@ def main() -> None:
             "steps": args.steps,
             "step_padded_to_s": args.step_s,
             "kill_every_s": [15, 20],
-            "max_restarts": args.kills + 2,
+            "max_restarts": _restarts(args.kills, args.hybrid),
         },
         "versions": versions(),
         "machine": machine(),
@@ -322,8 +344,10 @@ def main() -> None:
         "notes": [
             "load_avg_1_5_15: the machine's load averages before and after each run, since "
             "other work on the machine skews every timing here.",
-            "Hybrid sharding 2x2 (dp_replicate x dp_shard) is not supported by recovery.in_job "
-            "(refused: a shard's only copy dies with its rank); not measured.",
+            "Under --hybrid a kill takes its replica (its shard group) with it: the dead "
+            "rank's partner leaves and is replaced too (--max-restarts counts both), the "
+            "survivors train on as one replica of 2 ranks, and the two replacements are taken "
+            "in together; replacement_start is the kill to that moment.",
             "Each step is padded to step_padded_to_s of wall time, so steps per second do not "
             "depend on the world size: lost time is time in which no step completed.",
             "comm.timeout_s at its default (600 s), recovery.wait_s = 15: a survivor that is "
@@ -334,8 +358,8 @@ def main() -> None:
             "at a smaller world are not lost, the global batch is smaller there.",
         ],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(result, indent=1) + "\n")
     print(
         json.dumps(
             {

@@ -107,7 +107,7 @@ def test_sharded_state_is_refused_with_the_reason():
 
 
 # Hybrid sharding, two replicas each sharded over two ranks ([Note: membership]): the replica
-# that lost a rank leaves whole, its survivor saying why and ending with status 0; the other
+# that lost a rank leaves whole, its survivor saying why (no --max-restarts: dropped); the other
 # replica goes on alone, its ranks renumbered 0 and 1 and keeping their shards. Rank 1 lost:
 # the replica that goes on is the second one (launch ranks 2 and 3, renumbered), so a shard
 # kept at a new rank is checked; rank 3 lost under stage 3: the leaving survivor's next

@@ -4,6 +4,9 @@ launcher's store, a group of one for the new group."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,14 +18,65 @@ from longboat.recovery.membership import Arrival, RecoveryError, agree
 
 def test_members_see_a_waiting_replacement_once_and_take_it_in_after_the_next_step():
     store = dist.HashStore()
-    assert joining.at_boundary(store, 1, 5) is None  # nobody waits: nothing written
+    key = joining.waiting_key(1, block=1)
+    assert joining.at_boundary(store, key, 5) is None  # nobody waits: nothing written
     assert not store.check(["longboat/recovery/join/1"])
     k = joining.register(store, 4)
     assert k == 1 and joining.joiner_of(store, k) == 4
-    first = joining.at_boundary(store, 1, 5)  # the first member to look decides: after step 6
+    first = joining.at_boundary(store, key, 5)  # the first member to look decides: after step 6
     assert first == 6
-    assert joining.at_boundary(store, 1, 6) == 6  # a member a step later reads the same
+    assert joining.at_boundary(store, key, 6) == 6  # a member a step later reads the same
     assert joining.register(store, 7) == 2  # a second replacement waits for the next round
+
+
+def _forming(store, joiners, block, **kwargs) -> dict[int, object]:
+    """``form_batch`` for each (id, place) on its own thread, in order (each ticket taken
+    before the next thread starts); each one's (ticket, batch, tickets) or error."""
+    out: dict[int, object] = {}
+
+    def one(id: int, place: int) -> None:
+        try:
+            out[id] = joining.form_batch(store, id, place, block, poll_s=0.01, **kwargs)
+        except BaseException as e:  # JobEnded is a SystemExit
+            out[id] = e
+
+    threads = []
+    for id, place in joiners:
+        threads.append(threading.Thread(target=one, args=(id, place)))
+        threads[-1].start()
+        deadline = time.monotonic() + 5
+        while not store.check([f"longboat/recovery/join/{len(threads)}/place"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_replacements_form_whole_shard_groups_one_of_each_place_in_ticket_order():
+    # Two replicas broke at once (3 of 2 ranks each): the tickets come as places 0, 0, 1, 1;
+    # each fills the first batch still lacking its place, so the batches are (1, 3) and (2, 4).
+    store = dist.HashStore()
+    got = _forming(store, [(10, 0), (11, 0), (12, 1), (13, 1)], 2)
+    assert got[10] == (1, 1, [1, 3]) and got[12] == (3, 1, [1, 3])
+    assert got[11] == (2, 2, [2, 4]) and got[13] == (4, 2, [2, 4])
+    assert joining.joiners_of(store, 2, block=2) == [(2, 11), (4, 13)]
+    # the members look at the batch, not at a ticket: waiting once its last joiner is built
+    key = joining.waiting_key(1, block=2)
+    joining.built(store, 1, 2)
+    assert joining.at_boundary(store, key, 7) is None
+    joining.built(store, 1, 2)
+    assert joining.at_boundary(store, key, 7) == 8
+
+
+def test_a_replacement_whose_batch_never_fills_stops_when_the_job_ended():
+    store = dist.HashStore()
+    joining.current(store, [0, 1])
+    joining.close(store, 0)
+    joining.close(store, 1)
+    got = _forming(store, [(10, 0)], 2)
+    assert isinstance(got[10], joining.JobEnded) and got[10].code == 0
+    assert "replacement ticket 1 was taken in" in got[10].message
 
 
 def test_the_replacement_is_appended_to_the_members_that_arrived():
@@ -79,7 +133,7 @@ def test_share_on_a_group_of_one_hands_back_the_senders_state():
     opt.step()
     alone = Collectives.alone(0, name="test")
     header, optim, sched, rng = transfer.share(
-        alone, alone, {"counters": [1]}, model, opt, None, torch.device("cpu")
+        alone, alone, {"counters": [1]}, [*model.parameters()], opt, None, torch.device("cpu")
     )
     assert header["counters"] == [1] and sched is None
     assert torch.equal(rng, torch.get_rng_state())

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from longboat.recovery import Arrival, Membership, RecoveryError, agree
-from longboat.recovery.membership import Left
+from longboat.recovery.membership import LEFT_STATUS, Left
 
 
 def _together(store, arrivals, previous, **kwargs) -> dict[int, Membership | BaseException]:
@@ -58,7 +58,8 @@ def test_every_rank_arriving_keeps_them_all():
 
 def test_in_blocks_only_whole_replicas_go_on_and_the_broken_ones_survivor_leaves():
     # Two replicas held by two ranks each (hybrid sharding): id 3 lost takes the second
-    # replica with it, and id 2, alive, is told to leave (status 0), naming the lost id.
+    # replica with it, and id 2, alive, is told to leave (its launcher replaces it), naming
+    # the lost id.
     got = _together(
         dist.HashStore(),
         [Arrival(i, 3, ((0, 12),)) for i in (0, 1, 2)],
@@ -68,7 +69,7 @@ def test_in_blocks_only_whole_replicas_go_on_and_the_broken_ones_survivor_leaves
         block=2,
     )
     assert got[0] == got[1] == Membership(1, (0, 1), (2, 3), 3, ((0, 12),))
-    assert isinstance(got[2], Left) and got[2].code == 0, got[2]
+    assert isinstance(got[2], Left) and got[2].code == LEFT_STATUS, got[2]
     assert "lost 3" in got[2].message and "goes on with ids [0, 1]" in got[2].message
 
 

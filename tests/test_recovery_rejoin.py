@@ -17,9 +17,12 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import harness
+import pytest
+import recovery_checks
 import reference
 import torch
 from safetensors.torch import load_file
@@ -31,14 +34,16 @@ STEPS = 24
 SAMPLES = 200  # STEPS steps of at most 4 ranks x MICRO: one epoch, no wrap
 
 
-def _run(tmp_path: Path, world: int, kills: list[tuple[int, int]]) -> tuple[str, Path]:
+def _run(
+    tmp_path: Path, world: int, kills: list[tuple[int, int]], *extra: str, restarts: int = 0
+) -> tuple[str, Path]:
     out = tmp_path / "out"
     args = [f"--kill={r}:{k}" for r, k in kills]
     proc = harness.longboat_run(
         "-n",
         str(world),
         "--max-restarts",
-        str(len(kills)),
+        str(restarts or len(kills)),
         str(SCRIPT),
         str(out),
         str(STEPS),
@@ -48,20 +53,29 @@ def _run(tmp_path: Path, world: int, kills: list[tuple[int, int]]) -> tuple[str,
         "--wait-joiner",
         "--samples",
         str(SAMPLES),
+        *extra,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout
     return proc.stdout, out
 
 
-def _check(log: str, out: Path, world: int, kills: list[tuple[int, int]]) -> list[int]:
-    """Every rank's records and final state against the plain loop; returns each step's
-    world size, as the ranks recorded it."""
-    victims = [r for r, _ in kills]
-    for r in victims:
+def _check(
+    log: str, out: Path, world: int, kills: list[tuple[int, int]], left: Sequence[int] = ()
+) -> list[int]:
+    """Every rank's records and final state against the plain loop (``left``: ranks that left
+    their replica, replaced too); returns each step's world size, as the ranks recorded it."""
+    killed = [r for r, _ in kills]
+    for r in killed:
         assert f"longboat: rank {r} (replica {r}) was killed by SIGKILL; a replacement" in log
+    for r in left:
+        assert (
+            f"longboat: rank {r} (replica {r}) left its replica, which had lost a rank; a " in log
+        )
+    victims = [*killed, *left]
     assert "restarting all workers" not in log, log  # the launcher restarted no one
-    assert len(re.findall(r"replacement \(id \d+\) taken in as rank", log)) == len(kills), log
+    joined = re.findall(r"replacement \(id \d+\) taken in as rank", log)
+    assert len(joined) == len(victims), log
     assert "no checkpoint read" in log
     # Nothing but the ranks' own records was written: no checkpoint exists to be read.
     assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
@@ -93,6 +107,12 @@ def _check(log: str, out: Path, world: int, kills: list[tuple[int, int]]) -> lis
             want = plain.losses[s][0][rec["rank"]]
             assert abs(rec["loss"] - want) <= TOL * max(abs(want), 1.0), (r, rec, want)
     states = {r: load_file(out / f"rank{r}.safetensors") for r in range(world)}
+    if left:  # ZeRO: each rank's pieces, the same at the same place of every replica
+        whole = recovery_checks.assemble_pieces(states.values())
+        states = {
+            r: {**whole, **{k: v for k, v in st.items() if k.startswith("model.")}}
+            for r, st in states.items()
+        }
     for r in range(1, world):  # replicas again, replacements included: bit for bit
         assert states[r].keys() == states[0].keys()
         assert all(torch.equal(states[r][k], states[0][k]) for k in states[0]), r
@@ -116,3 +136,16 @@ def test_two_losses_the_second_before_the_first_replacement_is_in(tmp_path):
     assert worlds[-1] == 4
     grown = [b for a, b in itertools.pairwise(worlds[3:]) if b != a]
     assert grown == [3, 4], worlds  # one replacement taken in per boundary
+
+
+# Hybrid sharding, ZeRO-2 and -3 over 2 replicas x 2 shards: rank 3 lost takes its replica with it;
+# rank 2 leaves it and is replaced as rank 3 is. The two replacements build their engines
+# together as one shard group, each at its launch rank's place, and are taken in together,
+# each sent the state of the rank at its place in the replica that went on.
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_sharding_takes_a_whole_replica_back_in(tmp_path, stage):
+    kills = [(3, 2)]
+    log, out = _run(tmp_path, 4, kills, "--zero-stage", str(stage), restarts=2)
+    worlds = _check(log, out, 4, kills, left=[2])
+    back = worlds.index(4, 2)
+    assert worlds == [4, 4] + [2] * (back - 2) + [4] * (STEPS - back), worlds

@@ -3,7 +3,6 @@ tensor-parallel layers, the optimizer and the strategy, in that order."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from collections.abc import Callable, Mapping
@@ -26,7 +25,7 @@ from longboat.observe.log import setup_logging
 from longboat.optim import build_optimizer, build_scheduler
 from longboat.pipeline import build_schedule
 from longboat.recompute import apply_activation_checkpointing
-from longboat.recovery.injob import replacing
+from longboat.recovery.injob import Batch, replacement_world, replacing
 from longboat.strategies.registry import build_service
 from longboat.tensor import TensorParallel
 from longboat.topology import DoorwayOptions, Topology
@@ -73,7 +72,7 @@ def initialize(
     splits the layers so that the slowest stage is as fast as it can be
     (``docs/pipeline.md``); without it, the stages balance parameters.
     """
-    cfg, world, owns, service, mesh, options = _join(config, world)
+    cfg, world, owns, service, mesh, options, batch = _join(config, world)
     if service is None:
         topology = Topology.build(mesh, options, device_for(world))
     else:
@@ -94,29 +93,35 @@ def initialize(
         example_input=example_input,
     )
     if replacing(cfg):  # built alone: now taken into the job ([Note: joining a replacement])
-        engine._take_place(options)
+        engine._take_place(options, batch)
     return engine
 
 
 def _join(
     config: Config | Mapping[str, Any] | str | Path | None, world: World | None
-) -> tuple[Config, World, bool, Any, Mesh, DoorwayOptions]:
-    """The config, the world (joined), the ranks that serve beside the mesh, the mesh and the
-    doorways' options."""
+) -> tuple[Config, World, bool, Any, Mesh, DoorwayOptions, Batch | None]:
+    """The config, the world (joined), the ranks that serve beside the mesh, the mesh, the
+    doorways' options, and a replacement's batch under hybrid sharding."""
     cfg = overridden(load_config(config))  # [Note: config override]
     world = world or World.from_env()
     setup_logging(world, cfg.log.level)
+    batch = None
     if replacing(cfg):
         # A replacement of a dead replica builds its engine alone (its rank at launch kept, so
-        # that logs and monitors say who it is) and joins the members' group afterwards: they
-        # are mid-run and take no part in what building an engine communicates.
-        world = dataclasses.replace(world, world_size=1, local_world_size=1)
-    owns = init_process_group(world, backend=cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
+        # that logs and monitors say who it is), or with the other joiners of its replica
+        # under hybrid sharding, and joins the members' group afterwards: they are mid-run and
+        # take no part in what building an engine communicates.
+        world, batch = replacement_world(cfg, world)
+    c = cfg.comm
+    prefix = batch.prefix if batch is not None else ""
+    owns = init_process_group(world, c.backend, c.timeout_s, store_prefix=prefix)
     # Ranks that serve the strategy instead of training ([Note: parameter server roles] in
     # ps/service.py): the mesh covers the others.
     service = build_service(cfg, world.world_size)
-    mesh = resolve_mesh(cfg, world.world_size - cfg.service_ranks())
-    c = cfg.comm
+    if batch is None:
+        mesh = resolve_mesh(cfg, world.world_size - cfg.service_ranks())
+    else:  # one shard group: the replica it will be
+        mesh = Mesh.resolve(batch.size, dp_shard=batch.size)
     options = DoorwayOptions(
         desync_check=c.desync_check,
         log=c.log,
@@ -126,7 +131,7 @@ def _join(
         hierarchical=c.hierarchical,
         ranks_per_node=c.ranks_per_node or world.local_world_size,
     )
-    return cfg, world, owns, service, mesh, options
+    return cfg, world, owns, service, mesh, options, batch
 
 
 def serve_beside(
@@ -139,7 +144,7 @@ def serve_beside(
     workers have left), so that the process goes on with other work: ``longboat bench`` runs
     that rank's share of the other sides meanwhile. Every other rank calls :func:`initialize`.
     """
-    cfg, world, _, service, mesh, options = _join(config, None)
+    cfg, world, _, service, mesh, options, _ = _join(config, None)
     if service is None or not service.serves(world.rank):
         raise ConfigError(
             f"serve_beside on rank {world.rank}: the config's strategy is {cfg.strategy!r}, "

@@ -19,7 +19,7 @@ from longboat.join import UNEVEN_HINT, JoinVote
 from longboat.observe.monitor import Monitor
 from longboat.precision import Precision
 from longboat.recovery import transfer
-from longboat.recovery.injob import InJob, Regroupable, join_job
+from longboat.recovery.injob import Batch, InJob, Regroupable, join_job
 from longboat.recovery.membership import RecoveryError
 from longboat.strategies.base import Strategy
 from longboat.topology import DoorwayOptions, Topology
@@ -83,34 +83,41 @@ class Recovering:
             "loaders": loaders,
             "precision": self.precision.state_dict(),
         }
-        # [Note: what a joiner receives]: every member takes part; rank 0 sends.
+        # [Note: what a joiner receives]: every member takes part; the group's rank 0 sends.
         t0 = time.monotonic()
-        transfer.share(
-            self.comm,
-            self.control,
-            header,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.device,
-        )
+        Recovering._send_state(self, header)
         if world.rank == 0:
             log.info(
                 "in-job recovery: state sent to the replacement (%.3f s)", time.monotonic() - t0
             )
 
-    def _take_place(self: _Engine, options: DoorwayOptions) -> None:
-        """In a replacement whose engine was built alone: join the job at its members' next
-        boundary and take the state a live member sends ([Note: joining a replacement])."""
+    def _send_state(self: _Engine, header: dict[str, Any]) -> tuple[Any, Any, Any, torch.Tensor]:
+        """[Note: what a joiner receives], over the strategy's replica axis."""
+        strategy = cast(Regroupable, self.strategy)
+        axis = strategy.replica_axis()
+        return transfer.share(
+            self.topology.data(axis),
+            self.topology.control(axis),
+            header,
+            strategy.replica_tensors(self.model),
+            self.optimizer,
+            self.scheduler,
+            self.device,
+        )
+
+    def _take_place(self: _Engine, options: DoorwayOptions, batch: Batch | None) -> None:
+        """In a replacement whose engine was built alone (or with the rest of its ``batch``):
+        join the job at its members' next boundary and take the state a live member sends
+        ([Note: joining a replacement])."""
+        launch = World.from_env()
+        strategy, model = self.strategy, self.model
         r, world, topology = join_job(
-            self.config, World.from_env(), self.strategy, self.model, self.topology, options
+            self.config, launch, strategy, model, self.topology, options, batch
         )
         self._recovery = cast("InJob | None", r)
         b = self.batch
         Recovering._adopt(self, world, topology, b.micro_batch_size, b.gradient_accumulation_steps)
-        header, optim, sched, rng = transfer.share(
-            self.comm, self.control, {}, self.model, self.optimizer, self.scheduler, self.device
-        )
+        header, optim, sched, rng = Recovering._send_state(self, {})
         self.optimizer.load_state_dict(optim)
         if self.scheduler is not None and sched is not None:
             self.scheduler.load_state_dict(sched)

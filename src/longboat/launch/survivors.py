@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from longboat import roles
-from longboat.recovery.membership import publish_death
+from longboat.recovery.membership import LEFT_STATUS, publish_death
 
 
 class _Dropped:
@@ -62,6 +62,8 @@ class _Dropped:
 
 
 def _how(code: int) -> str:
+    if code == LEFT_STATUS:
+        return "left its replica, which had lost a rank"
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"

@@ -25,6 +25,18 @@ process reads no checkpoint. It builds its engine alone, then:
    receives] in ``transfer.py``); from the next step on every rank holds the same state and
    the loaders deal over the whole group again.
 
+Under hybrid sharding a replica is held by its shard group together ([Note: membership] in
+``membership.py``), so replacements come in as whole shard groups, a *batch* of ``block``
+joiners, one for each place in the group (its launch rank's place, ``rank % block``): each
+takes a ticket with its place (``join/<k>/place``); the tickets, in order, fill batches, each
+ticket the first batch still lacking its place (the same batches on every joiner, whatever
+it reads when). Once its batch is whole, a joiner writes the batch's tickets
+(``batch/<b>/tickets``), builds its engine together with the others of its batch, as a
+shard group of its own (a group under ``batch/<b>/group/``: ZeRO lays out each shard for
+its place), and counts itself built; the last one marks ``batch/<b>`` waiting. The members
+then take batch ``joined + 1`` in as they take a ticket in above, its joiners appended in
+the order of their places, so they make one whole replica, each at its place.
+
 A joiner started while the members are still regrouping after the loss writes its ticket all
 the same; the members see it at the first boundary after their regroup. One joiner is taken in
 per boundary; a second ticket waits for the next. A joiner whose job ended before it was taken
@@ -59,6 +71,16 @@ def _ticket(k: int) -> str:
     return f"{ROOT}/join/{k}"
 
 
+def _batch(b: int) -> str:
+    return f"{ROOT}/batch/{b}"
+
+
+def waiting_key(n: int, block: int) -> str:
+    """What the members look at for the ``n``-th joining: ticket ``n`` one by one, batch ``n``
+    when replicas are held by ``block`` > 1 ranks together."""
+    return _ticket(n) if block == 1 else _batch(n)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -71,10 +93,11 @@ def register(store: Any, id: int) -> int:
     return k
 
 
-def at_boundary(store: Any, k: int, step: int) -> int | None:
-    """On a member, once step ``step`` completed: the step after which ticket ``k``'s joiner is
-    taken in, or None when none waits. One store round trip ([Note: joining a replacement])."""
-    got = _text(store.compare_set(_ticket(k), WAITING, json.dumps(step + 1)))
+def at_boundary(store: Any, key: str, step: int) -> int | None:
+    """On a member, once step ``step`` completed: the step after which the joining under
+    ``key`` (:func:`waiting_key`) is taken in, or None when none waits. One store round trip
+    ([Note: joining a replacement])."""
+    got = _text(store.compare_set(key, WAITING, json.dumps(step + 1)))
     if got == WAITING:  # absent: compare_set hands the expected value back
         return None
     return int(json.loads(got))
@@ -83,6 +106,56 @@ def at_boundary(store: Any, k: int, step: int) -> int | None:
 def joiner_of(store: Any, k: int) -> int:
     """The id of ticket ``k``'s joiner."""
     return int(_text(store.get(f"{_ticket(k)}/id")))
+
+
+def joiners_of(store: Any, n: int, block: int) -> list[tuple[int, int]]:
+    """The ``n``-th joining's (ticket, id) pairs, in the order of their places."""
+    if block == 1:
+        return [(n, joiner_of(store, n))]
+    tickets = [int(k) for k in json.loads(_text(store.get(f"{_batch(n)}/tickets")))]
+    return [(k, joiner_of(store, k)) for k in tickets]
+
+
+def form_batch(
+    store: Any,
+    id: int,
+    place: int,
+    block: int,
+    *,
+    dead: Callable[[], set[int]] = set,
+    poll_s: float = 0.05,
+) -> tuple[int, int, list[int]]:
+    """Take a ticket for joiner ``id`` at ``place`` of a shard group of ``block`` and wait until
+    its batch is whole ([Note: joining a replacement]). Returns the ticket, the batch's number
+    and its tickets in the order of their places. Raises as :func:`wait_admitted` does when
+    the job ends or its members all die first."""
+    k = int(store.add(TICKETS, 1))
+    store.set(f"{_ticket(k)}/id", str(id))
+    store.set(f"{_ticket(k)}/place", str(place))
+    places: dict[int, int] = {}  # ticket -> place, read once each
+    while True:
+        batches: list[dict[int, int]] = []  # place -> ticket, in ticket order
+        for t in range(1, int(store.add(TICKETS, 0)) + 1):
+            if t not in places:  # taken already: its place follows at once
+                places[t] = int(_text(store.get(f"{_ticket(t)}/place")))
+            p = places[t]
+            into = next((b for b in batches if p not in b), None)
+            if into is None:
+                batches.append(into := {})
+            into[p] = t
+        b = next(i for i, got in enumerate(batches) if k in got.values())
+        if len(batches[b]) == block:
+            tickets = [batches[b][p] for p in range(block)]
+            store.set(f"{_batch(b + 1)}/tickets", json.dumps(tickets))
+            return k, b + 1, tickets
+        _ended(store, f"replacement ticket {k}", dead)
+        time.sleep(poll_s)
+
+
+def built(store: Any, b: int, block: int) -> None:
+    """One joiner of batch ``b`` has built its engine; the last marks the batch waiting."""
+    if int(store.add(f"{_batch(b)}/built", 1)) == block:
+        store.set(_batch(b), WAITING)
 
 
 def admitted(store: Any, k: int, generation: int, members: Sequence[int]) -> None:
@@ -112,30 +185,39 @@ def wait_admitted(
     job finished first, :class:`RecoveryError` when every member died first."""
     key = f"{_ticket(k)}/generation"
     while not store.check([key]):
-        if store.check([CURRENT]):
-            members = [int(i) for i in json.loads(_text(store.get(CURRENT)))]
-            gone = dead()
-            ended = [i for i in members if i not in gone and store.check([f"{CLOSED}/{i}"])]
-            if members and all(i in gone for i in members):
-                raise RecoveryError(
-                    f"every member of the job (ids {members}) died before replacement "
-                    f"ticket {k} was taken in: no live peer holds the state to join from"
-                )
-            if members and all(i in gone or i in ended for i in members):
-                raise JobEnded(
-                    f"the job finished before replacement ticket {k} was taken in; nothing to do"
-                )
+        _ended(store, f"replacement ticket {k}", dead)
         time.sleep(poll_s)
     return int(_text(store.get(key)))
+
+
+def _ended(store: Any, who: str, dead: Callable[[], set[int]]) -> None:
+    """Raise :class:`JobEnded` when every member of the latest generation finished or died,
+    :class:`RecoveryError` when they all died: ``who`` will not be taken in."""
+    if not store.check([CURRENT]):
+        return
+    members = [int(i) for i in json.loads(_text(store.get(CURRENT)))]
+    gone = dead()
+    ended = [i for i in members if i not in gone and store.check([f"{CLOSED}/{i}"])]
+    if members and all(i in gone for i in members):
+        raise RecoveryError(
+            f"every member of the job (ids {members}) died before {who} was taken in: no "
+            "live peer holds the state to join from"
+        )
+    if members and all(i in gone or i in ended for i in members):
+        raise JobEnded(f"the job finished before {who} was taken in; nothing to do")
 
 
 __all__ = [
     "JobEnded",
     "admitted",
     "at_boundary",
+    "built",
     "close",
     "current",
+    "form_batch",
     "joiner_of",
+    "joiners_of",
     "register",
     "wait_admitted",
+    "waiting_key",
 ]

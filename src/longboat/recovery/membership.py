@@ -16,8 +16,9 @@ The members' new ranks are their positions in the membership (in the order of th
 ranks). Where a replica is held by several ranks together (``block`` > 1: the shard group of
 hybrid sharding, [Note: hybrid sharding] in ``strategies/zero/strategy.py``), the members go on
 in whole blocks: a block that lost a rank is left out, its survivors with it (they hold shards
-of a replica that is incomplete; :class:`Left` tells each so), and the blocks that stay keep
-their order, so every member keeps its place within its block (its shard).
+of a replica that is incomplete; :class:`Left` tells each so, and its launcher replaces it),
+and the blocks that stay keep their order, so every member keeps its place within its block
+(its shard).
 
 Every member must be at the same step and loader position: replicas that stepped in lockstep
 are, unless one of them finished the failed step's reduction and the optimizer step
@@ -44,12 +45,18 @@ class RecoveryError(RuntimeError):
     """The survivors could not agree on how to go on; the message says why and names ranks."""
 
 
+#: The exit status of a survivor that left its incomplete replica (:class:`Left`): the
+#: launcher starts a replacement in its place, as for a dead rank, while ``--max-restarts``
+#: allows, so that the replica can be taken in again whole (EX_TEMPFAIL).
+LEFT_STATUS = 75
+
+
 class Left(SystemExit):
     """This survivor is not among the members that go on: its replica's block lost a rank
-    ([Note: membership]). Its process ends with status 0, ``message`` saying why."""
+    ([Note: membership]). Its process ends with :data:`LEFT_STATUS`, ``message`` saying why."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(0)
+        super().__init__(LEFT_STATUS)
         self.message = message
 
 
@@ -193,6 +200,7 @@ class DeathNotices:
 
 __all__ = [
     "DEATHS",
+    "LEFT_STATUS",
     "ROOT",
     "Arrival",
     "DeathNotices",

@@ -1,12 +1,15 @@
 """What a live replica sends a joining rank, as JSON and tensors over the new group.
 
 [Note: what a joiner receives] After a replacement is taken in ([Note: joining a
-replacement] in ``joining.py``), new rank 0 (the lowest member that was there) broadcasts,
-in this order: one JSON header (the engine's counters, micro-batch and accumulation, each
-loader's position, the fp16 loss scaler, and the layout of the optimizer's and the LR
-scheduler's ``state_dict``), then every parameter and buffer of the model (in place, on every
-rank), then the tensors of the optimizer's state (step counts included), then torch's CPU
-random state. Nothing is pickled: the header is JSON in a byte tensor, the rest are tensors.
+replacement] in ``joining.py``), the lowest member that was there broadcasts, over the
+strategy's ``replica_axis`` (every rank under ``replicate``; under hybrid sharding each place's
+group across the replicas, so each joiner hears the rank at its own place), in this order: one
+JSON header (the engine's counters, micro-batch and accumulation, each loader's position, the
+fp16 loss scaler, and the layout of the optimizer's and the LR scheduler's ``state_dict``),
+then the strategy's ``replica_tensors`` (``replicate``: every parameter and buffer; ZeRO: each
+unit's flat parameter or shard, and the buffers), in place on every rank, then the tensors of
+the optimizer's state (step counts included), then torch's CPU random state. Nothing is
+pickled: the header is JSON in a byte tensor, the rest are tensors.
 State the engine does not own (the script's own variables, Python's and NumPy's random
 generators, a second model) is not carried: see ``docs/recovery.md``.
 """
@@ -17,7 +20,6 @@ import json
 from typing import Any
 
 import torch
-from torch import nn
 
 from longboat.comm.protocol import Comm
 
@@ -97,14 +99,16 @@ def share(
     data: Comm,
     control: Comm,
     header: Carried,
-    model: nn.Module,
+    state: list[torch.Tensor],
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     device: torch.device,
 ) -> tuple[Carried, Any, Any, torch.Tensor]:
-    """Run [Note: what a joiner receives] on every rank of the new group; ``header`` is rank
-    0's to send. Returns, on every rank, as rank 0 holds them: the header, the optimizer's
-    ``state_dict``, the scheduler's (None without one) and torch's CPU random state."""
+    """Run [Note: what a joiner receives] on every rank of the group of ``data`` and
+    ``control``; ``header`` is rank 0's to send, ``state`` (the strategy's
+    ``replica_tensors``) is overwritten with rank 0's in place. Returns, on every rank, as rank
+    0 holds them: the header, the optimizer's ``state_dict``, the scheduler's (None without
+    one) and torch's CPU random state."""
     sending = control.rank == 0
     sent: list[torch.Tensor] = []
     if sending:
@@ -114,7 +118,7 @@ def share(
         header["rng"] = encode(torch.get_rng_state(), sent)
     header = broadcast_json(control, header)
     with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
+        for t in state:
             data.broadcast(t.data, src=0)
     places = [
         p

@@ -52,6 +52,7 @@ from longboat.comm import compression
 from longboat.comm.buckets import Bucket, BucketPlan, plan_buckets
 from longboat.comm.order import InOrder
 from longboat.comm.protocol import Comm
+from longboat.mesh import Axis
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.optim.checks import has_step_hooks, is_elementwise
 from longboat.optim.self_reducing import ReducesItself
@@ -136,6 +137,12 @@ class Replicate(WholeModel, StrategyDefaults):
     def replica_ranks(self) -> int:
         """Every rank holds a whole replica."""
         return 1
+
+    def replica_axis(self) -> Axis:
+        return "dp"
+
+    def replica_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        return [*model.parameters(), *model.buffers()]
 
     def keep_steps_whole(self) -> None:
         """Step the optimizer only once every bucket arrived (no [Note: optimizer overlap]):

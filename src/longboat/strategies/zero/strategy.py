@@ -57,6 +57,7 @@ from torch import nn
 from longboat.comm import compression
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
+from longboat.mesh import Axis
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.pieces import PieceSource, RankState
 from longboat.strategies.base import StrategyContext, StrategyDefaults
@@ -293,6 +294,18 @@ class Zero(StrategyDefaults):
     def replica_ranks(self) -> int:
         """The shard group holds one replica together ([Note: hybrid sharding])."""
         return self.comm.world_size
+
+    def replica_axis(self) -> Axis:
+        return "dp_replicate"  # the same shards, at the same place of every replica
+
+    def replica_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        """Each unit's shard (the masters), and its whole flat parameter where one is kept
+        between steps (stages 1-2: the shard is a view of it, or, under [Note: parameter
+        dtype], its source); the model's buffers."""
+        if self._gathering is not None:
+            self._gathering.free_all()  # every unit sharded, as between steps
+        units = [t for u in self.units for t in (u.shard, u.flat_param) if t is not None]
+        return [*units, *model.buffers()]
 
     def keep_steps_whole(self) -> None:
         """Note [whole steps of a shard group]: in-job recovery redoes a failed step, which is
