@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 
 import pytest
 
@@ -79,3 +80,38 @@ def test_a_work_that_ends_while_the_alarm_is_quiet_returns_its_result():
     threading.Timer(0.4, work.future.finish).start()
     assert wait_watched(work, LONG, alarm, "x") is True
     assert alarm.calls >= 1 and len(work.waited) == 1
+
+
+class _NoFuture:
+    """Like gloo's reduce-scatter work: no future, ``is_completed()`` False even once over;
+    ``wait()`` blocks until ``finish``."""
+
+    def __init__(self) -> None:
+        self.over = threading.Event()
+
+    def is_completed(self) -> bool:
+        return False
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented.")
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        assert self.over.wait(timeout.total_seconds() if timeout else 30)
+        return True
+
+
+def test_a_work_without_a_future_returns_when_it_ends_not_at_the_deadline():
+    # Polling is_completed() waited out the whole timeout: 10 s a step for ZeRO-1 under
+    # in-job recovery at comm.timeout_s = 10.
+    work, alarm = _NoFuture(), _Alarm(speaks_at=None)
+    threading.Timer(0.2, work.over.set).start()
+    t0 = time.monotonic()
+    assert wait_watched(work, LONG, alarm, "x") is True
+    assert time.monotonic() - t0 < LONG.total_seconds() / 2  # a deadline, not a timing
+
+
+def test_a_work_without_a_future_is_given_up_when_the_alarm_speaks():
+    work, alarm = _NoFuture(), _Alarm(speaks_at=2)
+    with pytest.raises(Abandoned):
+        wait_watched(work, LONG, alarm, "x")
+    work.over.set()  # the thread waiting in the backend ends with it

@@ -32,8 +32,6 @@ from longboat.comm.errors import PeerLost
 POLL_S = 0.15
 #: How long a collective may be pending before its wait asks the alarm at all.
 GRACE_S = 0.005
-#: The longest sleep of a wait on a work without a future (checked for completion between).
-_SPIN_S = 0.002
 
 Alarm = Callable[[], "str | None"]
 
@@ -51,9 +49,12 @@ def wait_watched(work: Any, timeout: datetime.timedelta, alarm: Alarm, what: str
     done = threading.Event()
     try:
         work.get_future().add_done_callback(lambda _f: done.set())
-        longest = POLL_S
-    except (RuntimeError, AttributeError):  # no future (gloo's reduce_scatter): spin slowly
-        longest = _SPIN_S
+    except (RuntimeError, AttributeError):
+        # No future (gloo's reduce_scatter), and its is_completed() stays False even once the
+        # work is over (torch 2.13): polling it waited out the whole timeout on every stage-1
+        # reduce-scatter (10 s a step at comm.timeout_s = 10). A thread waits in the backend
+        # and says when that returned; the wait below then returns at once, or raises.
+        threading.Thread(target=_wait_then_set, args=(work, done), daemon=True).start()
     start = time.monotonic()
     deadline = start + timeout.total_seconds()
     ask_at = start + GRACE_S
@@ -69,9 +70,20 @@ def wait_watched(work: Any, timeout: datetime.timedelta, alarm: Alarm, what: str
                     "store, not from this rank's connections; [Note: watched waits])"
                 )
             ask_at = now + POLL_S
-        done.wait(min(longest, ask_at - now, deadline - now))
+        done.wait(min(ask_at - now, deadline - now))
     left = max(deadline - time.monotonic(), 0.001)
     return work.wait(datetime.timedelta(seconds=left))
+
+
+def _wait_then_set(work: Any, done: threading.Event) -> None:
+    """Wait for ``work`` in the backend (until it ends, at the latest at its group's timeout),
+    then set ``done``; a failure is left to the caller's own wait, which raises it."""
+    try:
+        work.wait()
+    except Exception:  # raised again by the caller's own wait
+        pass
+    finally:
+        done.set()
 
 
 __all__ = ["GRACE_S", "POLL_S", "Abandoned", "Alarm", "wait_watched"]
