@@ -292,18 +292,7 @@ class InJob:
         newcomers = joining.joiners_of(self._store, k, self.block)
         gen = self.generation + 1
         live = [(lo, lo.where()) for r, _ in self._loaders if (lo := r()) is not None]
-        mine = Arrival(self.id, step, tuple(w for _, w in live))
-        wait_s = self.config.recovery.wait_s
-        m = agree(
-            self._store,
-            gen,
-            self.members,
-            mine,
-            wait_s=wait_s,
-            dead=self.deaths,
-            joining=tuple(id for _, id in newcomers),
-            block=self.block,
-        )
+        m = self._agree(gen, step, live, joining=tuple(id for _, id in newcomers))
         for ticket, _ in newcomers:
             joining.admitted(self._store, ticket, gen, m.members)
         t1 = time.monotonic()
@@ -326,6 +315,23 @@ class InJob:
             time.monotonic() - t1,
         )
         return world, topology, [w for _, w in live]
+
+    def _agree(
+        self, gen: int, step: int, live: list[tuple[Loader, tuple[int, int]]], joining: Any = ()
+    ) -> Membership:
+        """This member's part in the agreement on generation ``gen`` ([Note: membership]):
+        it redoes ``step``, its loaders stood where ``live`` says; ``joining``: the ids taken in."""
+        mine = Arrival(self.id, step, tuple(w for _, w in live))
+        return agree(
+            self._store,
+            gen,
+            self.members,
+            mine,
+            wait_s=self.config.recovery.wait_s,
+            dead=self.deaths,
+            joining=joining,
+            block=self.block,
+        )
 
     def watch(self, topology: Topology) -> None:
         """Have every doorway of ``topology`` ask :meth:`alarm` while it waits ([Note: watched
@@ -395,18 +401,8 @@ class InJob:
         if isinstance(error, Abandoned):
             log.warning("in-job recovery: %s", str(error).split("\n")[0])
         live = [(lo, w) for r, w in self._loaders if (lo := r()) is not None]
-        mine = Arrival(self.id, step, tuple(w for _, w in live))
-        wait_s = self.config.recovery.wait_s
         try:
-            m = agree(
-                self._store,
-                gen,
-                self.members,
-                mine,
-                wait_s=wait_s,
-                dead=self.deaths,
-                block=self.block,
-            )
+            m = self._agree(gen, step, live)
         except Left as e:
             log.warning("in-job recovery: %s", e.message)
             raise
