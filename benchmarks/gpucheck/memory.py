@@ -15,6 +15,15 @@ Offload: ``zero.offload_optimizer.device = 'cpu'`` with the parameters on a GPU 
 optimizer state in pinned host memory, [Note: host offload] in ``zero/host.py``): ZeRO-2 trains
 the same model with it and then in device memory, and the check records the home built, where
 the optimizer's tensors are, and each run's median step time and peak device memory.
+
+Beyond the GPU's memory: ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on ``'cpu'``
+([Note: host parameter offload] in ``zero/host.py``) trains a GPT whose fp32 state
+(parameters, gradients and AdamW's two moments: 16 bytes a parameter) is more than 4 times a cap
+set on the process's GPU memory (``torch.cuda.set_per_process_memory_fraction``; the allocator
+refuses to go past it), built on the meta device so that no whole copy is ever made; then the
+same model without the cap and without offload, in device memory. Each run's median step time
+and peak device memory are recorded beside the cap. The planner does not model host offload
+yet: the offloaded peak is compared with the cap, not with a plan.
 """
 
 from __future__ import annotations
@@ -40,6 +49,14 @@ DRY_TARGET = {
 }
 
 
+# The model beyond the cap: 11 blocks of d_model 2048, 570.9M parameters, 9.13 GB of fp32
+# state against a 2 GiB cap (4.25x); 2 x 128 tokens a step.
+CAP_BYTES = 2 * 2**30
+CAP_MODEL = {"vocab_size": 8192, "d_model": 2048, "n_layers": 11, "n_heads": 16, "seq_len": 128}
+DRY_CAP_MODEL = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16}
+STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient, and AdamW's exp_avg and exp_avg_sq
+
+
 def tasks(dry: bool) -> list[Task]:
     base = dict(DRY_TARGET if dry else GPU_TARGET, warmup=2, steps=2)
     out = [
@@ -47,6 +64,15 @@ def tasks(dry: bool) -> list[Task]:
         for s in STRATEGIES + BF16_PARAMS
     ]
     out.append(Task("offload-optimizer-cpu", "gpucheck.memory:offload_cpu", dict(base), 90.0))
+    cap = {
+        "model_args": DRY_CAP_MODEL if dry else CAP_MODEL,
+        "cap_bytes": CAP_BYTES,
+        "micro_batch": 2,
+        "seq_len": 16 if dry else 128,
+        "warmup": 1,
+        "steps": 3,
+    }
+    out.append(Task("offload-beyond-the-gpu", "gpucheck.memory:offload_beyond", cap, 240.0))
     return out
 
 
@@ -194,5 +220,65 @@ def offload_cpu(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
         out[f"peak_bytes_{name}"] = peak
         engine.close()
         del engine, model, opt
+    out["outcome"] = "trained"
+    return out
+
+
+def offload_beyond(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
+    """ZeRO-3 with parameters and optimizer in host memory under a GPU memory cap more than 4x
+    below the model's fp32 state, then the same model in device memory without the cap: each
+    run's median step time and peak of ``torch.cuda.max_memory_allocated``."""
+    import statistics
+
+    import longboat
+    from longboat.models import GPT, gpt_param_count
+
+    device = torch.device(ctx.device)
+    cuda = device.type == "cuda"
+    model_args = args["model_args"]
+    params = gpt_param_count(
+        model_args["vocab_size"], model_args["d_model"], model_args["n_layers"], args["seq_len"]
+    )
+    state = STATE_BYTES_PER_PARAM * params
+    cap = args["cap_bytes"]
+    out: dict[str, Any] = {
+        "device": ctx.device,
+        "model": dict(model_args, parameters=params),
+        "fp32_state_bytes": state,
+        "cap_bytes": cap if cuda else None,
+        "state_over_cap": state / cap if cuda else None,
+        "tokens_per_step": args["micro_batch"] * args["seq_len"],
+    }
+    host = {"device": "cpu"}
+    for name, offload in (("offload", True), ("in_memory", False)):
+        cfg = _config("zero-3", args["micro_batch"])
+        if offload:
+            cfg["zero"].update(offload_param=host, offload_optimizer=host)
+        if cuda:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(cap / total if offload else 1.0, device)
+        before = _fresh_peak(device)
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(**model_args)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine = longboat.initialize(model, opt, cfg)
+        if offload:
+            out["home"] = type(engine.strategy.home).__name__
+        times = _timed(engine, model.vocab_size, args, device)
+        out[f"median_step_s_{name}"] = statistics.median(times)
+        out[f"step_s_{name}"] = times
+        out[f"peak_bytes_{name}"] = (
+            torch.cuda.max_memory_allocated(device) - before if cuda else None
+        )
+        engine.close()
+        del engine, model, opt
+        gc.collect()
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        out["peak_under_cap"] = out["peak_bytes_offload"] <= cap
+    out["step_ratio_offload_over_in_memory"] = (
+        out["median_step_s_offload"] / out["median_step_s_in_memory"]
+    )
     out["outcome"] = "trained"
     return out

@@ -23,6 +23,23 @@ from longboat.config.compositions.rule import (
     wire_key,
     zero,
 )
+from longboat.config.sections import Config
+
+#: ZeRO-3 with its parameters and optimizer in CPU memory ([Note: host parameter offload]).
+_HOST_PARAMS = {
+    "strategy": "zero",
+    "zero": {
+        "stage": 3,
+        "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "cpu"},
+    },
+}
+
+
+def _params_on_host(c: Config, f: Facts) -> bool:
+    """``zero.offload_param.device = 'cpu'`` with the parameters on an accelerator."""
+    return c.zero.offload_param.device == "cpu" and f.device not in (None, "cpu", "meta")
+
 
 FEATURES: tuple[Rule, ...] = (
     # -- optimizers that reduce themselves (1-bit Adam, 1-bit LAMB) -----------------------------
@@ -381,21 +398,50 @@ FEATURES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu-param-offload-accelerator",
-        "zero.offload_param to CPU memory",
-        "parameters on an accelerator",
-        "not built yet",
+        "zero.offload_param to CPU memory beside an accelerator",
+        "zero.offload_optimizer.device other than 'cpu'",
+        "by nature",
         "build",
         lambda c, f: (
-            zero(c, f)
-            and c.zero.offload_param.device == "cpu"
-            and f.device not in (None, "cpu", "meta")
+            zero(c, f) and _params_on_host(c, f) and c.zero.offload_optimizer.device != "cpu"
         ),
         lambda c, f: (
-            "zero.offload_param.device = 'cpu' with parameters on an accelerator: keeping "
-            "parameter shards in CPU memory beside an accelerator is not implemented yet; "
-            "remove the key (zero.offload_optimizer.device = 'cpu' is)"
+            f"zero.offload_param.device = 'cpu' with parameters on {f.device} and "
+            f"zero.offload_optimizer.device = {c.zero.offload_optimizer.device!r}: the "
+            "parameter shards live in CPU memory as the optimizer's masters, so the optimizer "
+            "steps there too; set zero.offload_optimizer.device = 'cpu', or remove the key"
         ),
         {"strategy": "zero", "zero": {"stage": 3, "offload_param": {"device": "cpu"}}},
+        Facts(device="cuda"),
+    ),
+    Rule(
+        "cpu-param-offload-fp16",
+        "zero.offload_param to CPU memory beside an accelerator",
+        "precision.dtype 'fp16'",
+        "not built yet",
+        "build",
+        lambda c, f: zero(c, f) and _params_on_host(c, f) and c.precision.dtype == "fp16",
+        lambda c, f: (
+            "precision fp16 checks every gradient for overflow, which "
+            "zero.offload_param.device = 'cpu' keeps in CPU memory beside the accelerator: use "
+            "bf16 or fp32, or remove the key"
+        ),
+        {**_HOST_PARAMS, "precision": {"dtype": "fp16"}},
+        Facts(device="cuda"),
+    ),
+    Rule(
+        "cpu-param-offload-mesh",
+        "zero.offload_param to CPU memory beside an accelerator",
+        "mesh.pp, mesh.tp or mesh.dp_replicate > 1",
+        "not built yet",
+        "build",
+        lambda c, f: zero(c, f) and _params_on_host(c, f) and bool(axes(c)),
+        lambda c, f: (
+            f"zero.offload_param.device = 'cpu' beside an accelerator with "
+            f"mesh.{axes(c)[0][0]} = {axes(c)[0][1]}: parameter offload is implemented for "
+            f"plain ZeRO-3 (mesh.{axes(c)[0][0]} = 1) so far; remove the key or the axis"
+        ),
+        {**_HOST_PARAMS, "mesh": {"dp_replicate": 2}},
         Facts(device="cuda"),
     ),
 )

@@ -13,8 +13,8 @@ import torch
 from longboat.pieces import RankState
 from longboat.strategies.zero.flat import FlatUnit
 
-if TYPE_CHECKING:  # a disk home's gradients, named in a signature
-    from longboat.strategies.zero.shard_swap import ShardSwap
+if TYPE_CHECKING:  # gradients kept out of memory, named in a signature
+    from longboat.grads import HeldGradients
 
 StepUnit = Callable[[FlatUnit], None]
 
@@ -73,8 +73,9 @@ class Home(Protocol):
     def loading(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
         """Every unit's state where a checkpoint loads it, and home again after."""
 
-    def held_gradients(self) -> ShardSwap | None:
-        """Gradients kept out of memory, for the engine's clipping."""
+    def held_gradients(self) -> HeldGradients | None:
+        """Gradients kept out of device memory (on disk, or on the host beside an
+        accelerator), for the engine's clipping."""
 
     @property
     def on_disk(self) -> dict[str, int]:

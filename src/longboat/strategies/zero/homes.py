@@ -13,12 +13,17 @@ chosen from ``zero.offload_optimizer`` and ``zero.offload_param`` when the strat
 - :class:`OnDisk`: the optimizer state in swap files ([Note: optimizer state offload] in
   ``offload.py``), stage 3's parameter and gradient shards too with ``offload_param`` ([Note:
   parameter offload] in ``shard_swap.py``); units step one by one through a
-  :class:`~longboat.strategies.zero.offload.UnitStream` that reads each ahead and writes it behind.
+  :class:`~longboat.strategies.zero.offload.UnitStream` that reads each ahead and writes it behind;
+- :class:`ParamsOnHost` (``host.py``): ``offload_param.device = "cpu"`` with
+  ``offload_optimizer.device = "cpu"`` beside an accelerator: stage 3's parameter and gradient
+  shards in host memory too, on the device only while a unit is gathered ([Note: host parameter
+  offload]).
 
 The strategy asks a home the same questions whichever it is (:class:`Home`): how a reduction
 joins the gradient shard, which gradients the optimizer sees, how units step, what a checkpoint
-reads and writes, what is on disk. ``offload_param.device = "cpu"`` beside an accelerator is
-not built yet and is refused by name ([Note: compositions]).
+reads and writes, what is on disk. ``offload_param.device = "cpu"`` beside an accelerator
+without ``offload_optimizer.device = "cpu"`` is refused by name ([Note: compositions]): the
+parameter shard is what the optimizer steps, so it would have to come back to the device.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from longboat.pieces import RankState
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.zero.flat import FlatUnit
 from longboat.strategies.zero.home import Home, StepUnit
-from longboat.strategies.zero.host import OnHost
+from longboat.strategies.zero.host import OnHost, ParamsOnHost
 from longboat.strategies.zero.in_memory import InMemory, wait_reduction
 from longboat.strategies.zero.offload import StateSwap, UnitHome, UnitStream, check_room
 from longboat.strategies.zero.policy import ZeroPolicy
@@ -52,12 +57,14 @@ def build(
     host_copies: bool = False,
 ) -> Home:
     """The home ``ctx.section`` asks for ([Note: homes]). ``host_copies``: build
-    :class:`OnHost` for ``offload_optimizer.device = "cpu"`` on a CPU rank too, with real
-    copies ([Note: host copies on CPU] in ``host.py``); not a config key."""
+    :class:`OnHost` (or :class:`ParamsOnHost`) for ``device = "cpu"`` on a CPU rank too, with
+    real copies ([Note: host copies on CPU] in ``host.py``); not a config key."""
     cfg = ctx.section
     if "disk" in (cfg.offload_optimizer.device, cfg.offload_param.device):
         return OnDisk(ctx, policy, model, params)
     if cfg.offload_optimizer.device == "cpu" and (host_copies or _on_accelerator(ctx, params)):
+        if cfg.offload_param.device == "cpu" and policy.shard_params:
+            return ParamsOnHost(ctx, policy)
         return OnHost(ctx, policy)
     return InMemory(ctx, policy)
 

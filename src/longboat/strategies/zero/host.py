@@ -34,6 +34,32 @@ Built on a CPU rank anyway (``homes.build(..., host_copies=True)``, what the tes
 home keeps distinct host buffers and copies synchronously in the order it copies beside an
 accelerator, so a copy made too early or too late (a stale gradient, a master copied back before
 its step) changes the results the tests compare with the plain PyTorch loop.
+
+[Note: host parameter offload] With ``zero.offload_param.device = "cpu"`` and
+``zero.offload_optimizer.device = "cpu"`` at stage 3 on an accelerator, a unit's parameter
+shard lives on the device only while it is gathered: the master of [Note: host offload] (a
+host copy in the shard's dtype, pinned where CUDA is, which the optimizer steps) is the only
+copy between uses, so the device holds the gathered units in use, their gradient
+buffers, and activations, and nothing per parameter of the rest of the model:
+
+- before its gather a unit's shard gets its memory back and the master is copied in ([Note:
+  storage resize] in ``storage.py``); once the gather is over (one rank: once the unit is
+  freed, the shard being the gathered unit) its memory goes again. The copy starts on the side
+  stream after what the compute stream has queued, and the compute stream waits for it, as the
+  gather reads it next;
+- each reduction of a unit's gradients is copied out to the unit's host gradient buffer as it
+  lands (added to what earlier micro-batches of the step left there) and its device buffer goes;
+  the sum of squares of the landed shard is kept, so the engine's clipping needs no second pass
+  (:class:`~longboat.grads.HeldGradients`), and the clipping factor is applied on the host as
+  each unit's turn to step comes;
+- units step on the host one by one as under [Note: host offload], each after its gradient's
+  copy is over; nothing is copied back, the next gather reads the master.
+
+The replicas' average of hybrid sharding and fp16's overflow check change or read every
+gradient shard after it landed, which here is on the host: both are refused by name ([Note:
+compositions]). On a CPU rank ``offload_param.device = "cpu"`` is where the shards are already
+(no copy is made); the tests build this home there with real copies ([Note: host copies on
+CPU]).
 """
 
 from __future__ import annotations
@@ -47,9 +73,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from longboat.pieces import RankState
 from longboat.strategies.zero.flat import FlatUnit, UnitState
-from longboat.strategies.zero.in_memory import InMemory
+from longboat.strategies.zero.in_memory import InMemory, wait_reduction
 from longboat.strategies.zero.offload import UnitStream
 from longboat.strategies.zero.policy import ZeroPolicy
+from longboat.strategies.zero.storage import alloc_storage, free_storage, has_storage
 
 if TYPE_CHECKING:  # named in a signature only (the import would deepen the import floors)
     from longboat.strategies.base import StrategyContext
@@ -250,4 +277,140 @@ class OnHost(InMemory):
         self.grads.clear()
 
 
-__all__ = ["AHEAD", "Copies", "OnHost"]
+class ParamsOnHost(OnHost):
+    """Parameter shards, gradients, masters and optimizer state in (pinned) host memory; on
+    the device only the units in use ([Note: host parameter offload]). Also the engine's
+    :class:`~longboat.grads.HeldGradients`."""
+
+    grads_in_memory = False  # a reduction lands in a buffer of its own, copied out and dropped
+    steps_by_unit = True
+
+    def __init__(self, ctx: StrategyContext, policy: ZeroPolicy) -> None:
+        super().__init__(ctx, policy)
+        self.has_grad: set[int] = set()  # units whose host gradient holds this step's sum
+        self.squares: dict[int, torch.Tensor] = {}  # per unit: its gradient's sum of squares
+        self.coef: torch.Tensor | None = None  # clipping, applied as each unit steps
+        self.landing: dict[int, torch.cuda.Event | None] = {}  # a gradient's copy out
+
+    def _copies(self, u: FlatUnit) -> Copies:
+        """The copies' stream; the first gather may come before :meth:`start`."""
+        if self.copies is None:
+            self.copies = Copies(u.device)
+        return self.copies
+
+    def adopt(self, u: FlatUnit) -> None:
+        super().adopt(u)  # the master made from the shard; the optimizer's pieces cut from it
+        assert u.shard is not None
+        free_storage(u.shard)
+        if u.grad_shard is not None:
+            free_storage(u.grad_shard)
+
+    # -- parameters around their gathers ---------------------------------------------------------
+
+    def bring_param(self, u: FlatUnit) -> None:
+        assert u.shard is not None
+        if not has_storage(u.shard):
+            alloc_storage(u.shard)
+            self._copies(u).back(self.masters[u.index], u.shard)
+
+    def drop_param(self, u: FlatUnit) -> None:
+        assert u.shard is not None
+        free_storage(u.shard)
+
+    # -- gradients as they land ------------------------------------------------------------------
+
+    def launched(self, units: list[FlatUnit], index: int) -> None:
+        # Memory is what offload is for: at most offload_param.buffer_count reductions (each a
+        # full-size gradient buffer and a shard) in flight, as [Note: parameter offload] bounds
+        # them on disk.
+        flying = [v for v in units[: index + 1] if v.reduced is not None]
+        for v in flying[: max(len(flying) - self.cfg.offload_param.buffer_count, 0)]:
+            self.land(v)
+
+    def land(self, u: FlatUnit) -> None:
+        reduced = wait_reduction(u)
+        u.flat_grad = None
+        copies, host = self._copies(u), self.grads[u.index]
+        self._wait_landing(u.index)
+        if u.index in self.has_grad:  # an earlier micro-batch of this step landed: add to it
+            staged = self._host(reduced)
+            copies.wait(copies.out(reduced, staged))
+            host.add_(staged.to(host.dtype))
+            self.squares[u.index] = torch.linalg.vector_norm(host, dtype=torch.float32).square()
+        else:
+            self.squares[u.index] = torch.linalg.vector_norm(reduced, dtype=torch.float32).square()
+            self.landing[u.index] = copies.out(reduced, host)
+            self.has_grad.add(u.index)
+        del reduced  # its memory goes once the copy is over (the side stream recorded it)
+
+    def _wait_landing(self, index: int) -> None:
+        if index in self.landing and self.copies is not None:
+            self.copies.wait(self.landing.pop(index))
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return []  # held: see gradient_squares
+
+    def held_gradients(self) -> ParamsOnHost:
+        return self
+
+    def gradient_squares(self) -> torch.Tensor:
+        """The sum of squares of every unit's gradient (after the step's last reduction)."""
+        total = torch.zeros((), dtype=torch.float32)
+        for sq in self.squares.values():
+            total = total.to(sq.device) + sq
+        return total
+
+    def scale_gradients(self, coef: torch.Tensor) -> None:
+        """Multiply every gradient by ``coef``, on the host as each unit steps."""
+        self.coef = coef if self.coef is None else self.coef * coef
+
+    # -- the step (a UnitHome of its own stream) -------------------------------------------------
+
+    def bring(self, u: FlatUnit) -> None:
+        return None  # the gradient went out as it landed
+
+    def install(self, u: FlatUnit, optimizer: torch.optim.Optimizer, brought: Any) -> None:
+        grad = self.grads[u.index]
+        self._wait_landing(u.index)
+        if u.index not in self.has_grad:  # not reduced this step (no backward ran)
+            grad.zero_()
+        elif self.coef is not None:
+            grad.mul_(self.coef.to(device="cpu", dtype=grad.dtype))
+
+    def stepped(self, u: FlatUnit, optimizer: torch.optim.Optimizer) -> None:
+        assert u.shard is not None
+        if has_storage(u.shard):  # gathered now (every unit held): the update goes there too
+            self._copies(u).back(self.masters[u.index], u.shard)
+        self._home_state(u, optimizer)
+
+    def step_over(self) -> None:
+        self.coef = None
+        self.has_grad.clear()
+        self.squares.clear()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def loading(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        yield  # stage 3 loads into the pieces: the masters
+        for u in self.units:
+            assert u.shard is not None
+            if u.state is not UnitState.SHARDED or has_storage(u.shard):
+                self._copies(u).back(self.masters[u.index], u.shard)
+            self._home_state(u, optimizer)
+        if self.copies is not None:
+            self.copies.drain()
+
+    @property
+    def on_host(self) -> dict[str, int]:
+        """The optimizer state, and the parameters and gradients (their only copies), in
+        bytes."""
+        out = super().on_host
+        return {
+            "optimizer_state": out["optimizer_state"],
+            "parameters": out["master_parameters"],
+            "gradients": out["gradient_copies"],
+        }
+
+
+__all__ = ["AHEAD", "Copies", "OnHost", "ParamsOnHost"]

@@ -14,9 +14,9 @@ from longboat.strategies.zero.flat import FlatUnit
 from longboat.strategies.zero.policy import ZeroPolicy
 
 if TYPE_CHECKING:  # named in signatures only (the imports would deepen the import floors)
+    from longboat.grads import HeldGradients
     from longboat.strategies.base import StrategyContext
     from longboat.strategies.zero.home import StepUnit
-    from longboat.strategies.zero.shard_swap import ShardSwap
 
 
 class InMemory:
@@ -84,7 +84,7 @@ class InMemory:
     def loading(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         yield
 
-    def held_gradients(self) -> ShardSwap | None:
+    def held_gradients(self) -> HeldGradients | None:
         return None
 
     @property

@@ -57,6 +57,7 @@ from torch import nn
 from longboat.comm import compression
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
+from longboat.grads import HeldGradients
 from longboat.mesh import Axis
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.pieces import PieceSource, RankState
@@ -72,7 +73,6 @@ from longboat.strategies.zero.init import DeferredInit
 from longboat.strategies.zero.policy import ZeroPolicy
 from longboat.strategies.zero.reduce import Reduction
 from longboat.strategies.zero.shadow import Shadow
-from longboat.strategies.zero.shard_swap import ShardSwap
 from longboat.strategies.zero.step import step_and_gather, step_units
 from longboat.strategies.zero.storage import free_storage
 from longboat.strategies.zero.units import LowParams, make_units, plan_units
@@ -195,7 +195,7 @@ class Zero(StrategyDefaults):
         """Bytes of model state this rank keeps in host memory beside an accelerator."""
         return self.home.on_host
 
-    def held_gradients(self) -> ShardSwap | None:
+    def held_gradients(self) -> HeldGradients | None:
         """Gradients kept out of memory ([Note: parameter offload]): the engine's clipping
         asks them for their sum of squares and hands them its factor."""
         return self.home.held_gradients()
