@@ -204,6 +204,36 @@ def test_on_cuda_only_the_gathered_units_are_on_the_gpu_and_training_equals_the_
     assert state and all(t.device.type == "cpu" and t.is_pinned() for t in state)
     engine.close()
     assert got == pytest.approx(want, rel=1e-4)
+    # Handed back in host memory, where they lived (a model larger than the GPU comes back)
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
-        assert p.device.type == "cuda", name
+        assert p.device.type == "cpu", name
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_a_model_built_on_the_meta_device_trains_as_the_one_built_whole():
+    # [Note: deferred init] made on the CPU (the values an eager build draws), moved to the GPU
+    # unit by unit; with parameter offload the device never holds the whole model.
+    from longboat.models import GPT, gpt_loss, synthetic_tokens
+
+    dims = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16}
+    losses = []
+    for meta in (False, True):
+        torch.manual_seed(0)
+        with torch.device("meta" if meta else "cpu"):
+            model = GPT(**dims)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cfg = _zero(unit_classes=["_Block"]) if meta else {"strategy": "zero", "zero": {"stage": 3}}
+        engine = longboat.initialize(model, opt, {**harness.QUIET, **cfg})
+        gen = torch.Generator().manual_seed(0)
+        run = []
+        for _ in range(3):
+            x, y = synthetic_tokens(2, 16, 64, gen)
+            loss = gpt_loss(engine(x.cuda()), y.cuda())
+            engine.backward(loss)
+            engine.step()
+            run.append(loss.item())
+        engine.close()
+        losses.append(run)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)

@@ -210,7 +210,10 @@ def assemble(
         )
     apply_activation_checkpointing(model, cfg.activation_checkpointing, device)
     if device.type != "cpu":
-        model.to(device)
+        # Tensors on the meta device stay there: ZeRO-3 makes them where this rank computes,
+        # unit by unit ([Note: deferred init] in ``strategies/zero/init.py``), and
+        # Module.to cannot copy them.
+        model._apply(lambda t: t if t.is_meta else t.to(device))  # type: ignore[no-untyped-call]
     if optimizer is None:
         optimizer = _optimizer_of(model, None, cfg)
     else:

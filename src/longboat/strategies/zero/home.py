@@ -28,6 +28,10 @@ class Home(Protocol):
     grads_in_memory: bool
     #: Units step one by one, each with its state brought in around its step.
     steps_by_unit: bool
+    #: Where the engine's close() hands the parameters back: None beside the compute (as they
+    #: were given), else the device the home keeps them on (a model larger than the
+    #: accelerator's memory comes back in host memory, [Note: host parameter offload]).
+    hands_back_to: torch.device | None
 
     def adopt(self, u: FlatUnit) -> None:
         """Take a unit just built (setup goes one unit at a time)."""

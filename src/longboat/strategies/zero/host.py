@@ -53,7 +53,9 @@ buffers, and activations, and nothing per parameter of the rest of the model:
   (:class:`~longboat.grads.HeldGradients`), and the clipping factor is applied on the host as
   each unit's turn to step comes;
 - units step on the host one by one as under [Note: host offload], each after its gradient's
-  copy is over; nothing is copied back, the next gather reads the master.
+  copy is over; nothing is copied back, the next gather reads the master;
+- the engine's ``close()`` hands the parameters back in host memory, gathered one unit at a
+  time: the model need not fit on the device whole.
 
 The replicas' average of hybrid sharding and fp16's overflow check change or read every
 gradient shard after it landed, which here is on the host: both are refused by name ([Note:
@@ -284,6 +286,7 @@ class ParamsOnHost(OnHost):
 
     grads_in_memory = False  # a reduction lands in a buffer of its own, copied out and dropped
     steps_by_unit = True
+    hands_back_to: torch.device | None = torch.device("cpu")  # it may not fit beside the compute
 
     def __init__(self, ctx: StrategyContext, policy: ZeroPolicy) -> None:
         super().__init__(ctx, policy)

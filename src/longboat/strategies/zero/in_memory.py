@@ -24,6 +24,7 @@ class InMemory:
 
     grads_in_memory = True
     steps_by_unit = False
+    hands_back_to: torch.device | None = None
 
     def __init__(self, ctx: StrategyContext, policy: ZeroPolicy) -> None:
         self.cfg = ctx.section

@@ -81,6 +81,7 @@ class DeferredInit:
         control: Comm,
         param_init_fn: InitFn | None = None,
         init_method: str | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if init_method is not None and not callable(getattr(model, init_method, None)):
             raise ConfigError(
@@ -90,6 +91,10 @@ class DeferredInit:
                 "(transformers' '_init_weights'), or remove the key"
             )
         self.model, self.dp, self.control = model, dp, control
+        # Where this rank computes: tensors are made and initialised on the CPU (the values an
+        # eager build draws there), then moved there, one unit at a time, before the broadcast
+        # (NCCL's collectives take device tensors).
+        self.device = device if device is not None and device.type != "cpu" else None
         self.param_init_fn = param_init_fn
         self.active = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         if not self.active:
@@ -220,6 +225,8 @@ class DeferredInit:
         if codes.any():
             self._fail(codes.tolist(), calls, error, unset)
         for _, _, t in made:
+            if self.device is not None:
+                t.data = t.data.to(self.device)
             self.dp.broadcast(t.data, src=0)
 
     def _calls(

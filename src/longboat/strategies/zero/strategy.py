@@ -77,7 +77,7 @@ from longboat.strategies.zero.step import step_and_gather, step_units
 from longboat.strategies.zero.storage import free_storage
 from longboat.strategies.zero.units import LowParams, make_units, plan_units
 from longboat.topology import Topology
-from longboat.world import World
+from longboat.world import World, device_for
 
 
 class Zero(StrategyDefaults):
@@ -125,7 +125,12 @@ class Zero(StrategyDefaults):
             )
         # [Note: deferred init]: the engine let only stage 3 have parameters on the meta device
         made = DeferredInit(
-            model, self.dp, self.control, self.ctx.param_init_fn, self.cfg.init_method
+            model,
+            self.dp,
+            self.control,
+            self.ctx.param_init_fn,
+            self.cfg.init_method,
+            device_for(self.ctx.world),
         )
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
@@ -446,6 +451,7 @@ class Zero(StrategyDefaults):
                     for i, p in enumerate(u.params):
                         p.data = u.view(full, i).clone()
         if self._gathering is not None:  # hand the user back an ordinary model
+            to = self.home.hands_back_to  # where the home keeps parameters, if not beside
             for u in self.units:
                 if u.compute_dtype is None:
                     self._gathering.ready(u)
@@ -454,10 +460,13 @@ class Zero(StrategyDefaults):
                     self._gathering.free(u)
                     flat = self._gathering.master(u)
                 for i, p in enumerate(u.params):
-                    p.data = u.view(flat, i).clone()  # type: ignore[arg-type]
+                    view = u.view(flat, i)  # type: ignore[arg-type]
+                    p.data = view.clone() if to is None else view.to(to, copy=True)
                 u.flat_param, u.state = None, UnitState.SHARDED
                 if u.full is not None:
                     free_storage(u.full)
+                if to is not None:  # one unit on the device at a time
+                    self.home.drop_param(u)
         self.home.close()  # after the gathers above, which read its files
 
     def leave(self) -> None:
