@@ -254,3 +254,30 @@ def test_on_cuda_the_state_is_pinned_on_the_host_and_training_equals_the_plain_l
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         assert p.device.type == "cuda", name
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
+
+
+def _kernels(optimizer: str, chosen: dict[str, Any]) -> list[tuple[Any, Any]]:
+    model = reference.TinyNet()
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    opt = cls(model.parameters(), lr=1e-3, **chosen)
+    cfg = {**harness.QUIET, **_zero(2), "batch": {"micro_batch_size": 4}}
+    engine = longboat.initialize(model, opt, cfg)
+    out = [(g.get("fused"), g.get("foreach")) for g in engine.optimizer.param_groups]
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "chosen", "want"),
+    [
+        ("adamw", {}, (True, None)),  # torch's fused CPU Adam: one pass per element
+        ("sgd", {}, (None, True)),  # the CPU's multi-tensor kernels
+        ("adamw", {"foreach": False}, (None, False)),  # the user's choice stands
+        ("adamw", {"fused": False}, (False, None)),
+    ],
+)
+def test_the_host_steps_with_fast_kernels_unless_the_user_chose(
+    host_ranks, optimizer, chosen, want
+):
+    (got,) = host_ranks(1, _kernels, optimizer, chosen)
+    assert got and all(g == want for g in got), got
