@@ -76,6 +76,8 @@ class ParamHome(Protocol):
 
     def bring_param(self, u: FlatUnit) -> None: ...
 
+    def param_ready(self, u: FlatUnit) -> None: ...
+
     def drop_param(self, u: FlatUnit) -> None: ...
 
 
@@ -160,7 +162,8 @@ class Gathering:
         one = self.comm.world_size == 1
         if one and u.compute_dtype is None:  # the shard is the whole unit: nothing to copy
             u.flat_param, u.state = u.shard, UnitState.UNSHARDED
-            return
+            return  # read by the unit's forward: ready() waits for the shard
+        self.home.param_ready(u)
         # [Note: storage resize]: the unit's own buffer, its memory given back for the gather
         # (never another unit's: views of it that autograd saved must see this unit's values)
         if u.full is None:
@@ -183,6 +186,7 @@ class Gathering:
     def ready(self, u: FlatUnit) -> None:
         """Make ``u``'s parameters usable: gather (or finish a prefetch) and point at it."""
         self.gather(u)
+        self.home.param_ready(u)
         if u.state is UnitState.GATHERING:
             assert u.gather_handle is not None  # GATHERING: its all-gather is in flight
             u.gather_handle.wait()
@@ -217,6 +221,7 @@ class Gathering:
         the fp32 masters under [Note: parameter dtype]."""
         assert u.shard is not None
         self.home.bring_param(u)
+        self.home.param_ready(u)
         if self.comm.world_size == 1:
             full = u.shard.clone()
         else:

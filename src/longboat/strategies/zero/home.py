@@ -42,6 +42,11 @@ class Home(Protocol):
     def bring_param(self, u: FlatUnit) -> None:
         """Stage 3: ``u``'s parameter shard into memory before its gather."""
 
+    def param_ready(self, u: FlatUnit) -> None:
+        """Stage 3: the compute stream reads ``u``'s parameter shard from here on (a copy
+        :meth:`bring_param` started on a side stream is waited for here, not there, so that it
+        runs under the compute queued before)."""
+
     def drop_param(self, u: FlatUnit) -> None:
         """Stage 3: out again once the gather is over."""
 

@@ -45,8 +45,9 @@ buffers, and activations, and nothing per parameter of the rest of the model:
 - before its gather a unit's shard gets its memory back and the master is copied in ([Note:
   storage resize] in ``storage.py``); once the gather is over (one rank: once the unit is
   freed, the shard being the gathered unit) its memory goes again. The copy starts on the side
-  stream after what the compute stream has queued, and the compute stream waits for it, as the
-  gather reads it next;
+  stream after what the compute stream has queued, and the compute stream waits for it only
+  where the shard is first read (``param_ready``: before the all-gather, or one rank's forward
+  of the unit), so the copy of a prefetched unit runs under the compute of the unit before;
 - each reduction of a unit's gradients is copied out to the unit's host gradient buffer as it
   lands (added to what earlier micro-batches of the step left there) and its device buffer goes;
   the sum of squares of the landed shard is kept, so the engine's clipping needs no second pass
@@ -119,15 +120,26 @@ class Copies:
     def back(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy host ``src`` into device ``dst`` (cast to its dtype); the compute stream
         waits for it, the CPU does not."""
+        self.arrived(self.start_back(src, dst), dst.device)
+
+    def start_back(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event | None:
+        """Start copying host ``src`` into device ``dst`` after what the compute stream has
+        queued; what :meth:`arrived` takes. Nobody waits for it yet."""
         if self.side is None:
             dst.copy_(src)
-            return
-        compute = torch.cuda.current_stream(dst.device)
-        self.side.wait_stream(compute)  # nothing on the device still reads the old dst
+            return None
+        self.side.wait_stream(torch.cuda.current_stream(dst.device))  # nothing reads old dst
         with torch.cuda.stream(self.side):
             dst.copy_(src, non_blocking=True)
             dst.record_stream(self.side)
-        compute.wait_stream(self.side)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self.side)
+        return done
+
+    def arrived(self, done: torch.cuda.Event | None, device: torch.device) -> None:
+        """The compute stream waits for a copy :meth:`start_back` started (the CPU does not)."""
+        if done is not None:
+            torch.cuda.current_stream(device).wait_event(done)
 
     def drain(self) -> None:
         """Every copy over (the host buffers may be changed again)."""
@@ -303,6 +315,7 @@ class ParamsOnHost(OnHost):
         self.squares: dict[int, torch.Tensor] = {}  # per unit: its gradient's sum of squares
         self.coef: torch.Tensor | None = None  # clipping, applied as each unit steps
         self.landing: dict[int, torch.cuda.Event | None] = {}  # a gradient's copy out
+        self.arriving: dict[int, torch.cuda.Event | None] = {}  # a parameter shard's copy in
 
     def _copies(self, u: FlatUnit) -> Copies:
         """The copies' stream; the first gather may come before :meth:`start`."""
@@ -323,7 +336,13 @@ class ParamsOnHost(OnHost):
         assert u.shard is not None
         if not has_storage(u.shard):
             alloc_storage(u.shard)
-            self._copies(u).back(self.masters[u.index], u.shard)
+            # A prefetch starts it before the current unit's compute is queued, so the copy
+            # runs under that compute; the gather waits for it (param_ready).
+            self.arriving[u.index] = self._copies(u).start_back(self.masters[u.index], u.shard)
+
+    def param_ready(self, u: FlatUnit) -> None:
+        if u.index in self.arriving:
+            self._copies(u).arrived(self.arriving.pop(u.index), u.device)
 
     def drop_param(self, u: FlatUnit) -> None:
         assert u.shard is not None

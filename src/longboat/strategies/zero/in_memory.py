@@ -40,6 +40,9 @@ class InMemory:
     def bring_param(self, u: FlatUnit) -> None:
         pass
 
+    def param_ready(self, u: FlatUnit) -> None:
+        pass
+
     def drop_param(self, u: FlatUnit) -> None:
         pass
 
