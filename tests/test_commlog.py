@@ -168,3 +168,38 @@ def test_a_scratch_reduce_scatter_gives_the_same_shard_and_leaves_the_sum_in_its
         assert scratch == plain == total.chunk(n)[rank].tolist()
         assert given == total.tolist()
         assert done and count == 2
+
+
+def _gathers(refuse_gloos_own: bool) -> tuple[list[float], list[float], bool, int]:
+    from longboat.comm import collectives
+
+    original = collectives._all_gather
+    if refuse_gloos_own:  # at two ranks the doorway must not need gloo's own all-gather
+
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("gloo's all_gather_into_tensor was called")
+
+        collectives._all_gather = refused
+    comm = Collectives(log=True, desync_check=True, timeout_s=30)
+    n, r = comm.world_size, comm.rank
+    try:
+        shard = torch.arange(5.0) + 10 * r
+        out, again = torch.empty(5 * n), torch.empty(5 * n)
+        comm.all_gather(out, shard)
+        h = comm.all_gather(again, shard * 2, async_op=True)
+        h.wait()
+        rows = {row["op"]: row for row in comm.log_summary()}
+        return out.tolist(), again.tolist(), h.is_completed(), rows["all_gather"]["count"]
+    finally:
+        collectives._all_gather = original
+        comm.close()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_all_gather_gives_every_rank_every_shard_in_rank_order(ranks, n):
+    """[Note: gloo all-gather of two]: at two ranks an all-to-all without staging, gloo's own
+    all-gather not called at all (the case fails if it is); at three, gloo's own."""
+    want = torch.cat([torch.arange(5.0) + 10 * r for r in range(n)]).tolist()
+    for out, again, done, count in ranks(n, _gathers, n == 2):
+        assert out == want and again == [2 * v for v in want]
+        assert done and count == 2

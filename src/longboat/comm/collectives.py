@@ -59,7 +59,7 @@ from longboat.comm.protocol import Comm, Handle, Mailbox
 from longboat.comm.rules import NCCL_RULES_VAR, Rules, RulesError
 from longboat.comm.trace import CallRecord, dtype_name, where_called
 from longboat.comm.watched import Alarm, wait_watched
-from longboat.comm.works import Done, Timed, reduce_scatter_in_place
+from longboat.comm.works import Done, Timed, all_gather_of_two, reduce_scatter_in_place
 
 __all__ = [
     "NCCL_RULES_VAR",
@@ -384,7 +384,16 @@ class Collectives(PointToPoint):
         """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``.
         ``tag`` says what the tensor is, for the desync check and reports."""
         nbytes = output.numel() * output.element_size()
-        return self._into("all_gather", _all_gather, output, input, nbytes, async_op, tag)
+        fn = _all_gather
+        if (
+            self.world_size == 2
+            and self.active
+            and self._gloo_cpu(input)
+            and input.is_contiguous()
+            and output.is_contiguous()
+        ):
+            fn = all_gather_of_two  # [Note: gloo all-gather of two]
+        return self._into("all_gather", fn, output, input, nbytes, async_op, tag)
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
