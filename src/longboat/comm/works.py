@@ -132,9 +132,9 @@ def reduce_scatter_in_place(
     return None
 
 
-# [Note: gloo all-gather of two] gloo's all-gather is slow: at two ranks on this machine (2 CPU
-# cores, loopback) gathering a 12.6 MB unit took 8.8 ms, and an all-to-all moving the same bytes
-# 3.7 ms (``benchmarks/results/gloo_all_gather.json``). At two ranks an all-gather *is* an
+# [Note: gloo all-gather of two] gloo's all-gather is slow: at two ranks on 2 CPU cores over
+# loopback, gathering a 12.6 MB unit took 7.3 ms and a 201 MB one 149 ms, where an all-to-all
+# moving the same bytes took 3.7 and 49 ms (``benchmarks/results/gloo_all_gather.json``). At two ranks an all-gather *is* an
 # all-to-all in which each rank sends its shard to the other and receives the other's into that
 # rank's chunk of the output: both are contiguous, so nothing is staged, and this rank's own
 # chunk is a local copy. At more ranks the same exchange would need the shard repeated once per
