@@ -183,12 +183,16 @@ def _gathers(refuse_gloos_own: bool) -> tuple[list[float], list[float], bool, in
     comm = Collectives(log=True, desync_check=True, timeout_s=30)
     n, r = comm.world_size, comm.rank
     try:
-        shard = torch.arange(5.0) + 10 * r
-        out, again = torch.empty(5 * n), torch.empty(5 * n)
+        shard = torch.arange(6.0) + 10 * r
+        out, again = torch.empty(6 * n), torch.empty(6 * n)
         comm.all_gather(out, shard)
         h = comm.all_gather(again, shard * 2, async_op=True)
         h.wait()
+        # tensors of several dimensions, gathered along the first (tensor parallelism's)
+        rows2 = torch.empty(2 * n, 3)
+        comm.all_gather(rows2, shard.view(2, 3))
         rows = {row["op"]: row for row in comm.log_summary()}
+        assert torch.equal(rows2.view(-1), out), (rows2, out)
         return out.tolist(), again.tolist(), h.is_completed(), rows["all_gather"]["count"]
     finally:
         collectives._all_gather = original
@@ -199,7 +203,7 @@ def _gathers(refuse_gloos_own: bool) -> tuple[list[float], list[float], bool, in
 def test_an_all_gather_gives_every_rank_every_shard_in_rank_order(ranks, n):
     """[Note: gloo all-gather of two]: at two ranks an all-to-all without staging, gloo's own
     all-gather not called at all (the case fails if it is); at three, gloo's own."""
-    want = torch.cat([torch.arange(5.0) + 10 * r for r in range(n)]).tolist()
+    want = torch.cat([torch.arange(6.0) + 10 * r for r in range(n)]).tolist()
     for out, again, done, count in ranks(n, _gathers, n == 2):
         assert out == want and again == [2 * v for v in want]
-        assert done and count == 2
+        assert done and count == 3

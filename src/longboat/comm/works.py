@@ -134,12 +134,13 @@ def reduce_scatter_in_place(
 
 # [Note: gloo all-gather of two] gloo's all-gather is slow: at two ranks on 2 CPU cores over
 # loopback, gathering a 12.6 MB unit took 7.3 ms and a 201 MB one 149 ms, where an all-to-all
-# moving the same bytes took 3.7 and 49 ms (``benchmarks/results/gloo_all_gather.json``). At two ranks an all-gather *is* an
-# all-to-all in which each rank sends its shard to the other and receives the other's into that
-# rank's chunk of the output: both are contiguous, so nothing is staged, and this rank's own
-# chunk is a local copy. At more ranks the same exchange would need the shard repeated once per
-# peer in one buffer (an all-to-all takes one contiguous input), a unit-sized copy per gather in
-# flight, so gloo's own all-gather stays there.
+# moving the same bytes took 3.7 and 49 ms (``benchmarks/results/gloo_all_gather.json``). At two
+# ranks an all-gather *is* an all-to-all in which each rank sends its shard to the other and
+# receives the other's into that rank's chunk of the output (of any shape: chunks of its
+# flattened view, as gathering along the first dimension lays them out): both are contiguous, so
+# nothing is staged, and this rank's own chunk is a local copy. At more ranks the same exchange
+# would need the shard repeated once per peer in one buffer (an all-to-all takes one contiguous
+# input), a unit-sized copy per gather in flight, so gloo's own all-gather stays there.
 
 
 def all_gather_of_two(
@@ -148,12 +149,13 @@ def all_gather_of_two(
     """An all-gather over a group of two as an all-to-all ([Note: gloo all-gather of two])."""
     rank, n = dist.get_rank(group), input.numel()
     peer = 1 - rank
-    output[rank * n : (rank + 1) * n].copy_(input.reshape(-1))
+    flat = output.view(-1)  # the doorway passes contiguous tensors of any shape
+    flat[rank * n : (rank + 1) * n].copy_(input.view(-1))
     splits = [0, 0]
     splits[peer] = n
     return dist.all_to_all_single(
-        output.reshape(-1)[peer * n : (peer + 1) * n],
-        input.reshape(-1),
+        flat[peer * n : (peer + 1) * n],
+        input.view(-1),
         output_split_sizes=splits,
         input_split_sizes=splits,
         group=group,
