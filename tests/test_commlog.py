@@ -162,12 +162,47 @@ def _scratch_reduce_scatter() -> tuple[list[float], list[float], list[float], bo
 @pytest.mark.parametrize("n", [2, 4])
 def test_a_scratch_reduce_scatter_gives_the_same_shard_and_leaves_the_sum_in_its_input(ranks, n):
     """[Note: gloo reduce-scatter]: the same sums as gloo's own (which all-reduces a clone),
-    counted as a reduce-scatter, and its input left holding the whole sum."""
+    counted as a reduce-scatter, and at 4 ranks its input left holding the whole sum; at 2
+    ([Note: gloo reduce-scatter of two]) an all-to-all, the input left as it was."""
     total = sum(torch.arange(4.0 * n) * (r + 1) + 0.25 * r for r in range(n))
     for rank, (plain, scratch, given, done, count) in enumerate(ranks(n, _scratch_reduce_scatter)):
         assert scratch == plain == total.chunk(n)[rank].tolist()
-        assert given == total.tolist()
+        mine = torch.arange(4.0 * n) * (rank + 1) + 0.25 * rank
+        assert given == (mine if n == 2 else total).tolist()
         assert done and count == 2
+
+
+def _reduce_scatters_without_all_reduce() -> tuple[list[float], list[float]]:
+    import torch.distributed as dist
+
+    from longboat.comm import collectives
+
+    original, gloos = dist.all_reduce, collectives._reduce_scatter
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("an all-reduce or gloo's reduce-scatter was called")
+
+    comm = Collectives(log=True, desync_check=True, timeout_s=30)
+    r = comm.rank
+    dist.all_reduce = collectives._reduce_scatter = refused
+    try:
+        data = (torch.arange(8.0) * (r + 1) + 0.1 * r).view(2, 4)
+        out, again = torch.empty(4), torch.empty(4)
+        comm.reduce_scatter(out, data)
+        comm.reduce_scatter(again, data.clone(), async_op=True, scratch=True).wait()
+        return out.tolist(), again.tolist()
+    finally:
+        dist.all_reduce, collectives._reduce_scatter = original, gloos
+        comm.close()
+
+
+def test_at_two_ranks_a_reduce_scatter_sends_half_an_all_reduce(ranks):
+    """[Note: gloo reduce-scatter of two]: no all-reduce at all (the case fails if one is
+    called), a tensor of two dimensions, and sums equal to the bit."""
+    data = [(torch.arange(8.0) * (r + 1) + 0.1 * r) for r in range(2)]
+    total = data[0] + data[1]
+    for rank, (out, again) in enumerate(ranks(2, _reduce_scatters_without_all_reduce)):
+        assert out == again == total.chunk(2)[rank].tolist()
 
 
 def _gathers(refuse_gloos_own: bool) -> tuple[list[float], list[float], bool, int]:

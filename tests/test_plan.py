@@ -325,9 +325,12 @@ def _staged_live_peak(strategy: str, micro: int, accumulation: int = 1, held: bo
 
 
 @pytest.mark.parametrize(
-    ("strategy", "accumulation"), [("zero-1", 1), ("zero-2", 1), ("zero-2", 4), ("zero-3", 4)]
+    ("strategy", "accumulation", "world"),
+    [("zero-1", 1, 4), ("zero-1", 1, 2), ("zero-2", 1, 2), ("zero-2", 4, 2), ("zero-3", 4, 2)],
 )
-def test_zero_peak_counts_gloo_staging_and_equals_the_real_peak(ranks, strategy, accumulation):
+def test_zero_peak_counts_gloo_staging_and_equals_the_real_peak(
+    ranks, strategy, accumulation, world
+):
     # Micro-batch 1: the peak is in the backward, where the units' reductions are in flight
     # (buckets of 0.01 MiB: several units), each holding gloo's copy of its input; with
     # accumulation, ZeRO-2 and 3 reduce after every micro-batch.
@@ -335,15 +338,16 @@ def test_zero_peak_counts_gloo_staging_and_equals_the_real_peak(ranks, strategy,
     cfg = load_config({**_config(strategy, "gpt", {}), "batch": batch})
     target = resolve("gpt", GPT_ARGS)
     cfg = strategy_config(cfg, strategy, 1)
-    gloo = simulate(target, cfg, 2, 1, OPTIMIZERS["adamw"]).peak  # the default backend
-    nccl = simulate(target, cfg, 2, 1, OPTIMIZERS["adamw"], backend="nccl").peak
-    for rank, real in enumerate(ranks(2, _staged_live_peak, strategy, 1, accumulation)):
+    gloo = simulate(target, cfg, world, 1, OPTIMIZERS["adamw"]).peak  # the default backend
+    nccl = simulate(target, cfg, world, 1, OPTIMIZERS["adamw"], backend="nccl").peak
+    for rank, real in enumerate(ranks(world, _staged_live_peak, strategy, 1, accumulation)):
         # The real run's token batch is one [B, T + 1] tensor, sliced: a few hundred bytes.
         assert -1024 <= real - gloo <= 1024, f"rank {rank}: plan {gloo} (nccl {nccl}), real {real}"
     # NCCL reduce-scatters in place: no copy. Nor does gloo for stages 2-3, whose buffers the
-    # doorway reduces in place ([Note: gloo reduce-scatter]); stage 1 keeps its buffer.
-    assert (gloo > nccl) == (strategy == "zero-1"), (gloo, nccl)
-    plan = make_plan(target, cfg, 2, 1, "adamw", [strategy])
+    # doorway reduces in place ([Note: gloo reduce-scatter]), nor at two ranks, where it
+    # exchanges chunks ([Note: gloo reduce-scatter of two]); stage 1 keeps its buffer.
+    assert (gloo > nccl) == (strategy == "zero-1" and world > 2), (gloo, nccl)
+    plan = make_plan(target, cfg, world, 1, "adamw", [strategy])
     assert plan.accumulation == accumulation and plan.strategies[0].peak == gloo
 
 

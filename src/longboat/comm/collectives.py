@@ -59,7 +59,13 @@ from longboat.comm.protocol import Comm, Handle, Mailbox
 from longboat.comm.rules import NCCL_RULES_VAR, Rules, RulesError
 from longboat.comm.trace import CallRecord, dtype_name, where_called
 from longboat.comm.watched import Alarm, wait_watched
-from longboat.comm.works import Done, Timed, all_gather_of_two, reduce_scatter_in_place
+from longboat.comm.works import (
+    Done,
+    Timed,
+    all_gather_of_two,
+    reduce_scatter_in_place,
+    reduce_scatter_of_two,
+)
 
 __all__ = [
     "NCCL_RULES_VAR",
@@ -361,6 +367,15 @@ class Collectives(PointToPoint):
         saves a copy of it: [Note: gloo reduce-scatter])."""
         in_place = scratch and self.active and self._gloo_cpu(input)
         fn = reduce_scatter_in_place if in_place else _reduce_scatter
+        if (
+            self.world_size == 2
+            and self.active
+            and self._gloo_cpu(input)
+            and input.is_contiguous()
+            and output.is_contiguous()
+            and output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
+        ):
+            fn = reduce_scatter_of_two  # [Note: gloo reduce-scatter of two]
         nbytes = input.numel() * input.element_size()
         return self._into(
             "reduce_scatter", fn, output, input, nbytes, async_op, tag, "sum", op=dist.ReduceOp.SUM

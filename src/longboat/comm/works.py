@@ -161,3 +161,63 @@ def all_gather_of_two(
         group=group,
         async_op=async_op,
     )
+
+
+# [Note: gloo reduce-scatter of two] At two ranks a reduce-scatter needs no all-reduce: each rank
+# sends the other the other's chunk of its input and receives the other's copy of its own chunk
+# into the output, to which ``wait`` adds its own chunk (an all-to-all with the splits of [Note:
+# gloo all-gather of two]): half the bytes of gloo's all-reduce, no staging copy, the input left
+# as it was. The sum is the same to the bit: at two ranks it is one addition, and float addition
+# commutes.
+
+
+class PlusOwn:
+    """The work of a two-rank all-to-all whose ``wait`` then adds this rank's own chunk of the
+    input to the output ([Note: gloo reduce-scatter of two])."""
+
+    __slots__ = ("_done", "_output", "_own", "_work")
+
+    def __init__(self, work: Any, output: torch.Tensor, own: torch.Tensor) -> None:
+        self._work, self._output, self._own, self._done = work, output, own, False
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        out = self._work.wait(timeout) if timeout is not None else self._work.wait()
+        if not self._done:
+            self._done = True
+            self._output.add_(self._own)
+        return bool(out) if out is not None else True
+
+
+def reduce_scatter_of_two(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> Any:
+    """A sum reduce-scatter over a group of two as an all-to-all ([Note: gloo reduce-scatter of
+    two])."""
+    rank, n = dist.get_rank(group), output.numel()
+    peer = 1 - rank
+    flat, out = input.view(-1), output.view(-1)
+    splits = [0, 0]
+    splits[peer] = n
+    work = dist.all_to_all_single(
+        out,
+        flat[peer * n : (peer + 1) * n],
+        output_split_sizes=splits,
+        input_split_sizes=splits,
+        group=group,
+        async_op=True,
+    )
+    done = PlusOwn(work, out, flat[rank * n : (rank + 1) * n])
+    if async_op:
+        return done
+    done.wait()
+    return None

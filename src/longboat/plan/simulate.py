@@ -175,8 +175,9 @@ class MetaCollectives:
     ) -> Done:
         n = self.world_size
         done = self._count("reduce_scatter", (n - 1) / n * _nbytes(input), tag)
-        # [Note: gloo staging]; a scratch input is reduced in place, with no copy
-        if n > 1 and self.backend in STAGING_BACKENDS and not scratch:
+        # [Note: gloo staging]; a scratch input is reduced in place, with no copy, and two
+        # ranks exchange chunks with none ([Note: gloo reduce-scatter of two] in comm/works.py)
+        if n > 2 and self.backend in STAGING_BACKENDS and not scratch:
             done.staging = torch.empty_like(input)  # fake or meta like the input: no memory
         return done
 
