@@ -16,8 +16,10 @@ Without a compiler it goes on without it. Both sides start together; each writes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,8 +46,15 @@ def _free_port() -> int:
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    # A session of its own, so that a hang kills the launcher's ranks too: they hold its
+    # output pipe, and a second communicate() would wait for them forever.
     return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -55,8 +64,12 @@ def _finish(proc: subprocess.Popen[str], name: str, out: Path) -> list[dict]:
     try:
         log, _ = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        log, _ = proc.communicate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        try:
+            log, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            log = "(no output: the pipe stayed open after the kill)"
         pytest.fail(f"{name} timed out:\n{log[-4000:]}")
     assert proc.returncode == 0, f"{name} failed:\n{log[-4000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
