@@ -5,14 +5,18 @@ moved between offloaded and in-memory runs."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 import harness
+import pytest
 import reference
 import torch
+from torch import nn
 
 import longboat
+from longboat.strategies.zero import homes
 from longboat.strategies.zero.offload import SWAP_DIR
 
 STEPS = 6
@@ -80,3 +84,28 @@ def checkpoints_move(
                 else:
                     assert got[name][k] == v, (name, k)
         assert reference.max_rel_diff(res[0]["state"], saved[0]["state"]) == 0.0
+
+
+# -- host offload ([Note: host copies on CPU] in zero/host.py) ----------------------------------
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False"
+)
+
+
+def host_copies(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn`` on this rank with ZeRO's host homes built for ``device = "cpu"`` although the rank
+    computes on the CPU ([Note: host copies on CPU])."""
+    original = homes.build
+    homes.build = functools.partial(original, host_copies=True)  # type: ignore[assignment]
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        homes.build = original
+
+
+def small_net() -> nn.Module:
+    """The GPU tests' model, from seed 0."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)]
+    return nn.Sequential(*layers)

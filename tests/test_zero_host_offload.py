@@ -6,7 +6,6 @@ beside the GPU with the state pinned."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import dp_helpers
@@ -20,15 +19,10 @@ from torch import nn
 import longboat
 from longboat.config import load_config
 from longboat.config.compositions import Facts, refusal
-from longboat.strategies.zero import homes
 from longboat.strategies.zero.host import OnHost
 
 UNITS = {1: {"bucket_mb": 0.001}, 2: {"bucket_mb": 0.001}, 3: {"unit_classes": ["Linear"]}}
 HOST = {"device": "cpu"}
-
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False"
-)
 
 
 def _zero(stage: int, offload: bool = True, **units: Any) -> dict[str, Any]:
@@ -38,25 +32,14 @@ def _zero(stage: int, offload: bool = True, **units: Any) -> dict[str, Any]:
     return {"strategy": "zero", "zero": zero}
 
 
-def _host_copies(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn`` on this rank with ZeRO's host home built for ``offload_optimizer.device = "cpu"``
-    although the rank computes on the CPU ([Note: host copies on CPU])."""
-    original = homes.build
-    homes.build = functools.partial(original, host_copies=True)  # type: ignore[assignment]
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        homes.build = original
-
-
 class _HostRanks:
-    """The ``ranks`` fixture with every call's function run under :func:`_host_copies`."""
+    """The ``ranks`` fixture with every call's function under ``offload_helpers.host_copies``."""
 
     def __init__(self, ranks: Any) -> None:
         self.ranks = ranks
 
     def __call__(self, n: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.ranks(n, _host_copies, fn, *args, **kwargs)
+        return self.ranks(n, offload_helpers.host_copies, fn, *args, **kwargs)
 
 
 @pytest.fixture
@@ -206,20 +189,14 @@ def test_deepspeed_cpu_offload_is_accepted_beside_an_accelerator():
 # -- on a GPU -----------------------------------------------------------------------------------
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    layers = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)]
-    return nn.Sequential(*layers)
-
-
 @pytest.mark.gpu
-@needs_cuda
+@offload_helpers.needs_cuda
 @pytest.mark.parametrize("stage", [2, 3])
 def test_on_cuda_the_state_is_pinned_on_the_host_and_training_equals_the_plain_loop(stage):
     steps = 6
     torch.manual_seed(1)
     x, y = torch.randn(steps, 8, 8), torch.randn(steps, 8, 4)
-    plain = _net()  # the plain loop, on the CPU
+    plain = offload_helpers.small_net()  # the plain loop, on the CPU
     opt = torch.optim.AdamW(plain.parameters(), lr=3e-3, weight_decay=0.1)
     want = []
     for i in range(steps):
@@ -229,7 +206,7 @@ def test_on_cuda_the_state_is_pinned_on_the_host_and_training_equals_the_plain_l
         opt.step()
         opt.zero_grad()
         want.append(loss.item())
-    model = _net().cuda()
+    model = offload_helpers.small_net().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     cfg = {
         **harness.QUIET,

@@ -6,7 +6,6 @@ checkpoints to and from runs without it, the refusals; on CUDA, the same beside 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -20,16 +19,11 @@ from torch import nn
 import longboat
 from longboat.config import load_config
 from longboat.config.compositions import Facts, refusal
-from longboat.strategies.zero import homes
 from longboat.strategies.zero.host import ParamsOnHost
 from longboat.strategies.zero.storage import has_storage
 
 HOST = {"device": "cpu"}
 UNITS = {"unit_classes": ["Linear"]}
-
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False"
-)
 
 
 def _zero(**units: Any) -> dict[str, Any]:
@@ -37,18 +31,9 @@ def _zero(**units: Any) -> dict[str, Any]:
     return {"strategy": "zero", "zero": zero}
 
 
-def _host_copies(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    original = homes.build
-    homes.build = functools.partial(original, host_copies=True)  # type: ignore[assignment]
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        homes.build = original
-
-
 @pytest.fixture
 def host_ranks(ranks: Any) -> Any:
-    return lambda n, fn, *a, **k: ranks(n, _host_copies, fn, *a, **k)
+    return lambda n, fn, *a, **k: ranks(n, offload_helpers.host_copies, fn, *a, **k)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -157,20 +142,14 @@ def test_what_host_param_offload_cannot_do_is_refused_by_name(change, says):
 # -- on a GPU -----------------------------------------------------------------------------------
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    layers = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)]
-    return nn.Sequential(*layers)
-
-
 @pytest.mark.gpu
-@needs_cuda
+@offload_helpers.needs_cuda
 @pytest.mark.parametrize("accum", [1, 2])
 def test_on_cuda_only_the_gathered_units_are_on_the_gpu_and_training_equals_the_plain_loop(accum):
     steps = 6
     torch.manual_seed(1)
     x, y = torch.randn(steps, 8, 8), torch.randn(steps, 8, 4)
-    plain = _net()  # the plain loop, on the CPU
+    plain = offload_helpers.small_net()  # the plain loop, on the CPU
     opt = torch.optim.AdamW(plain.parameters(), lr=3e-3, weight_decay=0.1)
     want = []
     for i in range(steps):
@@ -181,7 +160,7 @@ def test_on_cuda_only_the_gathered_units_are_on_the_gpu_and_training_equals_the_
         opt.step()
         opt.zero_grad()
         want.append(loss.item())
-    model = _net().cuda()
+    model = offload_helpers.small_net().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     cfg = {
         **harness.QUIET,
@@ -212,7 +191,7 @@ def test_on_cuda_only_the_gathered_units_are_on_the_gpu_and_training_equals_the_
 
 
 @pytest.mark.gpu
-@needs_cuda
+@offload_helpers.needs_cuda
 def test_on_cuda_a_model_built_on_the_meta_device_trains_as_the_one_built_whole():
     # [Note: deferred init]: made and initialised on the CPU, moved to the GPU unit by unit;
     # with parameter offload the GPU never holds the whole model. A model made unit by unit

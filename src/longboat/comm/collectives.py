@@ -367,14 +367,8 @@ class Collectives(PointToPoint):
         saves a copy of it: [Note: gloo reduce-scatter])."""
         in_place = scratch and self.active and self._gloo_cpu(input)
         fn = reduce_scatter_in_place if in_place else _reduce_scatter
-        if (
-            self.world_size == 2
-            and self.active
-            and self._gloo_cpu(input)
-            and input.is_contiguous()
-            and output.is_contiguous()
-            and output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
-        ):
+        distinct = output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
+        if distinct and self._gloo_pair(output, input):
             fn = reduce_scatter_of_two  # [Note: gloo reduce-scatter of two]
         nbytes = input.numel() * input.element_size()
         return self._into(
@@ -386,6 +380,17 @@ class Collectives(PointToPoint):
         if self._gloo is None:
             self._gloo = dist.get_backend(self.group) == "gloo"
         return self._gloo and tensor.device.type != "cpu"
+
+    def _gloo_pair(self, output: torch.Tensor, input: torch.Tensor) -> bool:
+        """Whether this doorway is two gloo ranks and both tensors contiguous on the CPU, where
+        the all-to-all forms of [Note: gloo all-gather of two] apply."""
+        return (
+            self.world_size == 2
+            and self.active
+            and self._gloo_cpu(input)
+            and input.is_contiguous()
+            and output.is_contiguous()
+        )
 
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         """Whether this doorway's group is gloo's and ``tensor`` on the CPU (asked once)."""
@@ -400,13 +405,7 @@ class Collectives(PointToPoint):
         ``tag`` says what the tensor is, for the desync check and reports."""
         nbytes = output.numel() * output.element_size()
         fn = _all_gather
-        if (
-            self.world_size == 2
-            and self.active
-            and self._gloo_cpu(input)
-            and input.is_contiguous()
-            and output.is_contiguous()
-        ):
+        if self._gloo_pair(output, input):
             fn = all_gather_of_two  # [Note: gloo all-gather of two]
         return self._into("all_gather", fn, output, input, nbytes, async_op, tag)
 

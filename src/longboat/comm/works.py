@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,17 +90,14 @@ class Timed:
 # same bytes on the wire and the same sums, without the clone.
 
 
-class ChunkOf:
-    """The work of an in-place all-reduce whose ``wait`` then copies this rank's chunk of the
-    result into the reduce-scatter's output ([Note: gloo reduce-scatter])."""
+class ThenOnce:
+    """The work of an operation whose ``wait`` ends with a step of this rank's own, taken once
+    the work is over ([Note: gloo reduce-scatter], [Note: gloo reduce-scatter of two])."""
 
-    __slots__ = ("_done", "_input", "_output", "_rank", "_size", "_work")
+    __slots__ = ("_done", "_then", "_work")
 
-    def __init__(
-        self, work: Any, output: torch.Tensor, input: torch.Tensor, rank: int, size: int
-    ) -> None:
-        self._work, self._output, self._input = work, output, input
-        self._rank, self._size, self._done = rank, size, False
+    def __init__(self, work: Any, then: Callable[[], object]) -> None:
+        self._work, self._then, self._done = work, then, False
 
     def get_future(self) -> Any:
         return self._work.get_future()
@@ -111,7 +109,7 @@ class ChunkOf:
         out = self._work.wait(timeout) if timeout is not None else self._work.wait()
         if not self._done:
             self._done = True
-            self._output.copy_(self._input.chunk(self._size)[self._rank])
+            self._then()
         return bool(out) if out is not None else True
 
 
@@ -125,7 +123,8 @@ def reduce_scatter_in_place(
     """A reduce-scatter as gloo does it, without its copy of ``input`` ([Note: gloo
     reduce-scatter]): ``input`` is all-reduced in place and left holding the sum."""
     work = dist.all_reduce(input, op=op, group=group, async_op=True)
-    chunk = ChunkOf(work, output, input, dist.get_rank(group), dist.get_world_size(group))
+    mine = input.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+    chunk = ThenOnce(work, lambda: output.copy_(mine))
     if async_op:
         return chunk
     chunk.wait()
@@ -173,29 +172,6 @@ def all_gather_of_two(
 # against 113.9 (204.1).
 
 
-class PlusOwn:
-    """The work of a two-rank all-to-all whose ``wait`` then adds this rank's own chunk of the
-    input to the output ([Note: gloo reduce-scatter of two])."""
-
-    __slots__ = ("_done", "_output", "_own", "_work")
-
-    def __init__(self, work: Any, output: torch.Tensor, own: torch.Tensor) -> None:
-        self._work, self._output, self._own, self._done = work, output, own, False
-
-    def get_future(self) -> Any:
-        return self._work.get_future()
-
-    def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        out = self._work.wait(timeout) if timeout is not None else self._work.wait()
-        if not self._done:
-            self._done = True
-            self._output.add_(self._own)
-        return bool(out) if out is not None else True
-
-
 def reduce_scatter_of_two(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -218,7 +194,8 @@ def reduce_scatter_of_two(
         group=group,
         async_op=True,
     )
-    done = PlusOwn(work, out, flat[rank * n : (rank + 1) * n])
+    own = flat[rank * n : (rank + 1) * n]
+    done = ThenOnce(work, lambda: out.add_(own))
     if async_op:
         return done
     done.wait()
