@@ -1,18 +1,21 @@
 """What the desync check and the comm log cost: step time of the reference GPT at 2 ranks with
 both on against both off.
 
-One engine (``replicate``, AdamW) trains; its doorway is built with the check and the log, and
-their flags are flipped before each measured step, so both sides share the model, the buckets,
-the ranks and the moment. Sides alternate ABBA (the order flips every round) so a slow drift of
-the machine lands on both alike. Each rank times its step with ``time.perf_counter``; the ranks
-all-reduce the MAX (outside the timed region, on torch directly so that it is never observed).
+One engine (``replicate`` or, with ``--strategy zero3``, ZeRO stage 3; AdamW) trains; its
+doorway is built with the check and the log, and their flags are flipped before each measured
+step, so both sides share the model, the buckets, the ranks and the moment. Sides alternate ABBA
+(the order flips every round) so a slow drift of the machine lands on both alike. Each rank times
+its step with ``time.perf_counter``; the ranks all-reduce the MAX (outside the timed region, on
+torch directly so that it is never observed).
 
 Usage::
 
     python benchmarks/observe_overhead.py                 # full size: 2 ranks x 1 thread
+    python benchmarks/observe_overhead.py --strategy zero3   # ZeRO-3: many more collectives
     python benchmarks/observe_overhead.py --tiny --rounds 3 --warmup 2   # a smoke run
 
-Writes ``benchmarks/results/observe_overhead.json`` (``--out`` to change) and prints
+Writes ``benchmarks/results/observe_overhead.json`` (``observe_overhead_zero3.json`` for ZeRO-3;
+``--out`` to change) and prints
 ``ratio (observed / plain) = X.XXX``, the median of the per-round ratios (each round's two steps
 are taken moments apart, so their ratio cancels what the machine was doing; a ratio of two
 medians pairs steps from different moments); the goal is at most 1.03.
@@ -48,8 +51,19 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="measured rounds (one step per side)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--tiny", action="store_true", help="a small GPT, to check the script runs")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    return p.parse_args(argv)
+    p.add_argument("--strategy", choices=("replicate", "zero3"), default="replicate")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.out is None:
+        suffix = "" if args.strategy == "replicate" else f"_{args.strategy}"
+        args.out = DEFAULT_OUT.with_name(f"observe_overhead{suffix}.json")
+    return args
+
+
+def _strategy(args: argparse.Namespace) -> dict[str, Any]:
+    if args.strategy == "zero3":
+        return {"strategy": "zero", "zero": {"stage": 3}}
+    return {"strategy": "replicate"}
 
 
 def _model(args: argparse.Namespace) -> GPT:
@@ -82,7 +96,7 @@ def _run(rank: int, args: argparse.Namespace) -> None:
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-4),
         config={
-            "strategy": "replicate",
+            **_strategy(args),
             "batch": {"micro_batch_size": args.micro_batch},
             "comm": {"desync_check": True, "log": True},
             "log": {"progress": False},
@@ -145,7 +159,7 @@ def _report(
             "threads_per_rank": args.threads,
             "warmup": args.warmup,
             "rounds": args.rounds,
-            "strategy": "replicate",
+            "strategy": _strategy(args),
             "optimizer": "AdamW",
             "order": "ABBA, one step per side per round",
             "observed": "comm.desync_check and comm.log on",

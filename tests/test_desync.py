@@ -90,8 +90,8 @@ def test_collectives_in_step_are_unchanged_by_the_check(ranks) -> None:
 
 def _async_tags(odd: int) -> None:
     """Asynchronous gathers of same-shaped tensors of different things ([Note: overlapped
-    check]): nothing blocks at issue, the mismatch is raised at ``wait``, before the result is
-    used."""
+    check]): the mismatch is raised before the result is used (at issue on gloo, at ``wait``
+    where the data goes by another backend)."""
     comm = Collectives(desync_check=True, timeout_s=30)
     try:
         out = torch.empty(4 * comm.world_size)
@@ -116,3 +116,38 @@ def test_asynchronous_collectives_are_checked_at_wait(ranks, n: int) -> None:
         assert "different tensors of the same shape" in text, text
         mine = "[unit 2: c]" if r == odd else "[unit 1: b]"
         assert mine in text, text  # each rank words its own collective in full
+
+
+def _async_sizes(odd: int, op: str) -> None:
+    """Asynchronous collectives of different sizes, waited after a pause: on gloo the data of a
+    mismatch must never go out (its transport aborts the receiving process in its own thread,
+    [Note: overlapped check]); every rank raises DesyncError instead."""
+    import time
+
+    comm = Collectives(desync_check=True, timeout_s=30)
+    try:
+        n = 6 if comm.rank == odd else 4
+        x = torch.ones(n * comm.world_size)
+        if op == "all_gather":
+            h = comm.all_gather(torch.empty(n * comm.world_size), x[:n], async_op=True)
+        elif op == "reduce_scatter":
+            h = comm.reduce_scatter(torch.empty(n), x, async_op=True, scratch=True)
+        else:
+            h = comm.all_reduce(x, async_op=True)
+        time.sleep(0.3)  # long enough for a peer's bytes to arrive, had they been sent
+        h.wait()
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_asynchronous_collectives_of_different_sizes_fail_without_an_abort(ranks, n, op) -> None:
+    odd = n - 1
+    with pytest.raises(RankFailure) as info:
+        ranks(n, _async_sizes, odd, op)
+    failures = info.value.failures
+    assert sorted(failures) == list(range(n)), f"every rank must raise: {failures}"
+    for text in failures.values():
+        assert DesyncError.__name__ in text and "different shapes" in text, text
+        assert "worker died" not in text, text

@@ -16,7 +16,12 @@ is issued (a blocking round trip). An asynchronous one does not wait: its exchan
 the collective issued at once, and the fingerprints are verified in the handle's ``wait``, before
 anything uses the result. The gradient buckets and ZeRO's reductions and gathers, which are
 asynchronous, then pay no round trip on their critical path; a mismatch still raises
-:class:`DesyncError` on every rank at the same collective, before its result is read.
+:class:`DesyncError` on every rank at the same collective, before its result is read. Not on a
+gloo group: gloo's transport aborts the process (``gloo::EnforceNotMet``, uncatchable, in its
+own thread) when a peer sends more bytes than this rank's op expects, which ranks out of step
+with different sizes do within milliseconds, so the mismatch must be found before the data
+goes out; there every collective waits for its exchange (measured on two CPU ranks: ZeRO-3
+units gathered out of step killed one rank in 2 runs of 6 with the overlap, none without).
 * ``log``: per-operation counts, bytes, times and bandwidths (:mod:`longboat.comm.commlog`).
 * a collective that times out, or loses a peer, raises :class:`CollectiveTimeout` /
   :class:`PeerLost` after printing a report naming the ranks that did not arrive
@@ -287,7 +292,7 @@ class Collectives(PointToPoint):
         pending = None
         try:
             if self.desync_check and self._check is not None:
-                if async_op:  # [Note: overlapped check]
+                if async_op and not self._gloo_data():  # [Note: overlapped check]
                     pending = self._check.start(rec, check_src)
                 elif self.alarm is not None:  # the exchange, watched too
                     check = self._check.start(rec, check_src)
@@ -391,6 +396,13 @@ class Collectives(PointToPoint):
             and input.is_contiguous()
             and output.is_contiguous()
         )
+
+    def _gloo_data(self) -> bool:
+        """Whether this doorway's group is gloo's (asked once): its collectives are then
+        checked before they are issued, asynchronous ones too ([Note: overlapped check])."""
+        if self._gloo is None:
+            self._gloo = dist.get_backend(self.group) == "gloo"
+        return self._gloo
 
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         """Whether this doorway's group is gloo's and ``tensor`` on the CPU (asked once)."""
