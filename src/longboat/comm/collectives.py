@@ -12,16 +12,13 @@ Observation is opt-in per doorway and costs one attribute test when off:
   (:mod:`longboat.comm.desync`); ranks out of step raise :class:`DesyncError` there.
 
 [Note: overlapped check] A synchronous collective waits for the fingerprint exchange before it
-is issued (a blocking round trip). An asynchronous one does not wait: its exchange is started,
-the collective issued at once, and the fingerprints are verified in the handle's ``wait``, before
-anything uses the result. The gradient buckets and ZeRO's reductions and gathers, which are
-asynchronous, then pay no round trip on their critical path; a mismatch still raises
-:class:`DesyncError` on every rank at the same collective, before its result is read. Not on a
-gloo group: gloo's transport aborts the process (``gloo::EnforceNotMet``, uncatchable, in its
-own thread) when a peer sends more bytes than this rank's op expects, which ranks out of step
-with different sizes do within milliseconds, so the mismatch must be found before the data
-goes out; there every collective waits for its exchange (measured on two CPU ranks: ZeRO-3
-units gathered out of step killed one rank in 2 runs of 6 with the overlap, none without).
+is issued. An asynchronous one on NCCL does not: its exchange is started, the collective issued
+at once, the fingerprints verified in the handle's ``wait``, before anything uses the result, so
+the buckets and ZeRO's reductions and gathers pay no round trip on their critical path. On gloo
+every collective waits for its exchange: gloo's transport aborts the process (uncatchable
+``gloo::EnforceNotMet`` in its own thread) when a peer sends more bytes than this rank's op
+expects, as ranks out of step with different sizes do within milliseconds (ZeRO-3 units gathered
+out of step on two CPU ranks killed a rank in 2 runs of 6 with the overlap, none without).
 * ``log``: per-operation counts, bytes, times and bandwidths (:mod:`longboat.comm.commlog`).
 * a collective that times out, or loses a peer, raises :class:`CollectiveTimeout` /
   :class:`PeerLost` after printing a report naming the ranks that did not arrive
@@ -382,9 +379,7 @@ class Collectives(PointToPoint):
 
     def _gloo_device(self, tensor: torch.Tensor) -> bool:
         """Whether this doorway's group is gloo's and ``tensor`` on an accelerator."""
-        if self._gloo is None:
-            self._gloo = dist.get_backend(self.group) == "gloo"
-        return self._gloo and tensor.device.type != "cpu"
+        return self._gloo_data() and tensor.device.type != "cpu"
 
     def _gloo_pair(self, output: torch.Tensor, input: torch.Tensor) -> bool:
         """Whether this doorway is two gloo ranks and both tensors contiguous on the CPU, where
@@ -406,9 +401,7 @@ class Collectives(PointToPoint):
 
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         """Whether this doorway's group is gloo's and ``tensor`` on the CPU (asked once)."""
-        if self._gloo is None:
-            self._gloo = dist.get_backend(self.group) == "gloo"
-        return self._gloo and tensor.device.type == "cpu"
+        return self._gloo_data() and tensor.device.type == "cpu"
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
