@@ -1,6 +1,7 @@
 """glibc's malloc as longboat sets it ([Note: one arena] and [Note: fixed mmap threshold] in
 heap.py), observed in fresh processes through glibc's own ``malloc_info``: how many heaps a thread
-that allocates leaves behind, and whether a megabyte is a mapping of its own."""
+that allocates leaves behind, and whether a buffer is a mapping of its own; and the huge pages a
+unit buffer asks for ([Note: huge pages for unit buffers]), observed in ``/proc/self/smaps``."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="glibc's malloc arenas are Linux's"
@@ -102,10 +105,13 @@ _MMAP_SCRIPT = textwrap.dedent(
     def mapped():  # bytes glibc holds in mappings of their own
         found = re.findall(r'<total type="mmap" count="\\d+" size="(\\d+)"/>', malloc_info())
         return int(found[-1])
-    big = torch.empty(4 << 20); big.fill_(1.0); del big  # 16 MiB freed: the threshold rises
+    big = torch.empty(6 << 20); big.fill_(1.0); del big  # 24 MiB freed: the threshold rises
     before = mapped()
-    kept = torch.empty(1 << 18); kept.fill_(1.0)  # 1 MiB: its own mapping, or the heap's
-    print(fixed, mapped() - before >= (1 << 20))
+    kept = torch.empty(3 << 20); kept.fill_(1.0)  # 12 MiB: its own mapping, or the heap's
+    print(fixed, mapped() - before >= (12 << 20))
+    before = mapped()
+    small = torch.empty(1 << 18); small.fill_(1.0)  # 1 MiB, an operation's temporary
+    print(mapped() - before >= (1 << 20))
     """
 )
 
@@ -115,12 +121,17 @@ def _kept_mapped(mode: str, **env: str) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def test_after_a_large_free_glibc_serves_a_megabyte_from_the_heap():
-    # The control: the dynamic threshold rose to 16 MiB, so 1 MiB is not a mapping of its own.
+def test_with_the_threshold_fixed_a_megabyte_comes_from_the_heap():
+    # A temporary below the fixed threshold is reused from the heap, not mapped and unmapped.
+    assert _run(_MMAP_SCRIPT, "fix")[2] == "False"
+
+
+def test_after_a_large_free_glibc_serves_12_mib_from_the_heap():
+    # The control: the dynamic threshold rose to 24 MiB, so 12 MiB is not a mapping of its own.
     assert _kept_mapped("none") == ("None", "False")
 
 
-def test_with_the_threshold_fixed_a_megabyte_is_its_own_mapping():
+def test_with_the_threshold_fixed_12_mib_is_its_own_mapping():
     # ([Note: fixed mmap threshold]) and so goes back to the system when freed.
     assert _kept_mapped("fix") == ("True", "True")
 
@@ -155,3 +166,36 @@ def test_a_disk_home_fixes_the_threshold_as_it_is_built(ranks, tmp_path):
     assert ranks(1, _offload_fixes_the_threshold, str(tmp_path)) == [
         ["after none", "fixed", "after disk"]
     ]
+
+
+def _huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings over ``t``'s memory, in KiB (the advice splits a mapping:
+    its whole huge pages become a mapping of their own)."""
+    storage = t.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    inside, size = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and start < hi
+            elif inside and head == "AnonHugePages:":
+                size += int(line.split()[1])
+    return size
+
+
+def test_a_unit_buffer_asks_for_huge_pages_and_a_plain_one_does_not():
+    from longboat import heap
+    from longboat.strategies.zero.storage import empty
+
+    mode = Path(heap.THP_MODE).read_text().strip() if os.path.exists(heap.THP_MODE) else "none"
+    if "[madvise]" not in mode:
+        pytest.skip(f"the kernel's transparent huge pages are {mode!r}, not on advice")
+    n = 32 << 20  # 128 MiB of float32: a mapping of its own at any threshold
+    plain = torch.empty(n)
+    plain.fill_(1.0)
+    unit = empty(n, torch.float32, "cpu")
+    unit.fill_(1.0)
+    assert _huge_kib(plain) == 0
+    assert _huge_kib(unit) >= 2048 * 32, _huge_kib(unit)  # most of its 64 huge pages

@@ -61,7 +61,7 @@ from longboat.comm.protocol import Comm
 from longboat.comm.trace import LONE_FORWARD
 from longboat.config.errors import ConfigError
 from longboat.strategies.zero.flat import FlatUnit, UnitState
-from longboat.strategies.zero.storage import alloc_storage, free_storage
+from longboat.strategies.zero.storage import alloc_storage, empty, free_storage
 
 
 class Removable(Protocol):
@@ -167,7 +167,7 @@ class Gathering:
         # [Note: storage resize]: the unit's own buffer, its memory given back for the gather
         # (never another unit's: views of it that autograd saved must see this unit's values)
         if u.full is None:
-            u.full = torch.empty(u.padded, dtype=u.gathered_dtype, device=u.device)
+            u.full = empty(u.padded, u.gathered_dtype, u.device)
         else:
             alloc_storage(u.full)
         # [Note: parameter dtype]: the shard travels in the dtype the unit computes in.

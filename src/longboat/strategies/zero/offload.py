@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from longboat.config.errors import ConfigError
 from longboat.config.sections_parallel import swap_path_problem
 from longboat.strategies.zero.flat import FlatUnit
+from longboat.strategies.zero.storage import empty
 
 SWAP_DIR = "longboat-swap"
 log = logging.getLogger("longboat")
@@ -282,7 +283,7 @@ class StateSwap(SwapFiles):
         self.scalars: dict[int, dict[str, Any]] = {}  # per piece (its id): non-tensor state
 
     def _read(self, f: _UnitFile) -> list[torch.Tensor]:
-        tensors = [torch.empty(n, dtype=dt) for _, _, n, dt in f.layout]
+        tensors = [empty(n, dt, "cpu") for _, _, n, dt in f.layout]
         self.read_into(f.path, tensors)
         return tensors
 

@@ -35,7 +35,7 @@ import torch
 
 from longboat.strategies.zero.flat import FlatUnit, element_size
 from longboat.strategies.zero.offload import SWAP_DIR, SwapFiles, open_dir
-from longboat.strategies.zero.storage import alloc_storage, free_storage, has_storage
+from longboat.strategies.zero.storage import alloc_storage, empty, free_storage, has_storage
 
 _KEY = "zero.offload_param"
 
@@ -99,7 +99,7 @@ class ShardSwap(SwapFiles):
         if pending is not None:
             pending.result()
         if u.index in self.has_grad:
-            earlier = torch.empty_like(reduced)
+            earlier = empty(reduced.numel(), reduced.dtype, reduced.device)
             self.read_into(self.grad_files[u.index], [earlier])
             reduced.add_(earlier)
             del earlier

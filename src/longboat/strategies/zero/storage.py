@@ -16,6 +16,9 @@ storage's own ``resize_`` otherwise.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from longboat.heap import advise_huge_pages
 
 _OP = getattr(getattr(torch.ops, "inductor", None), "resize_storage_bytes_", None)
 
@@ -30,6 +33,20 @@ def _resize(t: torch.Tensor, nbytes: int) -> None:
     t.untyped_storage().resize_(nbytes)
 
 
+def huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a CPU buffer just allocated, not written yet) asked for huge pages ([Note: huge
+    pages for unit buffers] in ``heap.py``); ``t`` itself."""
+    if t.device.type == "cpu" and not isinstance(t, FakeTensor):
+        storage = t.untyped_storage()
+        advise_huge_pages(storage.data_ptr(), storage.nbytes())
+    return t
+
+
+def empty(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A new flat buffer for one use, its contents undefined (huge pages on the CPU)."""
+    return huge_pages(torch.empty(numel, dtype=dtype, device=device))
+
+
 def free_storage(t: torch.Tensor) -> None:
     """Release ``t``'s memory; ``t`` and its views stay, holding nothing until refilled."""
     if t.untyped_storage().nbytes():
@@ -41,10 +58,11 @@ def alloc_storage(t: torch.Tensor) -> None:
     need = t.numel() * t.element_size()
     if t.untyped_storage().nbytes() != need:
         _resize(t, need)
+        huge_pages(t)
 
 
 def has_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > 0
 
 
-__all__ = ["alloc_storage", "free_storage", "has_storage"]
+__all__ = ["alloc_storage", "empty", "free_storage", "has_storage", "huge_pages"]

@@ -74,7 +74,7 @@ from longboat.strategies.zero.policy import ZeroPolicy
 from longboat.strategies.zero.reduce import Reduction
 from longboat.strategies.zero.shadow import Shadow
 from longboat.strategies.zero.step import step_and_gather, step_units
-from longboat.strategies.zero.storage import free_storage
+from longboat.strategies.zero.storage import empty, free_storage
 from longboat.strategies.zero.units import LowParams, make_units, plan_units
 from longboat.topology import Topology
 from longboat.world import World, device_for
@@ -489,6 +489,6 @@ def whole_masters(u: FlatUnit, comm: Comm) -> torch.Tensor:
     assert u.shard is not None
     if comm.world_size == 1:
         return u.shard.clone()
-    full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
+    full = empty(u.padded, u.dtype, u.device)
     comm.all_gather(full, u.shard, tag=u.tag)
     return full
