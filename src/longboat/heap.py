@@ -40,7 +40,7 @@ THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 ENV = "MALLOC_ARENA_MAX"
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc's name for it in the environment
 #: Where the threshold is fixed ([Note: fixed mmap threshold]).
-MMAP_THRESHOLD = 8 * 1024 * 1024
+MMAP_THRESHOLD = 4 * 1024 * 1024
 
 _log = logging.getLogger("longboat")
 
@@ -60,7 +60,7 @@ def _mallopt(param: int, value: int) -> bool:
 
 
 def fix_mmap_threshold(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
-    """Fix glibc's mmap threshold at 8 MiB in this process unless the user chose
+    """Fix glibc's mmap threshold at 4 MiB in this process unless the user chose
     (``MALLOC_MMAP_THRESHOLD_``); True when it was set.
 
     [Note: fixed mmap threshold] glibc serves a block of at least its mmap threshold with a
@@ -75,14 +75,17 @@ def fix_mmap_threshold(env: dict[str, str] | os._Environ[str] | None = None) -> 
     the dynamic adjustment off) gives each freed buffer back, so a disk home sets it as it is
     built; a user's own ``MALLOC_MMAP_THRESHOLD_`` is left alone.
 
-    Fixed at 8 MiB, not at glibc's starting 128 KiB: the buffers of a unit's size (tens of MiB
+    Fixed at 4 MiB, not at glibc's starting 128 KiB: the buffers of a unit's size (tens of MiB
     on models worth offloading) are still mappings given back, while the smaller temporaries of
     each operation (activations, autograd's gradients, the optimizer's per-parameter
     temporaries) are reused from the heap. At 128 KiB each of those was a mapping of its own,
     made, faulted in and unmapped again: ``mmap`` and ``munmap`` took a fifth of the main
     thread's samples in an offloaded step of an 84M-parameter GPT (``offload_headline.py
-    --layers 6``), whose step took 2.02 s at 128 KiB, 1.70 s at 8 MiB and 1.63 s at 16 MiB,
-    peak RSS 713, 879 and 969 MiB against a 1,024 MiB budget.
+    --layers 6``: 2.02 s a step at 128 KiB, 1.70 s at 8 MiB, 1.63 s at 16 MiB). Higher keeps
+    more freed memory in the heap: on the 272M-parameter GPT of ``offload_headline.py`` under a
+    1,024 MiB budget, 8 MiB took rank 0 to 1,029 and 1,017 MiB in two runs (rank 1: 803), 4 MiB
+    to 806 and 834, 2 MiB 797 and 796, with steps of 5.4-5.5, 5.9 and 5.8 s (8.0 s at 128 KiB
+    without huge pages).
     """
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or MMAP_ENV in env:
