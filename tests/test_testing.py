@@ -174,6 +174,9 @@ def test_hung_rank_is_reported_and_pool_recovers(ranks: RankPools) -> None:
     assert elapsed < HANG_TIMEOUT_S + 5.0
     assert set(caught.value.failures) == {1}
     assert "did not answer within" in caught.value.failures[1]
+    # Where it hung: its threads' stacks, down to the function the call ran.
+    assert "where its threads were:" in caught.value.failures[1]
+    assert "_rank_one_waits_in_lonely_all_reduce" in caught.value.failures[1]
     assert "Ranks that answered normally: 0." in str(caught.value)
     assert set(pool.pids).isdisjoint(old_pids)
     assert ranks(2, _all_reduce_rank_plus_one) == [3.0, 3.0]

@@ -9,8 +9,11 @@ import multiprocessing
 import os
 import pickle
 import random
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import weakref
@@ -20,11 +23,13 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from longboat.testing.common import HOST, RankFailure
-from longboat.testing.worker import probe_group, worker_main
+from longboat.testing.worker import probe_group, stacks_file, worker_main
 
 # Seconds an intact group takes to answer the probe after a failed call: milliseconds, but the
 # workers may share the cores with other jobs.
 PROBE_TIMEOUT_S = 20.0
+# Seconds a worker that did not answer is given to write where its threads are.
+STACKS_WAIT_S = 1.0
 
 
 def _free_port() -> int:
@@ -38,6 +43,7 @@ def _kill_workers(
     processes: list[multiprocessing.process.BaseProcess],
     conns: list[Connection],
     owner_pid: int,
+    stacks_dir: str,
 ) -> None:
     """SIGKILL and reap workers; SIGTERM is not enough for one blocked in a collective."""
     if os.getpid() != owner_pid:
@@ -49,6 +55,28 @@ def _kill_workers(
         process.join(timeout=10)
     for conn in conns:
         conn.close()
+    shutil.rmtree(stacks_dir, ignore_errors=True)
+
+
+def _stacks(processes: list[multiprocessing.process.BaseProcess], paths: list[str]) -> list[str]:
+    """Where the threads of workers that did not answer are: each is asked (SIGUSR1, which
+    its faulthandler answers in its path) and all are given :data:`STACKS_WAIT_S` to write."""
+    asked = []
+    for process in processes:
+        if process.pid is not None and process.is_alive():
+            with contextlib.suppress(OSError):
+                os.kill(process.pid, signal.SIGUSR1)
+                asked.append(process)
+    if asked:
+        time.sleep(STACKS_WAIT_S)
+    out = []
+    for process, path in zip(processes, paths, strict=True):
+        text = ""
+        if process in asked:
+            with contextlib.suppress(OSError), open(path, errors="replace") as f:
+                text = f.read()[-8000:]
+        out.append(text)
+    return out
 
 
 @dataclass
@@ -59,8 +87,9 @@ class _Generation:
     processes: list[multiprocessing.process.BaseProcess]
     conns: list[Connection]
     finalizer: weakref.finalize[
-        [list[multiprocessing.process.BaseProcess], list[Connection], int], RankPool
+        [list[multiprocessing.process.BaseProcess], list[Connection], int, str], RankPool
     ]
+    stacks_dir: str  # where each worker writes its threads' stacks when asked
     ready: bool = False
 
 
@@ -122,6 +151,7 @@ class RankPool:
     def _spawn(self) -> None:
         """Start a fresh set of workers on a fresh port, without waiting for them."""
         port = _free_port()
+        stacks_dir = tempfile.mkdtemp(prefix="longboat-pool-")
         processes: list[multiprocessing.process.BaseProcess] = []
         conns: list[Connection] = []
         for rank in range(self.world_size):
@@ -136,6 +166,7 @@ class RankPool:
                     child_end,
                     os.getpid(),
                     float(self.timeout),
+                    stacks_file(stacks_dir, rank),
                 ),
                 name=f"RankPool-{self.world_size}-rank{rank}",
                 # Not daemonic, so calls may start processes (DataLoader workers);
@@ -147,12 +178,12 @@ class RankPool:
             child_end.close()
             processes.append(process)
             conns.append(parent_end)
-        finalizer = weakref.finalize(self, _kill_workers, processes, conns, os.getpid())
+        finalizer = weakref.finalize(self, _kill_workers, processes, conns, os.getpid(), stacks_dir)
         # Registered with atexit ourselves (not via finalize's own hook) so that it runs
         # before multiprocessing's exit handler, which would join the workers forever.
         finalizer.atexit = False
         atexit.register(finalizer)
-        self._generation = _Generation(port, processes, conns, finalizer)
+        self._generation = _Generation(port, processes, conns, finalizer, stacks_dir)
 
     def _kill(self) -> None:
         """Kill the current workers, if any."""
@@ -353,11 +384,18 @@ class RankPool:
                 if rank in failures and not clean:
                     deadline = min(deadline, time.monotonic() + grace)
         waited = time.monotonic() - start
-        for rank in pending.values():
+        silent = sorted(pending.values())
+        wheres = _stacks(
+            [generation.processes[r] for r in silent],
+            [stacks_file(generation.stacks_dir, r) for r in silent],
+        )
+        for rank, where in zip(silent, wheres, strict=True):
             clean = False
             failures[rank] = (
                 f"did not answer within {waited:.1f} s (likely waiting in a collective)"
             )
+            if where:
+                failures[rank] += "; where its threads were:\n" + where
         return results, failures, clean, raised
 
     def _report(

@@ -4,8 +4,10 @@ the functions it is sent until its parent goes away. Everything here runs in the
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -104,6 +106,11 @@ def probe_group(token: int) -> bool:
     return bool(agreed.item() == 1.0)
 
 
+def stacks_file(directory: str, rank: int) -> str:
+    """Where worker ``rank`` writes its threads' stacks when asked."""
+    return os.path.join(directory, f"rank{rank}.stacks")
+
+
 def worker_main(
     rank: int,
     world_size: int,
@@ -112,9 +119,13 @@ def worker_main(
     conn: Connection,
     parent_pid: int,
     pg_timeout_s: float,
+    stacks: str,
 ) -> None:
-    """Entry point of one pool worker: join the process group, then serve calls."""
+    """Entry point of one pool worker: join the process group, then serve calls. Asked by
+    SIGUSR1 (the pool does when a call times out), it writes its threads' stacks to ``stacks``."""
     _extend_sys_path(sys_path)
+    # Open for the process's life: faulthandler writes to its descriptor from a signal handler.
+    faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)  # noqa: SIM115
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     os.environ.update(
         {
