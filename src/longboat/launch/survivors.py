@@ -106,11 +106,13 @@ class Survivors:
         self._ids: dict[int, int] = {}  # global rank -> id of its current process
         self._store: Any = None  # the job's store, opened at the first death
 
-    def check(self, agent: Any, worker_group: Any) -> None:
-        """Drop each droppable rank that has ended badly since the last tick."""
+    def check(self, agent: Any, worker_group: Any) -> int:
+        """Drop (or start again) each droppable rank that has ended badly since the last tick;
+        how many it took."""
         handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
         if not handlers:
-            return
+            return 0
+        taken = 0
         known: dict[int, roles.Role] | None = None
         for local_rank, handler in handlers.items():
             proc = getattr(handler, "proc", None)
@@ -126,6 +128,7 @@ class Survivors:
             if role is None or not role.droppable:
                 continue  # the agent's rule: the job stops
             how = _how(code)
+            taken += 1
             roles.mark_dead(self.roles_dir, self._ids.get(rank, rank), how)
             self._publish(agent._pcontext, self._ids.get(rank, rank))
             world_size = worker_group.workers[local_rank].world_size
@@ -152,6 +155,7 @@ class Survivors:
                 f"longboat: rank {rank} ({role.what}) {how}; the job goes on without it "
                 f"({role.after})"
             )
+        return taken
 
     def _publish(self, pcontext: Any, id: int) -> None:
         """The death of ``id`` in the job's store, for survivors on other nodes ([Note: deaths
@@ -201,7 +205,14 @@ class Survivors:
 
         def monitor(agent: Any, worker_group: Any) -> Any:
             self.check(agent, worker_group)
-            return original(agent, worker_group)
+            result = original(agent, worker_group)
+            # A droppable rank that ended between the check and the agent's own look (a
+            # replica's last member leaving a moment after its peer died) read as the job's
+            # failure: it is dropped now, and the agent looks again.
+            failed = getattr(getattr(result, "state", None), "name", "") == "FAILED"
+            if failed and self.check(agent, worker_group):
+                result = original(agent, worker_group)
+            return result
 
         LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
         try:
