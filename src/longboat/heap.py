@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
+from typing import Any
 
 M_ARENA_MAX = -8  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
@@ -128,9 +130,6 @@ def limit_arenas(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
 # ``always`` it does so unasked, under ``never`` not at all); the ends of a buffer that fall
 # short of a whole huge page keep small pages.
 
-_libc: ctypes.CDLL | None = None
-_advise: bool | None = None  # the kernel gives huge pages where asked: read once
-
 
 def _thp_on_advice(path: str = THP_MODE) -> bool:
     """Whether the kernel's transparent huge pages are in ``madvise`` mode (``[madvise]``)."""
@@ -141,26 +140,33 @@ def _thp_on_advice(path: str = THP_MODE) -> bool:
         return False
 
 
+@functools.cache
+def _madvise() -> Any:
+    """The C library's ``madvise`` where the kernel gives huge pages on advice (asked once,
+    at the first buffer), else None."""
+    if not _thp_on_advice():
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def advise_huge_pages(address: int, nbytes: int) -> bool:
     """Ask for transparent huge pages over the whole huge pages inside ``[address, address +
     nbytes)``, memory not written yet ([Note: huge pages for unit buffers]); True when asked.
     Nothing where the buffer is smaller than :data:`HUGE_MIN`, the kernel is not in ``madvise``
     mode, or the platform is not Linux."""
-    global _libc, _advise
     if nbytes < HUGE_MIN or not sys.platform.startswith("linux"):
         return False
-    if _advise is None:
-        _advise = _thp_on_advice()
-        if _advise:
-            try:
-                _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-                _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                _libc.madvise.restype = ctypes.c_int
-            except (OSError, AttributeError):
-                _advise = False
-    if not _advise or _libc is None:
+    madvise = _madvise()
+    if madvise is None:
         return False
     start = -(-address // HUGE_PAGE) * HUGE_PAGE
     end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
     # A refusal (EINVAL on a kernel without THP) costs only the advice: the memory works as is.
-    return end > start and _libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
+    return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
