@@ -215,8 +215,10 @@ def run_memory(check: Check) -> dict[str, Any]:
     ratios = {
         s: e.get("ratio_predicted_over_measured") for s, e in strategies.items() if "strategy" in e
     }
+    spaces = [e.get("measured_workspaces") for e in strategies.values() if "strategy" in e]
     summary = {
         "ratio_predicted_over_measured": ratios,
+        "workspaces_measured": next((w for w in spaces if w is not None), None),
         "offload_optimizer_cpu": offload.get("outcome"),
         "offload_beyond_the_gpu": {
             k: beyond.get(k)
@@ -318,6 +320,15 @@ def summary_lines(check: Check, done: dict[str, dict[str, Any]]) -> list[str]:
                 )
             else:
                 lines.append(f"  {name:<12} {e.get('status')}: {e.get('cause')}")
+        spaces = next(
+            (e for e in r["strategies"].values() if e.get("measured_workspaces") is not None), None
+        )
+        if spaces is not None:
+            lines.append(
+                f"  cuBLAS workspaces (in each peak): planned "
+                f"{spaces['predicted']['workspaces'] / 2**20:.1f} MiB, made by a linear layer's "
+                f"forward and backward {spaces['measured_workspaces'] / 2**20:.1f} MiB"
+            )
         o = r["offload_optimizer_cpu"]
         lines.append(
             f"zero.offload_optimizer.device='cpu': {o.get('outcome') or o.get('status')}"

@@ -8,7 +8,8 @@ figures are the allocator's, which frees exactly, unlike a resident set): the pe
 reset, the model is built (on the CPU; longboat moves it), trained for a few steps, and the
 peak of ``torch.cuda.max_memory_allocated`` above what was allocated before is compared with
 the planner's peak for the same model, batch, optimizer and config (planned on fake tensors in
-the same process, before). ``engine.memory_report()``'s model state is recorded beside the
+the same process, before, for the device: cuBLAS's workspaces included, each measurement making
+its own). ``engine.memory_report()``'s model state is recorded beside the
 planner's, and what the peak holds, by where it was made (``gpucheck/allocations.py``).
 
 Offload: ``zero.offload_optimizer.device = 'cpu'`` with the parameters on a GPU (masters and
@@ -107,15 +108,32 @@ def _train(engine: Any, vocab: int, args: dict[str, Any], steps: int) -> None:
 
 
 def _fresh_peak(device: torch.device) -> int:
-    """Collect, empty the CUDA cache and restart its peak counter; the bytes still allocated
-    (0 off CUDA), so a peak read later counts only what came after."""
+    """Collect, free cuBLAS's workspaces, empty the CUDA cache and restart its peak counter;
+    the bytes still allocated (0 off CUDA), so a peak read later counts only what came after.
+    Every measurement makes its own workspaces, as a fresh process does (the tasks share one):
+    the plan counts them ([Note: library workspaces] in ``longboat/plan/device.py``)."""
     gc.collect()
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device)
+
+
+def _workspaces_made(device: torch.device) -> int | None:
+    """Bytes a linear layer's forward and backward leave allocated when nothing of theirs is
+    held any more: the workspaces their threads made (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    before = _fresh_peak(device)
+    layer = torch.nn.Linear(64, 64, device=device)
+    layer(torch.randn(8, 64, device=device)).sum().backward()
+    del layer
+    gc.collect()
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device) - before
 
 
 def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
@@ -128,9 +146,12 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     cfg = _config(strategy, micro)
     target = _target(args)
     plain_name = strategy.partition("+")[0]
-    planned = make_plan(target, load_config(cfg), 1, micro, "adamw", [plain_name]).strategies[0]
     device = torch.device(ctx.device)
     cuda = device.type == "cuda"
+    planned = make_plan(
+        target, load_config(cfg), 1, micro, "adamw", [plain_name], device=device.type
+    ).strategies[0]
+    workspaces = _workspaces_made(device)
     before = _fresh_peak(device)
     with allocations.recorded(device) as at_peak:
         torch.manual_seed(0)
@@ -152,7 +173,10 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
             "model_state": planned.model_state,
             "activations": planned.activations,
             "transient": planned.transient,
+            "workspaces": planned.workspaces,
         },
+        # cuBLAS's, made by a linear layer's forward and backward alone (CUDA only)
+        "measured_workspaces": workspaces,
         "measured_peak_bytes": measured,
         "ratio_predicted_over_measured": planned.peak / measured if measured else None,
         "measured_model_state": report.measured,

@@ -71,6 +71,12 @@ def plan(
         "--sequence-parallel/--no-sequence-parallel",
         help="with --tp: divide activations along the sequence (default: the config's)",
     ),
+    device: str | None = typer.Option(
+        None,
+        "--device",
+        help="cpu or cuda: the device the peaks are for; cuda adds cuBLAS's workspaces "
+        "(default: cuda where torch sees a GPU, else cpu)",
+    ),
 ) -> None:
     """Predict per-rank memory and communication of each strategy, allocating nothing."""
     from longboat.config.errors import ConfigError
@@ -98,6 +104,7 @@ def plan(
             virtual_stages=virtual_stages,
             tp=tp,
             sequence_parallel=sequence_parallel,
+            device=device,
         )
     except (PlanInputError, ConfigError) as e:
         raise usage_error(str(e)) from None

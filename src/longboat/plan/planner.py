@@ -42,6 +42,7 @@ import torch
 from longboat.config.sections import Config
 from longboat.mesh import Mesh
 from longboat.observe.memory import CATEGORIES
+from longboat.plan.device import DEVICES, workspaces
 from longboat.plan.parameter_server import parameter_server_roles
 from longboat.plan.simulate import Simulated, simulate
 from longboat.plan.stages import Shapes, each_stage
@@ -135,6 +136,9 @@ class StrategyPlan:
     role: str = ""  # a strategy whose ranks differ: which ([Note: planning roles])
     disk: int = 0  # model state on disk (offload)
     disk_moved: int = 0  # ... and read and written per step
+    #: the math libraries' workspaces on the plan's device, in ``transient`` and ``peak``
+    #: ([Note: library workspaces] in ``device.py``)
+    workspaces: int = 0
     error: str = ""  # why this strategy could not be planned ([Note: unplanned rows])
 
     @property
@@ -158,6 +162,8 @@ class Plan:
     reason: str
     pipeline: dict[str, Any] | None = None  # pp, schedule, micro-batches, idle fraction
     accumulation: int = 1  # micro-batches per optimizer step (with pp: the schedule's)
+    device: str = "cpu"  # what the peaks are for: "cuda" adds the libraries' workspaces
+    workspaces: str = ""  # how those were sized
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -278,6 +284,7 @@ def _plan_one(
     make: Callable[[Any], torch.optim.Optimizer],
     budget: int | None,
     rank: int,
+    extra: int = 0,
 ) -> tuple[list[StrategyPlan], int]:
     """Strategy ``name``'s rows (one, or one per pipeline rank or role) and the trainable
     parameters its simulation counted."""
@@ -315,15 +322,16 @@ def _plan_one(
             world_size=n,
             model_state=sim.model_state,
             activations=sim.activations,
-            transient=sim.transient,
-            peak=sim.peak,
+            transient=sim.transient + extra,
+            peak=sim.peak + extra,
             comm_bytes=sim.comm_bytes,
-            fits=None if budget is None else sim.peak <= budget,
+            fits=None if budget is None else sim.peak + extra <= budget,
             stages=sim.stages,
             in_flight=sim.in_flight,
             tp_layers=sim.tp_layers,
             disk=sim.disk,
             disk_moved=sim.disk_moved,
+            workspaces=extra,
         )
         for sim, role in zip(sims, roles or [""] * len(sims), strict=True)
     ]
@@ -340,6 +348,7 @@ def make_plan(
     budget: int | None = None,
     rank: int = 0,
     try_offload: bool = True,
+    device: str = "cpu",
 ) -> Plan:
     """Simulate each of ``strategies`` at ``world_size`` ranks and recommend one; with
     ``try_offload``, when a budget is given and none fits, ZeRO with its optimizer state on
@@ -347,7 +356,12 @@ def make_plan(
 
     The figures are those of ``rank`` (default 0). Ranks differ by a few bytes under ZeRO: the
     padding of each unit sits on the last rank, and per-parameter optimizer scalars (Adam's
-    ``step``) exist for each parameter a rank's shard overlaps."""
+    ``step``) exist for each parameter a rank's shard overlaps.
+
+    ``device`` "cuda" adds to each peak the workspaces cuBLAS keeps on a GPU, which the trace
+    on fake CPU tensors cannot see ([Note: library workspaces] in ``device.py``)."""
+    if device not in DEVICES:
+        raise PlanInputError(f"--device {device!r} is unknown; choose from {', '.join(DEVICES)}")
     if world_size < 1:
         raise PlanInputError(f"--world-size {world_size} is invalid: use 1 or more")
     if micro_batch < 1:
@@ -360,7 +374,8 @@ def make_plan(
     _check_usage(base, strategies, world_size)
     plans: list[StrategyPlan] = []
     counted: list[int] = []
-    at = (world_size, micro_batch, make, budget, rank)
+    extra = workspaces(device)
+    at = (world_size, micro_batch, make, budget, rank, extra.bytes)
     with _quiet_fake_tensors():
         for name in strategies:
             rows, n = _plan_one(target, base, name, *at)
@@ -396,6 +411,8 @@ def make_plan(
         reason=reason,
         pipeline=_pipeline_facts(base, world_size),
         accumulation=base.batch.gradient_accumulation_steps or 1,
+        device=device,
+        workspaces=extra.how,
     )
 
 

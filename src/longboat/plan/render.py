@@ -161,6 +161,11 @@ def render(plan: Plan, width: int = 120) -> str:
     console.print(table)
     lines = [buf.getvalue().rstrip()]
     lines += _unplanned(plan)
+    spaces = next((s.workspaces for s in plan.strategies if s.workspaces), 0)
+    if spaces:  # [Note: library workspaces] in device.py
+        lines.append(
+            f"on {plan.device}: transient and peak include {_mib(spaces)} MiB of {plan.workspaces}"
+        )
     if plan.pipeline:
         lines.append(_pipeline_line(plan))
     if plan.budget is not None:

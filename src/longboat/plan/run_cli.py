@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from longboat import config as lb_config
+from longboat.plan.device import default_device
 from longboat.plan.planner import ROLES, STRATEGIES, make_plan, one_line
 from longboat.plan.render import parse_bytes, render
 from longboat.plan.target import PlanInputError, Target, resolve, whole_model_params
@@ -55,6 +56,7 @@ def run_plan(
     virtual_stages: int | None = None,
     tp: int | None = None,
     sequence_parallel: bool | None = None,
+    device: str | None = None,
 ) -> tuple[str, int]:
     """Plan and format; returns (text, exit status). Raises :class:`PlanInputError` or
     :class:`~longboat.config.ConfigError` for usage errors.
@@ -65,7 +67,8 @@ def run_plan(
 
     ``micro_batch`` None: the config's ``batch.micro_batch_size``, else 8. ``micro_batches``
     (micro-batches per optimizer step) None: what the config's batch triple gives at the
-    world size's data-parallel ranks (:func:`accumulation_of`), else 1.
+    world size's data-parallel ranks (:func:`accumulation_of`), else 1. ``device`` None: where
+    a run here would train (:func:`~longboat.plan.device.default_device`).
     """
     kwargs: dict[str, Any] = {}
     if model_args:
@@ -137,6 +140,7 @@ def run_plan(
         names,
         parse_bytes(budget) if budget else None,
         try_offload=not strategies,  # the user's own list is the user's choice
+        device=device or default_device(),
     )
     text = json.dumps(plan.to_json(), indent=2) if as_json else render(plan)
     unplanned = any(s.error for s in plan.strategies)
