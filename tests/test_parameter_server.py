@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import threading
 from pathlib import Path
 
 import harness
@@ -413,3 +414,35 @@ def test_monitor_shows_each_workers_staleness_and_the_comm_log_counts_pushes(ran
     assert pushes == 2 * 4  # two workers, one key, four steps
     # each worker's comm log: a pull at the start, then a push and a pull per step
     assert got[0]["log"] == got[1]["log"] == {"push": 4, "pull": 5}
+
+
+class _LinkThatFailsAtGoodbye:
+    """A stand-in for the worker's link: heartbeats go through, the goodbye fails with an error
+    that is not a lost server (say, the group torn down under the worker)."""
+
+    peer_error = None
+
+    def __init__(self) -> None:
+        self.beats = 0
+
+    def request(self, header, dst: int) -> None:
+        from longboat.ps.wire import Op
+
+        if header.op == Op.BEAT:
+            self.beats += 1
+            return
+        raise ValueError("the process group is gone")
+
+
+def test_a_worker_whose_goodbye_fails_stops_its_heartbeats():
+    # A heartbeat thread left beating lives on in its process: in the test pool it outlived its
+    # test and held the interpreter's thread lock when a later test's DataLoader forked, and the
+    # child deadlocked in os.fork.
+    from longboat.ps.client import Connection
+
+    link = _LinkThatFailsAtGoodbye()
+    connection = Connection(link, worker=0, servers=[1], heartbeat_s=0.01)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="group is gone"):
+        connection.close()
+    beats = [t for t in threading.enumerate() if t.name == "longboat-ps-heartbeat"]
+    assert not beats, "the heartbeat thread is still running after close()"

@@ -136,12 +136,12 @@ def _rank_zero_leaves_an_all_reduce_unpaired_then_every_rank_raises() -> None:
     raise ValueError(f"refused on rank {dist.get_rank()}")
 
 
-def _fail_on_a_ready_pool(ranks: RankPools, fn: Any) -> tuple[RankFailure, list[int]]:
+def _fail_on_a_ready_pool(ranks: RankPools, fn: Any, *args: Any) -> tuple[RankFailure, list[int]]:
     """The 2-rank pool started, its workers' pids, then ``fn`` failing there: the failure."""
     ranks(2, _all_reduce_rank_plus_one)
     pids = ranks.pool(2).pids
     with pytest.raises(RankFailure) as caught:
-        ranks(2, fn)
+        ranks(2, fn, *args)
     return caught.value, pids
 
 
@@ -159,6 +159,27 @@ def test_a_collective_left_unpaired_by_a_failed_call_replaces_the_workers(
 ) -> None:
     fn = _rank_zero_leaves_an_all_reduce_unpaired_then_every_rank_raises
     failure, pids = _fail_on_a_ready_pool(ranks, fn)
+    assert "the pool was restarted" in str(failure)
+    assert set(ranks.pool(2).pids).isdisjoint(pids)
+    assert ranks(2, _all_reduce_rank_plus_one) == [3.0, 3.0]
+
+
+def _start_a_thread_that_never_ends(refuse: bool) -> None:
+    import threading
+
+    threading.Thread(target=time.sleep, args=(3600,), name="longboat-left", daemon=True).start()
+    if refuse:
+        raise ValueError(f"refused on rank {dist.get_rank()}")
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["returned", "raised"])
+def test_a_call_that_leaves_a_thread_running_fails_and_the_workers_are_replaced(
+    ranks: RankPools, refuse: bool
+) -> None:
+    # A thread a test leaves running lives on into later tests of the same worker: a
+    # heartbeat thread so held the interpreter's lock when a DataLoader forked there.
+    failure, pids = _fail_on_a_ready_pool(ranks, _start_a_thread_that_never_ends, refuse)
+    assert "the call left threads running: longboat-left" in str(failure)
     assert "the pool was restarted" in str(failure)
     assert set(ranks.pool(2).pids).isdisjoint(pids)
     assert ranks(2, _all_reduce_rank_plus_one) == [3.0, 3.0]

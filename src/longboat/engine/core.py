@@ -116,12 +116,18 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
         meta = any(p.is_meta for p in model.parameters())
         strategy = config.resolved_strategy(mesh.dp)
         deferred = self.strategy.deferred_init
-        refuse_built(
-            config,
-            facts_of(optimizer, strategy=strategy, device=on, meta=meta, deferred_init=deferred),
-        )
-        self.module = self.strategy.setup(model, optimizer)
-        check_bound(optimizer, self.strategy.name)
+        try:
+            refuse_built(
+                config,
+                facts_of(
+                    optimizer, strategy=strategy, device=on, meta=meta, deferred_init=deferred
+                ),
+            )
+            self.module = self.strategy.setup(model, optimizer)
+            check_bound(optimizer, self.strategy.name)
+        except BaseException:
+            self.strategy.discard()  # a parameter server's worker stops its heartbeats
+            raise
         self.precision = Precision(config.precision, device_for(world))
         # Gradients a strategy keeps out of memory ([Note: parameter offload]).
         self._held = self.strategy.held_gradients()

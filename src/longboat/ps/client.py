@@ -268,8 +268,8 @@ class Connection:
             for server in self.servers:
                 try:
                     self.link.request(Header(Op.BEAT, worker=self.worker), server)
-                except RuntimeError:
-                    return  # the server is gone: the main thread's next request says so
+                except Exception:  # a lost server, or the group torn down under this thread
+                    return  # the main thread's next request says so
 
     def close(self, error: str | None = None) -> int:
         """Leave: say goodbye to every server and wait until the servers are done (every
@@ -280,6 +280,20 @@ class Connection:
         if self.closed:
             return 0
         self.closed = True
+        try:
+            return self._leave(error)
+        finally:  # whatever leaving met, the heartbeats end with the connection
+            self._stop.set()
+            self._beats.join()
+
+    def abandon(self) -> None:
+        """Stop the heartbeats without leaving: for a worker whose engine was refused before it
+        started (its servers may not be serving, and a goodbye would wait for their answer)."""
+        self.closed = True
+        self._stop.set()
+        self._beats.join()
+
+    def _leave(self, error: str | None) -> int:
         applied = 0
         gone: set[int] = set()  # a server already lost has nothing to say goodbye to
         note = encode_json({"host": socket.gethostname(), "error": error})
@@ -296,8 +310,6 @@ class Connection:
                 continue
             with contextlib.suppress(ServerLost):  # what was lost was said when it happened
                 applied += int(self.link.await_reply(CONTROL_KEY, server).a)
-        self._stop.set()
-        self._beats.join()
         return applied
 
 

@@ -364,6 +364,11 @@ class ParameterServer(WholeModel, StrategyDefaults):
             print(self.conn.commlog.table("parameter servers"), end="", flush=True)
         self.service.close()
 
+    def discard(self) -> None:
+        # The engine refused before setup: no goodbye (the servers may have refused too, and
+        # would never answer it), but no heartbeats either.
+        self.conn.abandon()
+
     def leave(self) -> None:
         # The servers' shutdown is this job's own protocol, not a collective of the groups,
         # and a worker that never closes must still stop them.

@@ -262,6 +262,12 @@ class Strategy(Protocol):
         engines ([Note: leaving at exit] in ``engine/core.py``)."""
         ...
 
+    def discard(self) -> None:
+        """The engine failed before this strategy was set up (a refusal, an error in setup):
+        stop what building it started (threads, connections) without a word to any peer, which
+        may have failed as well."""
+        ...
+
 
 def cannot_shadow(name: str) -> ConfigError:
     """The refusal of ``data.remainder = 'join'`` by strategy ``name``, which cannot shadow."""
@@ -315,6 +321,9 @@ class StrategyDefaults:
 
     def shadow(self) -> None:
         raise cannot_shadow(self.name)
+
+    def discard(self) -> None:
+        pass  # building it started nothing that outlives it
 
     def buffers_from(self, rank: int) -> None:
         pass  # it cannot shadow, so every rank has a batch and rank 0's buffers count

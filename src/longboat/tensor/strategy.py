@@ -53,6 +53,9 @@ class TensorParallelStrategy(StrategyDefaults):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         return self.inner.setup(model, optimizer)
 
+    def discard(self) -> None:
+        self.inner.discard()
+
     def before_forward(self) -> None:
         self.inner.before_forward()
 

@@ -29,3 +29,7 @@ class RankFailure(AssertionError):
     def __init__(self, message: str, failures: Mapping[int, str]) -> None:
         super().__init__(message)
         self.failures: dict[int, str] = dict(failures)
+
+
+#: How a worker says a call left threads of longboat's running: its workers are then replaced.
+LEFT_THREADS = "the call left threads running"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from longboat.testing.common import HOST, RankFailure
+from longboat.testing.common import HOST, LEFT_THREADS, RankFailure
 from longboat.testing.worker import probe_group, stacks_file, worker_main
 
 # Seconds an intact group takes to answer the probe after a failed call: milliseconds, but the
@@ -296,7 +296,11 @@ class RankPool:
             self._kill()
             raise
         if failures:
-            if not clean and len(raised) == self.world_size and self._group_survived(generation):
+            # Threads a call left running live on in its workers: only fresh ones are rid of them.
+            leaked = any(LEFT_THREADS in text for text in failures.values())
+            if leaked:
+                clean = False
+            elif not clean and len(raised) == self.world_size and self._group_survived(generation):
                 clean = True
             if not clean:
                 self.restart()

@@ -18,7 +18,10 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from longboat.testing.common import HOST, ORPHAN_POLL_S, POOL_ENV_VAR
+from longboat.testing.common import HOST, LEFT_THREADS, ORPHAN_POLL_S, POOL_ENV_VAR
+
+#: Seconds a thread a call started is given to end after the call returned.
+LEAK_GRACE_S = 2.0
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -106,6 +109,23 @@ def probe_group(token: int) -> bool:
     return bool(agreed.item() == 1.0)
 
 
+def _longboat_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("longboat-")}
+
+
+def _left_running(before: set[threading.Thread]) -> list[str]:
+    """Names of longboat's threads a call started and left alive (each given until
+    ``LEAK_GRACE_S`` after the call to end). One left behind lives on in this worker into later
+    tests: it can hold the interpreter's locks when a DataLoader forks (a child deadlocked in
+    ``os.fork`` so, a parameter server's heartbeat thread alive in its parent) or talk on a
+    group another test uses."""
+    left = _longboat_threads() - before
+    deadline = time.monotonic() + LEAK_GRACE_S
+    for thread in left:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sorted(t.name for t in left if t.is_alive())
+
+
 def stacks_file(directory: str, rank: int) -> str:
     """Where worker ``rank`` writes its threads' stacks when asked."""
     return os.path.join(directory, f"rank{rank}.stacks")
@@ -176,11 +196,19 @@ def worker_main(
                 dist.destroy_process_group()
             _exit_now()
         _extend_sys_path(sys_path)
+        before = _longboat_threads()
         try:
             fn, args, kwargs = pickle.loads(payload)
             result = fn(*args, **kwargs)
         except BaseException as exc:
-            _send(conn, "error", _format_call_error(exc))
+            error = _format_call_error(exc)
+            if left := _left_running(before):
+                error += f"\n({LEFT_THREADS}: {', '.join(left)})"
+            _send(conn, "error", error)
+            continue
+        if left := _left_running(before):
+            # An error, so that the pool starts fresh workers: the threads cannot be stopped.
+            _send(conn, "error", f"{LEFT_THREADS}: {', '.join(left)}")
             continue
         if not dist.is_initialized():
             # Later calls rely on the shared group; fail loudly so the pool restarts.
