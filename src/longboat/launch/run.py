@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from longboat import roles
+from longboat.launch import tail
 from longboat.launch.failures import WorkerExit, summarize
 from longboat.launch.hangs import merge, read_reports, report_dir, wake_stopped_workers
 from longboat.launch.output import report, worker_console
@@ -378,6 +379,9 @@ def _run_agent(
 
     from longboat.launch.rendezvous import RendezvousFailed
 
+    # The workers' last lines reach our output even when they end as the agent looks
+    # ([Note: tail race] in tail.py).
+    tail.install()
     least = opts.min_nproc_per_node
     try:
         with contextlib.ExitStack() as stack:
