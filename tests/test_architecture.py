@@ -29,6 +29,9 @@ LAYERS = [
         "longboat.launch.node_env",
         # What checkpoints see of any strategy's state; imports nothing of longboat.
         "longboat.pieces",
+        # Where a rank's tensors live beside an accelerator, for the planner's counter; imports
+        # nothing of longboat.
+        "longboat.placement",
     },
     {
         "longboat.comm",

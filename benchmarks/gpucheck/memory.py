@@ -23,8 +23,8 @@ Beyond the GPU's memory: ZeRO-3 with ``offload_param`` and ``offload_optimizer``
 set on the process's GPU memory (``torch.cuda.set_per_process_memory_fraction``; the allocator
 refuses to go past it), built on the meta device so that no whole copy is ever made; then the
 same model without the cap and without offload, in device memory. Each run's median step time
-and peak device memory are recorded beside the cap. The planner does not model host offload
-yet: the offloaded peak is compared with the cap, not with a plan.
+and peak device memory are recorded beside the cap, and the offloaded peak beside
+``longboat plan``'s for ``zero-3+cpu`` (and ZeRO-2's offload beside ``zero-2+cpu``'s).
 """
 
 from __future__ import annotations
@@ -187,6 +187,31 @@ def measure(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     }
 
 
+def _planned(target: Any, strategy: str, micro: int, device: torch.device) -> dict[str, Any]:
+    """``longboat plan``'s row for ZeRO-Offload (``zero-N+cpu``) at a world of one, for this
+    device ([Note: planning host offload] in ``longboat/placement.py``)."""
+    from longboat.config import load_config
+    from longboat.plan import make_plan
+
+    name, stage = strategy.partition("+")[0].partition("-")[::2]
+    base = load_config(_config(f"{name}-{stage}", micro))
+    row = make_plan(target, base, 1, micro, "adamw", [strategy], device=device.type).strategies[0]
+    return {
+        "strategy": strategy,
+        "peak_bytes": row.peak,
+        "host_bytes": row.host,
+        "error": row.error,
+    }
+
+
+def _against(out: dict[str, Any], plan: dict[str, Any]) -> None:
+    """The plan beside the offloaded run's measured peak."""
+    out["planned_offload"] = plan
+    measured = out.get("peak_bytes_offload")
+    if measured and plan["peak_bytes"]:
+        out["ratio_predicted_over_measured_offload"] = plan["peak_bytes"] / measured
+
+
 def _timed(engine: Any, vocab: int, args: dict[str, Any], device: torch.device) -> list[float]:
     """Seconds of each of ``warmup + steps`` steps, the device synchronised around each."""
     import time
@@ -244,6 +269,8 @@ def offload_cpu(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
         out[f"peak_bytes_{name}"] = peak
         engine.close()
         del engine, model, opt
+    if cuda:
+        _against(out, _planned(_target(args), "zero-2+cpu", args["micro_batch"], device))
     out["outcome"] = "trained"
     return out
 
@@ -301,6 +328,10 @@ def offload_beyond(args: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     if cuda:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         out["peak_under_cap"] = out["peak_bytes_offload"] <= cap
+        from longboat.plan import resolve
+
+        target = resolve("gpt", model_args, seq_len=args["seq_len"])
+        _against(out, _planned(target, "zero-3+cpu", args["micro_batch"], device))
     out["step_ratio_offload_over_in_memory"] = (
         out["median_step_s_offload"] / out["median_step_s_in_memory"]
     )

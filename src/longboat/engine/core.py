@@ -114,15 +114,11 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
         first = next(model.parameters(), None)
         on = device_for(world).type if first is None or first.is_meta else first.device.type
         meta = any(p.is_meta for p in model.parameters())
-        strategy = config.resolved_strategy(mesh.dp)
         deferred = self.strategy.deferred_init
+        strategy = config.resolved_strategy(mesh.dp)
+        facts = facts_of(optimizer, strategy=strategy, device=on, meta=meta, deferred_init=deferred)
         try:
-            refuse_built(
-                config,
-                facts_of(
-                    optimizer, strategy=strategy, device=on, meta=meta, deferred_init=deferred
-                ),
-            )
+            refuse_built(config, facts)
             self.module = self.strategy.setup(model, optimizer)
             check_bound(optimizer, self.strategy.name)
         except BaseException:

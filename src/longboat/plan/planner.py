@@ -53,11 +53,16 @@ STRATEGIES = ("single", "replicate", "zero-1", "zero-2", "zero-3")
 #: where nothing else fits a budget, or asked for.
 OFFLOADED = ("zero-1+offload", "zero-2+offload", "zero-3+offload")
 OFFLOAD_PATH = "<planned>"  # the planner's run on fake tensors writes no file
+#: ZeRO-Offload beside a GPU: the optimizer state and fp32 masters (and, stage 3, the parameter
+#: and gradient shards) in host memory, the optimizer stepping on the CPU; planned with
+#: ``--device cuda`` ([Note: planning host offload] in ``placement.py``).
+HOST_OFFLOADED = ("zero-1+cpu", "zero-2+cpu", "zero-3+cpu")
 PREFERENCE = (  # see [Note: recommendation]
     "replicate",
     "zero-1",
     "zero-2",
     "zero-3",
+    *HOST_OFFLOADED,
     *OFFLOADED,
     "parameter_server",
 )
@@ -65,7 +70,7 @@ PREFERENCE = (  # see [Note: recommendation]
 ROLES: dict[str, Callable[..., list[tuple[str, Simulated]]]] = {
     "parameter_server": parameter_server_roles,
 }
-KNOWN = (*STRATEGIES, *OFFLOADED, *ROLES)
+KNOWN = (*STRATEGIES, *HOST_OFFLOADED, *OFFLOADED, *ROLES)
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4),
@@ -106,13 +111,13 @@ def strategy_config(base: Config, strategy: str, micro_batch: int) -> Config:
         if int(stage) != 3:  # parameters are sharded, and so offloaded, by stage 3 only
             zero["offload_param"] = type(base.zero.offload_param)()
         if offload:  # [Note: recommendation]: where nothing else fits
-            zero["offload_optimizer"] = type(base.zero.offload_optimizer)(
-                device="disk", path=OFFLOAD_PATH
+            # "+cpu": ZeRO-Offload beside a GPU; "+offload": on disk
+            where = (
+                {"device": "cpu"} if offload == "cpu" else {"device": "disk", "path": OFFLOAD_PATH}
             )
+            zero["offload_optimizer"] = type(base.zero.offload_optimizer)(**where)
             if int(stage) == 3:  # and stage 3's parameters and gradients too
-                zero["offload_param"] = type(base.zero.offload_param)(
-                    device="disk", path=OFFLOAD_PATH
-                )
+                zero["offload_param"] = type(base.zero.offload_param)(**where)
         update["zero"] = base.zero.model_copy(update=zero)
     return base.model_copy(update=update)
 
@@ -136,6 +141,7 @@ class StrategyPlan:
     role: str = ""  # a strategy whose ranks differ: which ([Note: planning roles])
     disk: int = 0  # model state on disk (offload)
     disk_moved: int = 0  # ... and read and written per step
+    host: int = 0  # beside a GPU: the most host memory ZeRO-Offload held (state, masters...)
     #: the math libraries' workspaces on the plan's device, in ``transient`` and ``peak``
     #: ([Note: library workspaces] in ``device.py``)
     workspaces: int = 0
@@ -285,6 +291,7 @@ def _plan_one(
     budget: int | None,
     rank: int,
     extra: int = 0,
+    accelerator: bool = False,
 ) -> tuple[list[StrategyPlan], int]:
     """Strategy ``name``'s rows (one, or one per pipeline rank or role) and the trainable
     parameters its simulation counted."""
@@ -293,7 +300,9 @@ def _plan_one(
     n = 1 if name == "single" else world_size
 
     def one(r: int, shapes: Shapes | None = None) -> Simulated:
-        return simulate(target, cfg, n, micro_batch, make, rank=r, shapes=shapes)
+        return simulate(
+            target, cfg, n, micro_batch, make, rank=r, shapes=shapes, accelerator=accelerator
+        )
 
     roles: list[str] = []
     trainable = 0
@@ -331,6 +340,7 @@ def _plan_one(
             tp_layers=sim.tp_layers,
             disk=sim.disk,
             disk_moved=sim.disk_moved,
+            host=sim.host,
             workspaces=extra,
         )
         for sim, role in zip(sims, roles or [""] * len(sims), strict=True)
@@ -362,6 +372,12 @@ def make_plan(
     on fake CPU tensors cannot see ([Note: library workspaces] in ``device.py``)."""
     if device not in DEVICES:
         raise PlanInputError(f"--device {device!r} is unknown; choose from {', '.join(DEVICES)}")
+    beside = [n for n in strategies if n in HOST_OFFLOADED]
+    if beside and device != "cuda":
+        raise PlanInputError(
+            f"--strategies {beside[0]} is ZeRO-Offload beside a GPU: add --device cuda (on a "
+            "CPU rank the optimizer state is in host memory already: plan zero-N)"
+        )
     if world_size < 1:
         raise PlanInputError(f"--world-size {world_size} is invalid: use 1 or more")
     if micro_batch < 1:
@@ -375,7 +391,7 @@ def make_plan(
     plans: list[StrategyPlan] = []
     counted: list[int] = []
     extra = workspaces(device)
-    at = (world_size, micro_batch, make, budget, rank, extra.bytes)
+    at = (world_size, micro_batch, make, budget, rank, extra.bytes, device == "cuda")
     with _quiet_fake_tensors():
         for name in strategies:
             rows, n = _plan_one(target, base, name, *at)
@@ -388,11 +404,14 @@ def make_plan(
             and recommended is None
             and budget is not None
             and base.mesh.pp == base.mesh.tp == 1
-            and not planned & set(OFFLOADED)
-        ):  # nothing fits: ZeRO with its optimizer state on disk ([Note: recommendation])
-            for name in OFFLOADED:
-                plans += _plan_one(target, base, name, *at)[0]
-            recommended, reason = _recommend(plans, world_size, budget)
+            and not planned & {*OFFLOADED, *HOST_OFFLOADED}
+        ):  # nothing fits: ZeRO with its state in host memory beside a GPU, else on disk
+            for group in ((HOST_OFFLOADED,) if device == "cuda" else ()) + (OFFLOADED,):
+                for name in group:
+                    plans += _plan_one(target, base, name, *at)[0]
+                recommended, reason = _recommend(plans, world_size, budget)
+                if recommended is not None:
+                    break
         # The last strategy's count, as always; the whole model's where stages hold parts or
         # the simulation counted nothing (a row that could not be planned).
         trainable = counted[-1] if counted else 0

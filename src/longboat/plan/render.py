@@ -166,6 +166,12 @@ def render(plan: Plan, width: int = 120) -> str:
         lines.append(
             f"on {plan.device}: transient and peak include {_mib(spaces)} MiB of {plan.workspaces}"
         )
+    hosted = [f"{_row_name(s)} {_mib(s.host)} MiB" for s in plan.strategies if s.host]
+    if hosted:  # ZeRO-Offload beside a GPU ([Note: planning host offload] in placement.py)
+        lines.append(
+            "host memory per rank, at most (optimizer state, masters and gradient copies; at "
+            f"stage 3 the parameters' only copy): {', '.join(hosted)}"
+        )
     if plan.pipeline:
         lines.append(_pipeline_line(plan))
     if plan.budget is not None:

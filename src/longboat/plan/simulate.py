@@ -65,12 +65,14 @@ read a value that fake tensors do not have.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from longboat import placement
 from longboat.comm.trace import CallRecord
 from longboat.comm.works import Done
 from longboat.config.sections import Config
@@ -147,13 +149,16 @@ class MetaCollectives:
     def log_summary(self) -> list[dict[str, Any]]:
         return []
 
-    def _count(self, op: str, nbytes: float, tag: str = "") -> _InFlight:
-        if self.world_size > 1:
-            key = self.prefix + op
-            self.sent[key] = self.sent.get(key, 0) + int(nbytes)
-            self.calls[key] = self.calls.get(key, 0) + 1
-            if self.by_tag is not None and tag:
-                self.by_tag[tag] = self.by_tag.get(tag, 0) + int(nbytes)
+    def _count(self, op: str, nbytes: float, tag: str = "") -> _InFlight | Done:
+        if self.world_size == 1:
+            # A group of one moves nothing: the operation is over when issued, as the real
+            # doorway's (and what a strategy frees once its reduction is over goes at once).
+            return Done()
+        key = self.prefix + op
+        self.sent[key] = self.sent.get(key, 0) + int(nbytes)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if self.by_tag is not None and tag:
+            self.by_tag[tag] = self.by_tag.get(tag, 0) + int(nbytes)
         return _InFlight()
 
     def global_rank(self, group_rank: int) -> int:
@@ -177,7 +182,12 @@ class MetaCollectives:
         done = self._count("reduce_scatter", (n - 1) / n * _nbytes(input), tag)
         # [Note: gloo staging]; a scratch input is reduced in place, with no copy, and two
         # ranks exchange chunks with none ([Note: gloo reduce-scatter of two] in comm/works.py)
-        if n > 2 and self.backend in STAGING_BACKENDS and not scratch:
+        if (
+            isinstance(done, _InFlight)
+            and n > 2
+            and self.backend in STAGING_BACKENDS
+            and not scratch
+        ):
             done.staging = torch.empty_like(input)  # fake or meta like the input: no memory
         return done
 
@@ -235,6 +245,8 @@ class Simulated:
     disk_moved: int = 0
     #: operations launched per step by this rank, per collective (the keys of comm_bytes)
     comm_calls: dict[str, int] = field(default_factory=dict)
+    #: planned for an accelerator: the most host memory ZeRO-Offload's home held at once
+    host: int = 0
 
 
 def _minus(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -256,6 +268,7 @@ def simulate(
     service: Callable[[dict[str, int]], Any] | None = None,
     backend: str = DEFAULT_BACKEND,
     fold: bool = True,
+    accelerator: bool = False,
 ) -> Simulated:
     """Run setup and two steps of ``config``'s strategy on meta tensors at ``world_size``, as
     rank ``rank`` would. With pipeline stages (``mesh.pp > 1``) the steps are a schedule's, and
@@ -264,7 +277,9 @@ def simulate(
     server's, ``plan/parameter_server.py``), given the dict to count the bytes it sends in.
     ``backend``: the data plane's, for what its collectives stage ([Note: gloo staging]).
     ``fold``: simulate a long accumulation as four micro-batches ([Note: folded
-    accumulation]); False runs every one (the tests compare the two)."""
+    accumulation]); False runs every one (the tests compare the two). ``accelerator``: as on a
+    GPU rank, whose ZeRO-Offload keeps state in host memory: ``peak`` is the device's, ``host``
+    the host memory's ([Note: planning host offload] in ``placement.py``)."""
     from longboat.config.batch import resolve_batch
     from longboat.engine import assemble, resolve_mesh
 
@@ -306,7 +321,8 @@ def simulate(
             update={"gradient_accumulation_steps": FOLDED, "train_batch_size": None}
         )
         config = config.model_copy(update={"batch": batch})
-    with FakeTensorMode(), tracker:
+    on_accelerator = placement.accelerator(tracker.mark_host) if accelerator else nullcontext()
+    with FakeTensorMode(), tracker, on_accelerator:
         model = target.build()
         opt = make_optimizer(model.parameters())
         engine = assemble(
@@ -371,6 +387,7 @@ def simulate(
         tp_layers=dict(layers),
         disk=off["disk"],
         disk_moved=off["moved"] - moved,
+        host=tracker.host_peak,
     )
 
 

@@ -34,12 +34,17 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self.max_peak = 0  # since the mode was created
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._size: dict[int, int] = {}  # bytes counted for each live storage
+        # Beside an accelerator, what is in host memory ([Note: planning host offload] in
+        # placement.py): counted apart, never in ``live`` and the peaks above.
+        self._host: set[int] = set()  # keys of host storages
+        self.host_live = 0
+        self.host_peak = 0
 
     def reset_peak(self) -> None:
         """Start a new peak from what is live now."""
         self.peak = self.live
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, host: bool = False) -> None:
         st = t.untyped_storage()
         key = id(st)
         ref = self._refs.get(key)
@@ -50,16 +55,47 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         def gone(_ref: Any, key: int = key) -> None:
             if self._refs.get(key) is _ref:
                 del self._refs[key]
-                self.live -= self._size.pop(key)
+                self._add(-self._size.pop(key), key in self._host)
+                self._host.discard(key)
 
         self._refs[key] = weakref.ref(st, gone)
         self._size[key] = n
-        self._add(n)
+        if host:
+            self._host.add(key)
+        self._add(n, host)
 
-    def _add(self, n: int) -> None:
+    def _add(self, n: int, host: bool = False) -> None:
+        if host:
+            self.host_live += n
+            self.host_peak = max(self.host_peak, self.host_live)
+            return
         self.live += n
         self.peak = max(self.peak, self.live)
         self.max_peak = max(self.max_peak, self.live)
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        """``t``'s storage is in host memory beside the accelerator: count it there, and what
+        operators make from it ([Note: planning host offload] in ``placement.py``)."""
+        st = t.untyped_storage()
+        key = id(st)
+        ref = self._refs.get(key)
+        if ref is None or ref() is not st:
+            self._track(t, host=True)
+        elif key not in self._host:
+            self._add(-self._size[key])
+            self._host.add(key)
+            self._add(self._size[key], host=True)
+
+    def _from_host(self, args: Any, kwargs: Any) -> bool:
+        """Whether an operator reads a host buffer: what it makes is then on the host too (a
+        host scalar beside device tensors is not: torch computes such an operator on the
+        device)."""
+        if not self._host:
+            return False
+        return any(
+            isinstance(a, torch.Tensor) and a.dim() > 0 and id(a.untyped_storage()) in self._host
+            for a in tree_leaves((args, kwargs or {}))
+        )
 
     def _resized(self, t: torch.Tensor) -> None:
         """``t``'s storage changed size in place: count its new size."""
@@ -70,7 +106,7 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             self._track(t)  # not seen before (made outside the mode)
             return
         n = st.nbytes()
-        self._add(n - self._size[key])
+        self._add(n - self._size[key], key in self._host)
         self._size[key] = n
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -83,7 +119,8 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         if func is _RESIZE:
             self._resized(args[0])
             return out
+        host = self._from_host(args, kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track(t, host)
         return out

@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from longboat import heap
 from longboat.observe.memory import optimizer_state_bytes_per_param
 from longboat.pieces import RankState
+from longboat.placement import planning_for_accelerator
 from longboat.strategies.base import StrategyContext
 from longboat.strategies.zero.flat import FlatUnit
 from longboat.strategies.zero.home import Home, StepUnit
@@ -58,11 +59,14 @@ def build(
 ) -> Home:
     """The home ``ctx.section`` asks for ([Note: homes]). ``host_copies``: build
     :class:`OnHost` (or :class:`ParamsOnHost`) for ``device = "cpu"`` on a CPU rank too, with
-    real copies ([Note: host copies on CPU] in ``host.py``); not a config key."""
+    real copies ([Note: host copies on CPU] in ``host.py``); not a config key. The planner's
+    run for an accelerator builds them too ([Note: planning host offload] in ``placement.py``)."""
     cfg = ctx.section
     if "disk" in (cfg.offload_optimizer.device, cfg.offload_param.device):
         return OnDisk(ctx, policy, model, params)
-    if cfg.offload_optimizer.device == "cpu" and (host_copies or _on_accelerator(ctx, params)):
+    if cfg.offload_optimizer.device == "cpu" and (
+        host_copies or planning_for_accelerator() or _on_accelerator(ctx, params)
+    ):
         if cfg.offload_param.device == "cpu" and policy.shard_params:
             return ParamsOnHost(ctx, policy)
         return OnHost(ctx, policy)

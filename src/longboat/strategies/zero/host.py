@@ -75,6 +75,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from longboat.pieces import RankState
+from longboat.placement import host_made
 from longboat.strategies.zero.flat import FlatUnit, UnitState
 from longboat.strategies.zero.in_memory import InMemory, wait_reduction
 from longboat.strategies.zero.offload import UnitStream
@@ -167,7 +168,8 @@ class OnHost(InMemory):
         """A host buffer shaped like ``like``, pinned where CUDA is (not in the planner's run,
         whose tensors are fake)."""
         pin = self.pin and not isinstance(like, FakeTensor)
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+        buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+        return host_made(buffer)  # [Note: planning host offload] in placement.py
 
     def adopt(self, u: FlatUnit) -> None:
         super().adopt(u)
@@ -185,7 +187,8 @@ class OnHost(InMemory):
         self.copies = Copies(self.units[0].device)
         dry = any(isinstance(u.shard, FakeTensor) for u in self.units)
         self.stream = UnitStream([self], self.units, AHEAD, dry, io_thread=False)
-        fused = type(optimizer) in FUSED_ON_CPU and not dry
+        # The planner's run on fake tensors too: its host memory is the fused kernel's.
+        fused = type(optimizer) in FUSED_ON_CPU
         for group in optimizer.param_groups:
             # Where the user chose neither way: torch's fused CPU kernel for Adam and AdamW
             # (one pass over each element's state; 4x faster than the multi-tensor kernels on
@@ -245,7 +248,11 @@ class OnHost(InMemory):
                 if not isinstance(v, torch.Tensor) or isinstance(v, FakeTensor):
                     continue
                 if v.device.type != "cpu" or (self.pin and v.dim() > 0 and not v.is_pinned()):
-                    host = self._host(v) if v.dim() > 0 else torch.empty_like(v, device="cpu")
+                    host = (
+                        self._host(v)
+                        if v.dim() > 0
+                        else host_made(torch.empty_like(v, device="cpu"))
+                    )
                     st[k] = host.copy_(v)
 
     @property

@@ -50,6 +50,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
@@ -219,11 +220,15 @@ class DeferredInit:
         unset = [] if failed else [(m, n) for m, n, t in made if _unset(t)]
         if unset:
             failed = len(calls) + 1
-        codes = torch.zeros(self.control.world_size, dtype=torch.int64)
-        codes[self.control.rank] = failed
-        self.control.all_reduce(codes, tag="deferred init")
-        if codes.any():
-            self._fail(codes.tolist(), calls, error, unset)
+        if self.control.world_size == 1:  # no one to agree with (the planner's run too)
+            if failed:
+                self._fail([failed], calls, error, unset)
+        else:
+            codes = torch.zeros(self.control.world_size, dtype=torch.int64)
+            codes[self.control.rank] = failed
+            self.control.all_reduce(codes, tag="deferred init")
+            if codes.any():
+                self._fail(codes.tolist(), calls, error, unset)
         for _, _, t in made:
             if self.device is not None:
                 t.data = t.data.to(self.device)
@@ -327,7 +332,10 @@ def _make_real(t: torch.Tensor) -> None:
 
 
 def _unset(t: torch.Tensor) -> bool:
-    """Whether ``t`` still holds ``_make_real``'s filling somewhere."""
+    """Whether ``t`` still holds ``_make_real``'s filling somewhere (a fake tensor, in the
+    planner's run, has no values to tell: trusted)."""
+    if isinstance(t, FakeTensor):
+        return False
     if t.is_floating_point() or t.is_complex():
         return bool(torch.isnan(t).any())
     if t.dtype == torch.bool:
