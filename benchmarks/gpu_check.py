@@ -220,6 +220,10 @@ def run_memory(check: Check) -> dict[str, Any]:
         "ratio_predicted_over_measured": ratios,
         "workspaces_measured": next((w for w in spaces if w is not None), None),
         "offload_optimizer_cpu": offload.get("outcome"),
+        "offload_ratio_predicted_over_measured": {
+            "zero-2+cpu": offload.get("ratio_predicted_over_measured_offload"),
+            "zero-3+cpu": beyond.get("ratio_predicted_over_measured_offload"),
+        },
         "offload_beyond_the_gpu": {
             k: beyond.get(k)
             for k in (
@@ -361,6 +365,14 @@ def summary_lines(check: Check, done: dict[str, dict[str, Any]]) -> list[str]:
                 else f": {b.get('cause')}"
             )
         )
+        for label, e in (("zero-2+cpu", o), ("zero-3+cpu", b)):
+            planned = e.get("planned_offload")
+            if planned and e.get("ratio_predicted_over_measured_offload"):
+                lines.append(
+                    f"  {label} planned {_mib(planned['peak_bytes'])} on the GPU (host "
+                    f"{_mib(planned['host_bytes'])}), measured {_mib(e['peak_bytes_offload'])}: "
+                    f"ratio {e['ratio_predicted_over_measured_offload']:.3f}"
+                )
     if "step_time" in done:
         lines.append("step time (median; ratio to plain):")
         for name, e in done["step_time"]["results"].items():

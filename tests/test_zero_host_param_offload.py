@@ -223,3 +223,55 @@ def test_on_cuda_a_model_built_on_the_meta_device_trains_as_the_one_built_whole(
     eager, made = losses
     assert all(math.isfinite(v) for v in made), made
     assert made[0] == pytest.approx(eager[0], rel=0.02), losses
+
+
+def test_the_engine_leaves_trainable_parameters_for_the_strategy_to_place():
+    # [Note: placing parameters]: the meta device stands in for an accelerator here.
+    from longboat.placement import to_device
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    net[2].weight.requires_grad_(False)
+    to_device(net, torch.device("meta"), keep_parameters=True)
+    assert net[0].weight.device.type == "cpu" and net[2].bias.device.type == "cpu"  # trainable
+    assert net[2].weight.is_meta and net[1].running_mean.is_meta  # frozen, buffers: moved
+    to_device(net, torch.device("meta"), keep_parameters=False)
+    assert all(p.is_meta for p in net.parameters())
+
+
+@pytest.mark.gpu
+@offload_helpers.needs_cuda
+def test_on_cuda_a_model_built_on_the_cpu_comes_to_the_gpu_a_unit_at_a_time():
+    # [Note: placing parameters]: the GPU never holds the whole model, and training is the
+    # same as for the same model moved to the GPU whole before initialize.
+    from longboat.models import GPT, gpt_loss, synthetic_tokens
+
+    dims = {"vocab_size": 64, "d_model": 256, "n_layers": 8, "n_heads": 4, "seq_len": 16}
+    losses = []
+    for whole_first in (True, False):
+        torch.manual_seed(0)
+        model = GPT(**dims)
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        if whole_first:
+            model = model.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cfg = {**harness.QUIET, **_zero(unit_classes=["_Block"]), "batch": {"micro_batch_size": 2}}
+        engine = longboat.initialize(model, opt, cfg)
+        peak = torch.cuda.max_memory_allocated() - before
+        assert isinstance(engine.strategy.home, ParamsOnHost)
+        if not whole_first:  # a unit (3 MB of 25) and what it is flattened into, at most
+            assert peak < whole / 2, (peak, whole)
+        gen = torch.Generator().manual_seed(0)
+        run = []
+        for _ in range(3):
+            x, y = synthetic_tokens(2, 16, 64, gen)
+            loss = gpt_loss(engine(x.cuda()), y.cuda())
+            engine.backward(loss)
+            engine.step()
+            run.append(loss.item())
+        engine.close()
+        losses.append(run)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6), losses

@@ -209,11 +209,8 @@ def assemble(
             n,
         )
     apply_activation_checkpointing(model, cfg.activation_checkpointing, device)
-    if device.type != "cpu":
-        # Tensors on the meta device stay there: ZeRO-3 makes them where this rank computes,
-        # unit by unit ([Note: deferred init] in ``strategies/zero/init.py``), and
-        # Module.to cannot copy them.
-        model._apply(lambda t: t if t.is_meta else t.to(device))  # type: ignore[no-untyped-call]
+    # The model goes to the device once its strategy is built (in Engine): a strategy may
+    # place the parameters itself ([Note: placing parameters] in strategies/zero/init.py).
     if optimizer is None:
         optimizer = _optimizer_of(model, None, cfg)
     else:
@@ -232,6 +229,7 @@ def assemble(
         tensor=tensor,
         service=service,
         param_init_fn=param_init_fn,
+        device=device,
     )
     if compiler is not None:
         hooked = engine.strategy.hooked_modules()

@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
-from longboat import checkpoint
+from longboat import checkpoint, placement
 from longboat.checkpoint.exchange import gather_json
 from longboat.comm.errors import CollectiveTimeout, PeerLost
 from longboat.compile import Compiler
@@ -65,6 +65,7 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
         tensor: TensorParallel | None = None,
         service: Any = None,
         param_init_fn: Callable[[nn.Module], object] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.world = world
@@ -106,16 +107,18 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
                 isolated=frozenset(id(p) for p in self.schedule.ties.parameters()),
                 service=service,
                 param_init_fn=param_init_fn,
+                device=device or device_for(world),
             ),
             self.tensor,
             topology.rank,
         )
+        device, placed = device or device_for(world), self.strategy.places_parameters
+        placement.to_device(model, device, keep_parameters=placed)
         # What does not combine with this model and optimizer ([Note: compositions]).
         first = next(model.parameters(), None)
-        on = device_for(world).type if first is None or first.is_meta else first.device.type
+        on = device.type if placed or first is None or first.is_meta else first.device.type
         meta = any(p.is_meta for p in model.parameters())
-        deferred = self.strategy.deferred_init
-        strategy = config.resolved_strategy(mesh.dp)
+        strategy, deferred = config.resolved_strategy(mesh.dp), self.strategy.deferred_init
         facts = facts_of(optimizer, strategy=strategy, device=on, meta=meta, deferred_init=deferred)
         try:
             refuse_built(config, facts)

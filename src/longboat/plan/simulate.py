@@ -321,9 +321,12 @@ def simulate(
             update={"gradient_accumulation_steps": FOLDED, "train_batch_size": None}
         )
         config = config.model_copy(update={"batch": batch})
-    on_accelerator = placement.accelerator(tracker.mark_host) if accelerator else nullcontext()
+    on_accelerator = placement.accelerator(tracker) if accelerator else nullcontext()
     with FakeTensorMode(), tracker, on_accelerator:
         model = target.build()
+        if accelerator:  # built on the CPU, the engine moves it ([Note: planning host offload])
+            placement.built_on_host(model)
+            tracker.restart_peaks()
         opt = make_optimizer(model.parameters())
         engine = assemble(
             model,
@@ -369,6 +372,7 @@ def simulate(
             state = measure(engine.strategy.memory_tensors(opt))
             trainable = engine.trainable_params
             name = engine.strategy.name
+            host_kept = bool(engine.strategy.on_host)  # ZeRO-Offload beside an accelerator
         finally:
             engine.close()
     state_total = sum(state[c] for c in CATEGORIES)
@@ -387,7 +391,7 @@ def simulate(
         tp_layers=dict(layers),
         disk=off["disk"],
         disk_moved=off["moved"] - moved,
-        host=tracker.host_peak,
+        host=tracker.host_peak if host_kept else 0,
     )
 
 

@@ -86,6 +86,24 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             self._host.add(key)
             self._add(self._size[key], host=True)
 
+    def mark_device(self, t: torch.Tensor) -> None:
+        """``t``'s storage went to the accelerator: count it there (what was in host memory is
+        no longer)."""
+        st = t.untyped_storage()
+        key = id(st)
+        ref = self._refs.get(key)
+        if ref is None or ref() is not st:
+            self._track(t)
+        elif key in self._host:
+            self._add(-self._size[key], host=True)
+            self._host.discard(key)
+            self._add(self._size[key])
+
+    def restart_peaks(self) -> None:
+        """Count the peaks from what is live now (device and host)."""
+        self.peak = self.max_peak = self.live
+        self.host_peak = self.host_live
+
     def _from_host(self, args: Any, kwargs: Any) -> bool:
         """Whether an operator reads a host buffer: what it makes is then on the host too (a
         host scalar beside device tensors is not: torch computes such an operator on the

@@ -23,7 +23,7 @@ from longboat.grads import HeldGradients
 from longboat.pieces import PieceSource, RankState
 from longboat.precision import DTYPES
 from longboat.topology import Topology
-from longboat.world import World
+from longboat.world import World, device_for
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,13 @@ class StrategyContext:
     #: ``precision.param_dtype``: the dtype ZeRO-3 gathers and computes parameters in, when it
     #: is not their own ([Note: parameter dtype] in ``zero/gather.py``), or None
     param_dtype: torch.dtype | None = None
+    #: where this rank computes (the planner's run: the CPU it traces on); None: the world's
+    device: torch.device | None = None
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where this rank computes."""
+        return self.device if self.device is not None else device_for(self.world)
 
     @classmethod
     def of(
@@ -61,6 +68,7 @@ class StrategyContext:
         isolated: frozenset[int] = frozenset(),
         service: Any = None,
         param_init_fn: Callable[[nn.Module], object] | None = None,
+        device: torch.device | None = None,
     ) -> StrategyContext:
         wire = config.precision.wire_dtype()
         param = config.precision.param_dtype
@@ -74,6 +82,7 @@ class StrategyContext:
             config.compression,
             param_init_fn,
             DTYPES[param] if param not in (None, "fp32") else None,
+            device,
         )
 
 
@@ -262,6 +271,14 @@ class Strategy(Protocol):
         engines ([Note: leaving at exit] in ``engine/core.py``)."""
         ...
 
+    @property
+    def places_parameters(self) -> bool:
+        """Whether the strategy brings the model's trainable parameters to the device itself,
+        a unit at a time, from where the user built them (ZeRO-3 with its parameters in host
+        memory: [Note: placing parameters] in ``zero/init.py``); the engine then leaves them
+        there."""
+        ...
+
     def discard(self) -> None:
         """The engine failed before this strategy was set up (a refusal, an error in setup):
         stop what building it started (threads, connections) without a word to any peer, which
@@ -324,6 +341,10 @@ class StrategyDefaults:
 
     def discard(self) -> None:
         pass  # building it started nothing that outlives it
+
+    @property
+    def places_parameters(self) -> bool:
+        return False
 
     def buffers_from(self, rank: int) -> None:
         pass  # it cannot shadow, so every rank has a batch and rank 0's buffers count

@@ -6,6 +6,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from longboat.config.errors import ConfigError
 from longboat.config.sections import Config
 from longboat.ps.worker import ParameterServer
@@ -33,6 +35,7 @@ def build_strategy(
     isolated: frozenset[int] = frozenset(),
     service: Any = None,
     param_init_fn: Callable[[Any], object] | None = None,
+    device: torch.device | None = None,
 ) -> Strategy:
     """Instantiate the strategy called ``name`` with its own config section (the section of
     the config named like the strategy, if there is one)."""
@@ -42,7 +45,9 @@ def build_strategy(
         )
     section = name if name in type(config).model_fields else None
     return REGISTRY[name](
-        StrategyContext.of(world, topology, config, section, isolated, service, param_init_fn)
+        StrategyContext.of(
+            world, topology, config, section, isolated, service, param_init_fn, device
+        )
     )
 
 

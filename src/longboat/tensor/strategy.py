@@ -56,6 +56,10 @@ class TensorParallelStrategy(StrategyDefaults):
     def discard(self) -> None:
         self.inner.discard()
 
+    @property
+    def places_parameters(self) -> bool:
+        return self.inner.places_parameters
+
     def before_forward(self) -> None:
         self.inner.before_forward()
 

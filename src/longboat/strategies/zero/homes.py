@@ -74,8 +74,11 @@ def build(
 
 
 def _on_accelerator(ctx: StrategyContext, params: list[nn.Parameter]) -> bool:
-    """Whether the units compute on an accelerator: where the parameters are, or for a model
-    on the meta device ([Note: deferred init] in ``init.py``) where this rank computes."""
+    """Whether the units compute on an accelerator: where this rank computes, when the engine
+    said so, else where the parameters are, or for a model on the meta device ([Note: deferred
+    init] in ``init.py``) where the world says."""
+    if ctx.device is not None:  # the parameters may still be where the user built them
+        return ctx.device.type != "cpu"
     real = [p for p in params if not p.is_meta]
     device = real[0].device if real else device_for(ctx.world)
     return device.type != "cpu"

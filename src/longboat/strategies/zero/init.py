@@ -35,6 +35,15 @@ raises. All ranks make the same calls, so their random states move alike; they t
 rank is an error naming it on every rank rather than a broadcast waiting on rank 0, and rank 0's
 values are broadcast over the data-parallel group.
 
+[Note: placing parameters] With its parameters in host memory beside an accelerator ([Note:
+host parameter offload] in ``host.py``), ZeRO-3 brings a model built on the CPU to the device
+the same way: the engine moves the buffers and frozen parameters and leaves the trainable ones
+where the user built them (``Strategy.places_parameters``), and each unit's parameters are moved
+to the device and broadcast just before the unit is flattened, which then keeps only its host
+master. The device holds one unit's parameters at a time during setup, as for a model built on
+the meta device: a model larger than the device trains whether it was built on the CPU or on
+meta (as DeepSpeed's ZeRO-3 with ``offload_param`` partitions a model built on the CPU).
+
 After the last unit, modules with buffers still on meta (transformers' rotary embedding, which
 ``LlamaModel`` holds outside its layers: its ``_init_weights`` recomputes ``inv_freq``) are made
 the same way. A frozen parameter on meta in a module without trainable ones is refused: ZeRO-3
@@ -55,6 +64,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from longboat.comm.protocol import Comm
 from longboat.config.errors import ConfigError
 from longboat.models import GPT
+from longboat.placement import device_made, planning_for_accelerator
 
 InitFn = Callable[[nn.Module], object]
 
@@ -83,6 +93,7 @@ class DeferredInit:
         param_init_fn: InitFn | None = None,
         init_method: str | None = None,
         device: torch.device | None = None,
+        placing: list[nn.Parameter] | None = None,
     ) -> None:
         if init_method is not None and not callable(getattr(model, init_method, None)):
             raise ConfigError(
@@ -96,6 +107,16 @@ class DeferredInit:
         # eager build draws there), then moved there, one unit at a time, before the broadcast
         # (NCCL's collectives take device tensors).
         self.device = device if device is not None and device.type != "cpu" else None
+        # [Note: placing parameters]: those still where the user built them, by id; the
+        # trainable ones no unit holds (the optimizer does not step them) go now
+        self._placing: dict[int, nn.Parameter] = {}
+        if placing is not None and (self.device is not None or planning_for_accelerator()):
+            away = {id(p): p for p in model.parameters() if not p.is_meta}
+            away = {k: p for k, p in away.items() if p.device != self.device}
+            self._placing = {id(p): p for p in placing if id(p) in away}
+            for k, p in away.items():
+                if k not in self._placing:
+                    self._bring(p)
         self.param_init_fn = param_init_fn
         self.active = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         if not self.active:
@@ -148,9 +169,26 @@ class DeferredInit:
         walk(self.model, None)
         return out
 
+    def _bring(self, p: nn.Parameter) -> None:
+        """``p`` to the device; in the planner's run for an accelerator, to a copy it counts
+        there ([Note: planning host offload] in ``placement.py``)."""
+        if self.device is not None:
+            p.data = p.data.to(self.device)
+        else:
+            p.data = device_made(p.data.clone())
+
+    def places(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is brought to the device with its unit ([Note: placing parameters])."""
+        return id(t) in self._placing
+
     @torch.no_grad()
     def unit(self, params: list[nn.Parameter]) -> None:
-        """Make the modules of a unit whose parameters (all its pieces') are ``params``."""
+        """Make the modules of a unit whose parameters (all its pieces') are ``params``, and
+        bring those still where the user built them ([Note: placing parameters])."""
+        for p in dict.fromkeys(params):
+            if self._placing.pop(id(p), None) is not None:
+                self._bring(p)
+                self.dp.broadcast(p.data, src=0)
         if not self.active:
             return
         wanted = {id(p) for p in params if p.is_meta}

@@ -61,6 +61,7 @@ from longboat.grads import HeldGradients
 from longboat.mesh import Axis
 from longboat.observe.memory import optimizer_state_tensors
 from longboat.pieces import PieceSource, RankState
+from longboat.placement import planning_for_accelerator
 from longboat.strategies.base import StrategyContext, StrategyDefaults
 from longboat.strategies.buffers import BufferSync
 from longboat.strategies.zero import homes
@@ -75,9 +76,9 @@ from longboat.strategies.zero.reduce import Reduction
 from longboat.strategies.zero.shadow import Shadow
 from longboat.strategies.zero.step import step_and_gather, step_units
 from longboat.strategies.zero.storage import empty, free_storage
-from longboat.strategies.zero.units import LowParams, make_units, plan_units
+from longboat.strategies.zero.units import LowParams, make_units, plan_units, stepped_params
 from longboat.topology import Topology
-from longboat.world import World, device_for
+from longboat.world import World
 
 
 class Zero(StrategyDefaults):
@@ -124,23 +125,21 @@ class Zero(StrategyDefaults):
                 "optimizer at flat shards); build it before stepping it"
             )
         # [Note: deferred init]: the engine let only stage 3 have parameters on the meta device
+        group_of, params = stepped_params(model, optimizer)
         made = DeferredInit(
             model,
             self.dp,
             self.control,
             self.ctx.param_init_fn,
             self.cfg.init_method,
-            device_for(self.ctx.world),
+            self.ctx.compute_device,
+            placing=params if self.places_parameters else None,
         )
-        with torch.no_grad():
+        with torch.no_grad():  # [Note: deferred init], [Note: placing parameters]: unit by unit
             for t in [*model.parameters(), *model.buffers()]:
-                if not t.is_meta:  # [Note: deferred init]: made and broadcast unit by unit
+                if not t.is_meta and not made.places(t):
                     self.dp.broadcast(t.data, src=0)
         self._buffers = BufferSync(model, self.dp)
-        group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
-        params = [
-            p for p in dict.fromkeys(model.parameters()) if p.requires_grad and id(p) in group_of
-        ]
         by_module = self.policy.units_by_module
         low = LowParams.of(self.ctx.param_dtype, model)  # [Note: parameter dtype]
         pieces = plan_units(model, params, group_of, self.cfg, by_module, self.ctx.isolated, low)
@@ -184,6 +183,12 @@ class Zero(StrategyDefaults):
         """With offload to disk: bytes on disk, and bytes read and written so far (``moved``:
         both)."""
         return self.home.offloaded
+
+    @property
+    def places_parameters(self) -> bool:  # [Note: placing parameters] in init.py
+        host = self.cfg.offload_param.device == self.cfg.offload_optimizer.device == "cpu"
+        beside = self.ctx.compute_device.type != "cpu" or planning_for_accelerator()
+        return self.policy.shard_params and host and beside
 
     @property
     def deferred_init(self) -> bool:

@@ -234,6 +234,16 @@ def _split(
     return list(out.values())
 
 
+def stepped_params(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[int, int], list[nn.Parameter]]:
+    """The optimizer group of each parameter it steps (by id), and the model's trainable
+    parameters it steps, each once, in the model's order: what units hold."""
+    group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad and id(p) in group_of]
+    return group_of, params
+
+
 def make_units(
     model: nn.Module,
     pieces: list[tuple[nn.Module | None, list[nn.Parameter]]],
