@@ -54,12 +54,13 @@ def _plan(device: str, budget: int | None = None):
     return make_plan(target, cfg, 2, 2, "adamw", names, budget, device=device)
 
 
-def test_a_cuda_plan_is_the_cpu_plan_plus_the_workspaces_in_every_row():
+def test_a_cuda_plan_counts_the_workspaces_in_every_row():
     cpu, cuda = _plan("cpu"), _plan("cuda")
     extra = workspaces("cuda").bytes
     assert extra > 0
     for a, b in zip(cpu.strategies, cuda.strategies, strict=True):
-        assert b.peak == a.peak + extra and b.transient == a.transient + extra
+        # and, on a GPU, the optimizer's multi-tensor temporaries (test_plan_host_offload.py)
+        assert b.peak >= a.peak + extra and b.transient >= a.transient + extra
         assert b.model_state == a.model_state and b.activations == a.activations
         assert (a.workspaces, b.workspaces) == (0, extra)
     assert cuda.device == "cuda" and "cuBLAS" in cuda.workspaces

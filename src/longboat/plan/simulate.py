@@ -337,6 +337,8 @@ def simulate(
             device=torch.device("cpu"),
             service=None if service is None else service(sent),
         )
+        if accelerator:
+            _as_on_a_gpu(opt)
         try:
             steps: _Steps | stages.StageSteps
             if mesh.pp > 1:
@@ -373,6 +375,9 @@ def simulate(
             trainable = engine.trainable_params
             name = engine.strategy.name
             host_kept = bool(engine.strategy.on_host)  # ZeRO-Offload beside an accelerator
+            # [Note: peak model]: setup and the steps; not close(), which may gather the model
+            # to hand it back (to the host, with parameter offload)
+            peak, host_peak = tracker.max_peak, tracker.host_peak
         finally:
             engine.close()
     state_total = sum(state[c] for c in CATEGORIES)
@@ -381,9 +386,9 @@ def simulate(
         world_size=world_size,
         trainable_params=trainable,
         model_state=state,
-        peak=tracker.max_peak,
+        peak=peak,
         activations=steps.activations,
-        transient=max(tracker.max_peak - state_total - steps.activations, 0),
+        transient=max(peak - state_total - steps.activations, 0),
         comm_bytes=per_step[0],
         comm_calls=per_step[1],
         stages=steps.stages,
@@ -391,8 +396,18 @@ def simulate(
         tp_layers=dict(layers),
         disk=off["disk"],
         disk_moved=off["moved"] - moved,
-        host=tracker.host_peak if host_kept else 0,
+        host=host_peak if host_kept else 0,
     )
+
+
+def _as_on_a_gpu(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer as torch runs it on a GPU where the user chose neither way: its
+    multi-tensor kernels, whose temporaries (a square root of every second moment at once, for
+    Adam) are whole state-sized buffers; on the CPU it steps parameter by parameter. Groups that
+    chose (the host's fused Adam of ZeRO-Offload, [Note: host offload]) keep their choice."""
+    for group in optimizer.param_groups:
+        if "foreach" in group and group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True
 
 
 class _Steps:
