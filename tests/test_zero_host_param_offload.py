@@ -190,6 +190,21 @@ def test_on_cuda_only_the_gathered_units_are_on_the_gpu_and_training_equals_the_
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
 
 
+def _three_gpt_steps_on_cuda(engine: Any) -> list[float]:
+    """Three steps of 2 x 16 tokens (vocabulary 64) from a fixed generator: the losses."""
+    from longboat.models import gpt_loss, synthetic_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    run = []
+    for _ in range(3):
+        x, y = synthetic_tokens(2, 16, 64, gen)
+        loss = gpt_loss(engine(x.cuda()), y.cuda())
+        engine.backward(loss)
+        engine.step()
+        run.append(loss.item())
+    return run
+
+
 @pytest.mark.gpu
 @offload_helpers.needs_cuda
 def test_on_cuda_a_model_built_on_the_meta_device_trains_as_the_one_built_whole():
@@ -197,7 +212,7 @@ def test_on_cuda_a_model_built_on_the_meta_device_trains_as_the_one_built_whole(
     # with parameter offload the GPU never holds the whole model. A model made unit by unit
     # draws its values in another order than an eager build, so it starts as that one does
     # within the bounds of tests/test_zero_init.py (the first loss within 2%), not equal.
-    from longboat.models import GPT, gpt_loss, synthetic_tokens
+    from longboat.models import GPT
 
     dims = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16}
     losses = []
@@ -210,16 +225,8 @@ def test_on_cuda_a_model_built_on_the_meta_device_trains_as_the_one_built_whole(
         cfg["batch"] = {"micro_batch_size": 2}
         engine = longboat.initialize(model, opt, {**harness.QUIET, **cfg})
         assert all(u.device.type == "cuda" for u in engine.strategy.units)
-        gen = torch.Generator().manual_seed(0)
-        run = []
-        for _ in range(3):
-            x, y = synthetic_tokens(2, 16, 64, gen)
-            loss = gpt_loss(engine(x.cuda()), y.cuda())
-            engine.backward(loss)
-            engine.step()
-            run.append(loss.item())
+        losses.append(_three_gpt_steps_on_cuda(engine))
         engine.close()
-        losses.append(run)
     eager, made = losses
     assert all(math.isfinite(v) for v in made), made
     assert made[0] == pytest.approx(eager[0], rel=0.02), losses
@@ -243,7 +250,7 @@ def test_the_engine_leaves_trainable_parameters_for_the_strategy_to_place():
 def test_on_cuda_a_model_built_on_the_cpu_comes_to_the_gpu_a_unit_at_a_time():
     # [Note: placing parameters]: the GPU never holds the whole model, and training is the
     # same as for the same model moved to the GPU whole before initialize.
-    from longboat.models import GPT, gpt_loss, synthetic_tokens
+    from longboat.models import GPT
 
     dims = {"vocab_size": 64, "d_model": 256, "n_layers": 8, "n_heads": 4, "seq_len": 16}
     losses = []
@@ -264,14 +271,6 @@ def test_on_cuda_a_model_built_on_the_cpu_comes_to_the_gpu_a_unit_at_a_time():
         assert isinstance(engine.strategy.home, ParamsOnHost)
         if not whole_first:  # a unit (3 MB of 25) and what it is flattened into, at most
             assert peak < whole / 2, (peak, whole)
-        gen = torch.Generator().manual_seed(0)
-        run = []
-        for _ in range(3):
-            x, y = synthetic_tokens(2, 16, 64, gen)
-            loss = gpt_loss(engine(x.cuda()), y.cuda())
-            engine.backward(loss)
-            engine.step()
-            run.append(loss.item())
+        losses.append(_three_gpt_steps_on_cuda(engine))
         engine.close()
-        losses.append(run)
     assert losses[1] == pytest.approx(losses[0], rel=1e-6), losses

@@ -89,9 +89,10 @@ def to_device(model: nn.Module, device: torch.device, keep_parameters: bool) -> 
     def stays(t: torch.Tensor) -> bool:
         return t.is_meta or (keep_parameters and isinstance(t, nn.Parameter) and t.requires_grad)
 
-    if device.type == "cpu":
-        for t in [*model.parameters(), *model.buffers()]:
-            if planning_for_accelerator() and not stays(t):
-                device_made(t)
+    if device.type == "cpu":  # nothing moves; the planner's run counts what would
+        if planning_for_accelerator():
+            for t in [*model.parameters(), *model.buffers()]:
+                if not stays(t):
+                    device_made(t)
         return
     model._apply(lambda t: t if stays(t) else t.to(device))  # type: ignore[no-untyped-call]

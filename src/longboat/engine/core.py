@@ -107,12 +107,12 @@ class Engine(StateMethods, SplitBackwardMethods, Recovering, Closing):
                 isolated=frozenset(id(p) for p in self.schedule.ties.parameters()),
                 service=service,
                 param_init_fn=param_init_fn,
-                device=device or device_for(world),
+                device=(device := device or device_for(world)),
             ),
             self.tensor,
             topology.rank,
         )
-        device, placed = device or device_for(world), self.strategy.places_parameters
+        placed = self.strategy.places_parameters
         placement.to_device(model, device, keep_parameters=placed)
         # What does not combine with this model and optimizer ([Note: compositions]).
         first = next(model.parameters(), None)

@@ -76,28 +76,27 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
     def mark_host(self, t: torch.Tensor) -> None:
         """``t``'s storage is in host memory beside the accelerator: count it there, and what
         operators make from it ([Note: planning host offload] in ``placement.py``)."""
-        st = t.untyped_storage()
-        key = id(st)
-        ref = self._refs.get(key)
-        if ref is None or ref() is not st:
-            self._track(t, host=True)
-        elif key not in self._host:
-            self._add(-self._size[key])
-            self._host.add(key)
-            self._add(self._size[key], host=True)
+        self._place(t, host=True)
 
     def mark_device(self, t: torch.Tensor) -> None:
         """``t``'s storage went to the accelerator: count it there (what was in host memory is
         no longer)."""
+        self._place(t, host=False)
+
+    def _place(self, t: torch.Tensor, host: bool) -> None:
         st = t.untyped_storage()
         key = id(st)
         ref = self._refs.get(key)
         if ref is None or ref() is not st:
-            self._track(t)
-        elif key in self._host:
-            self._add(-self._size[key], host=True)
-            self._host.discard(key)
-            self._add(self._size[key])
+            self._track(t, host)
+        elif (key in self._host) != host:
+            n = self._size[key]
+            self._add(-n, not host)
+            if host:
+                self._host.add(key)
+            else:
+                self._host.discard(key)
+            self._add(n, host)
 
     def restart_peaks(self) -> None:
         """Count the peaks from what is live now (device and host)."""

@@ -111,8 +111,9 @@ class DeferredInit:
         # trainable ones no unit holds (the optimizer does not step them) go now
         self._placing: dict[int, nn.Parameter] = {}
         if placing is not None and (self.device is not None or planning_for_accelerator()):
-            away = {id(p): p for p in model.parameters() if not p.is_meta}
-            away = {k: p for k, p in away.items() if p.device != self.device}
+            away = {
+                id(p): p for p in model.parameters() if not p.is_meta and p.device != self.device
+            }
             self._placing = {id(p): p for p in placing if id(p) in away}
             for k, p in away.items():
                 if k not in self._placing:
