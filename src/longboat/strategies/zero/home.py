@@ -50,6 +50,10 @@ class Home(Protocol):
     def drop_param(self, u: FlatUnit) -> None:
         """Stage 3: out again once the gather is over."""
 
+    def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new flat buffer for one reduction of a unit (its full-size gradient, the shard it
+        reduces into), contents undefined; the home takes it back when the reduction lands."""
+
     def launched(self, units: list[FlatUnit], index: int) -> None:
         """Unit ``index``'s reduction is on the wire."""
 

@@ -40,6 +40,8 @@ from longboat.observe.memory import optimizer_state_bytes_per_param
 from longboat.pieces import RankState
 from longboat.placement import planning_for_accelerator
 from longboat.strategies.base import StrategyContext
+from longboat.strategies.zero.blocks import Blocks
+from longboat.strategies.zero.cpu_step import prefer_cpu_kernels
 from longboat.strategies.zero.flat import FlatUnit
 from longboat.strategies.zero.home import Home, StepUnit
 from longboat.strategies.zero.host import OnHost, ParamsOnHost
@@ -104,9 +106,12 @@ class OnDisk(InMemory):
         self.swap: StateSwap | None = None  # [Note: optimizer state offload]
         self.shards: ShardSwap | None = None  # [Note: parameter offload]
         self.stream: UnitStream | None = None  # steps units with their offloaded parts
+        # What the home frees, the next unit's use takes again ([Note: reused blocks]): as many
+        # blocks of each size wait as the home reads ahead.
+        self.blocks = Blocks(max(self.cfg.offload_param.buffer_count, 2))
         if self.cfg.offload_param.device == "disk":  # each unit's shards out once built
             dry = any(isinstance(p, FakeTensor) for p in params)
-            self.shards = ShardSwap(self.cfg.offload_param, self.rank, dry)
+            self.shards = ShardSwap(self.cfg.offload_param, self.rank, dry, self.blocks)
         # On disk the gradient shard has no memory to land in, even on one rank.
         self.grads_in_memory = self.shards is None
         self.steps_by_unit = True
@@ -126,12 +131,14 @@ class OnDisk(InMemory):
         dry = any(isinstance(u.shard, FakeTensor) for u in self.units)
         parts: list[UnitHome] = []
         if cfg.device == "disk":
-            self.swap = StateSwap(cfg, self.units, self.rank)
+            self.swap = StateSwap(cfg, self.units, self.rank, self.blocks)
             if not dry:
                 with contextlib.suppress(ValueError):  # an optimizer without a known formula
                     k = optimizer_state_bytes_per_param(optimizer)
                     check_room(self.swap.dir, k * sum(u.shard_numel for u in self.units))
             parts.append(self.swap)
+        if cfg.device == "disk":  # units step on the CPU, their state read in for it
+            prefer_cpu_kernels(optimizer)
         ahead = cfg.buffer_count if cfg.device == "disk" else self.cfg.offload_param.buffer_count
         self.stream = UnitStream(parts, self.units, ahead, dry)
         if self.shards is not None:
@@ -145,6 +152,11 @@ class OnDisk(InMemory):
     def drop_param(self, u: FlatUnit) -> None:
         if self.shards is not None:
             self.shards.drop_param(u)
+
+    def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.shards is None or device.type != "cpu":  # only on disk are they recycled
+            return super().buffer(numel, dtype, device)
+        return self.blocks.take(numel, dtype)
 
     def launched(self, units: list[FlatUnit], index: int) -> None:
         if self.shards is None:
@@ -160,6 +172,8 @@ class OnDisk(InMemory):
         if self.shards is None:
             return super().land(u)
         self.shards.land(u, wait_reduction(u))  # [Note: parameter offload]: to the unit's file
+        if u.flat_grad is not None:  # the reduction's full-size buffer, nobody's now
+            self.blocks.recycle(u.flat_grad)
         u.flat_grad = None
 
     def grad_pieces(self, u: FlatUnit) -> list[torch.Tensor]:

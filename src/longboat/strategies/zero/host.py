@@ -76,6 +76,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from longboat.pieces import RankState
 from longboat.placement import host_made
+from longboat.strategies.zero.cpu_step import prefer_cpu_kernels
 from longboat.strategies.zero.flat import FlatUnit, UnitState
 from longboat.strategies.zero.in_memory import InMemory, wait_reduction
 from longboat.strategies.zero.offload import UnitStream
@@ -88,8 +89,6 @@ if TYPE_CHECKING:  # named in a signature only (the import would deepen the impo
 
 #: Units whose gradients are copied out before the one stepping finished: one ahead.
 AHEAD = 2
-#: Optimizers whose fused kernel runs on the CPU in every torch longboat supports (2.4 on).
-FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW)
 
 
 class Copies:
@@ -187,19 +186,7 @@ class OnHost(InMemory):
         self.copies = Copies(self.units[0].device)
         dry = any(isinstance(u.shard, FakeTensor) for u in self.units)
         self.stream = UnitStream([self], self.units, AHEAD, dry, io_thread=False)
-        # The planner's run on fake tensors too: its host memory is the fused kernel's.
-        fused = type(optimizer) in FUSED_ON_CPU
-        for group in optimizer.param_groups:
-            # Where the user chose neither way: torch's fused CPU kernel for Adam and AdamW
-            # (one pass over each element's state; 4x faster than the multi-tensor kernels on
-            # 20M parameters here, and within 2e-9 relative of the per-parameter loop), else
-            # the CPU's multi-tensor kernels (torch picks them by default on CUDA only).
-            if group.get("foreach") is not None or group.get("fused") is not None:
-                continue
-            if fused and "fused" in group:
-                group["fused"] = True
-            elif "foreach" in group:
-                group["foreach"] = True
+        prefer_cpu_kernels(optimizer)  # the planner's run too: its host memory is the kernel's
 
     # -- the step --------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import torch
 from longboat.pieces import RankState
 from longboat.strategies.zero.flat import FlatUnit
 from longboat.strategies.zero.policy import ZeroPolicy
+from longboat.strategies.zero.storage import empty
 
 if TYPE_CHECKING:  # named in signatures only (the imports would deepen the import floors)
     from longboat.grads import HeldGradients
@@ -45,6 +46,9 @@ class InMemory:
 
     def drop_param(self, u: FlatUnit) -> None:
         pass
+
+    def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return empty(numel, dtype, device)
 
     def launched(self, units: list[FlatUnit], index: int) -> None:
         pass

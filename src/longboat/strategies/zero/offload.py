@@ -13,6 +13,10 @@ bytes per parameter.
 
 Plain ``os.pread``/``os.pwrite`` on whole files, no ``libaio`` and no memory map: a mapped file's
 pages count in the process's memory until the kernel evicts them, which defeats a memory budget.
+State is read into blocks of the home's pool and goes back to it once written ([Note: reused
+blocks] in ``blocks.py``). Where the user set neither ``foreach`` nor ``fused``, Adam and AdamW
+step with torch's fused CPU kernel, which allocates nothing per parameter
+(:func:`~longboat.strategies.zero.cpu_step.prefer_cpu_kernels`).
 
 Files are named ``rank<R>.pid<P>.unit<U>.bin`` under ``<path>/longboat-swap``: written before they
 are ever read in a run, removed at ``close()``; a file whose process ``P`` no longer runs is a
@@ -38,8 +42,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from longboat.config.errors import ConfigError
 from longboat.config.sections_parallel import swap_path_problem
+from longboat.strategies.zero.blocks import Blocks
 from longboat.strategies.zero.flat import FlatUnit
-from longboat.strategies.zero.storage import empty
 
 SWAP_DIR = "longboat-swap"
 log = logging.getLogger("longboat")
@@ -270,8 +274,9 @@ class StateSwap(SwapFiles):
     """The optimizer-state swap files of one rank's units (see [Note: optimizer state
     offload]): a :class:`UnitHome`."""
 
-    def __init__(self, cfg: Any, units: list[FlatUnit], rank: int) -> None:
+    def __init__(self, cfg: Any, units: list[FlatUnit], rank: int, blocks: Blocks) -> None:
         self.units = units
+        self.blocks = blocks  # [Note: reused blocks] in ``blocks.py``
         super().__init__(dry=any(isinstance(u.shard, FakeTensor) for u in units))
         self.dir = Path(cfg.path) / SWAP_DIR
         if not self.dry:
@@ -283,7 +288,7 @@ class StateSwap(SwapFiles):
         self.scalars: dict[int, dict[str, Any]] = {}  # per piece (its id): non-tensor state
 
     def _read(self, f: _UnitFile) -> list[torch.Tensor]:
-        tensors = [empty(n, dt, "cpu") for _, _, n, dt in f.layout]
+        tensors = [self.blocks.take(n, dt) for _, _, n, dt in f.layout]
         self.read_into(f.path, tensors)
         return tensors
 
@@ -331,8 +336,12 @@ class StateSwap(SwapFiles):
         return self._read(f) if f.layout else None  # no state yet: the first step
 
     def store(self, u: FlatUnit, tensors: list[torch.Tensor]) -> None:
+        """Write ``u``'s state, taken from the optimizer after its step, and give its memory
+        to the pool: nothing else holds it then."""
         if tensors:
             self.write(self.files[u.index].path, tensors)
+            for t in tensors:
+                self.blocks.recycle(t)
 
     def bring_all(self, optimizer: torch.optim.Optimizer) -> None:
         """Every unit's state into the optimizer (a checkpoint reads it there)."""
@@ -346,8 +355,10 @@ class StateSwap(SwapFiles):
 
     def store_all(self, optimizer: torch.optim.Optimizer) -> None:
         """Write every unit's state (loaded from a checkpoint) to its file, out of memory."""
-        for u in self.units:
-            self.store(u, self.take(u, optimizer))
+        for u in self.units:  # not through store: a checkpoint's loader may hold them still
+            tensors = self.take(u, optimizer)
+            if tensors:
+                self.write(self.files[u.index].path, tensors)
 
     @property
     def disk_bytes(self) -> int:

@@ -33,7 +33,6 @@ from longboat.strategies.zero.flat import FlatUnit
 from longboat.strategies.zero.gather import UNIT_FIX
 from longboat.strategies.zero.home import Home
 from longboat.strategies.zero.policy import ZeroPolicy
-from longboat.strategies.zero.storage import empty
 from longboat.topology import Topology
 
 
@@ -133,7 +132,7 @@ class Reduction:
             else:
                 # In the gathered dtype: the gradients of its parameters (gather.py's [Note:
                 # parameter dtype]); they land in the shard's own.
-                flat_grad = empty(u.padded, u.gathered_dtype, u.device).zero_()
+                flat_grad = self.home.buffer(u.padded, u.gathered_dtype, u.device).zero_()
             u.flat_grad = flat_grad
         u.view(flat_grad, i).add_(p.grad)
         p.grad = None  # the flat buffer holds it now; free the full-size gradient
@@ -167,7 +166,7 @@ class Reduction:
             u.flat_grad = None  # it was the gradient shard itself: nothing to reduce
             return
         if u.flat_grad is None:  # no parameter of this unit was used
-            u.flat_grad = empty(u.padded, u.gathered_dtype, u.device).zero_()
+            u.flat_grad = self.home.buffer(u.padded, u.gathered_dtype, u.device).zero_()
         # The average over every data-parallel rank: the shard group sums now, the replicas
         # at the boundary (gloo has no AVG: divide first).
         u.flat_grad.div_(self.dp.world_size)
@@ -212,7 +211,7 @@ class Reduction:
             assert u.grad_shard is not None  # shard_grads: the shard is kept
             reduced = u.grad_shard
         else:
-            reduced = empty(u.shard_numel, send.dtype, u.device)
+            reduced = self.home.buffer(u.shard_numel, send.dtype, u.device)
         u.reduced = reduced
         u.shard_empty = False
         self.record(("reduce", u.index))

@@ -17,7 +17,9 @@ they are used:
   and dropped behind it.
 
 A shard "dropped" keeps its tensor and every view of it (the optimizer's pieces, [Note: shard
-pieces] in ``flat.py``) and frees its memory ([Note: storage resize] in ``storage.py``). Files
+pieces] in ``flat.py``) and hands its memory to the home's pool of blocks, from which the next
+shard of its size is filled ([Note: reused blocks] in ``blocks.py``); the reductions' buffers
+come from that pool and go back to it once written. Files
 follow [Note: optimizer state offload] in ``zero/offload.py``:
 ``rank<R>.pid<P>.unit<U>.param.bin`` and ``.grad.bin``, written before they are read, removed
 at ``close()`` and, after a crash, by the next run on that path.
@@ -33,9 +35,10 @@ from typing import Any
 
 import torch
 
+from longboat.strategies.zero.blocks import Blocks
 from longboat.strategies.zero.flat import FlatUnit, element_size
 from longboat.strategies.zero.offload import SWAP_DIR, SwapFiles, open_dir
-from longboat.strategies.zero.storage import alloc_storage, empty, free_storage, has_storage
+from longboat.strategies.zero.storage import has_storage
 
 _KEY = "zero.offload_param"
 
@@ -45,8 +48,9 @@ class ShardSwap(SwapFiles):
     parameter offload]): a :class:`~longboat.strategies.zero.offload.UnitHome`. ``submit``
     runs a function on the I/O thread shared with the optimizer state's swap."""
 
-    def __init__(self, cfg: Any, rank: int, dry: bool) -> None:
+    def __init__(self, cfg: Any, rank: int, dry: bool, blocks: Blocks) -> None:
         super().__init__(dry)
+        self.blocks = blocks  # [Note: reused blocks]
         self.units: list[FlatUnit] = []
         self.submit: Any = None  # set by the strategy to its stream's
         self.limit = cfg.buffer_count  # gradient writes in flight at most
@@ -74,8 +78,8 @@ class ShardSwap(SwapFiles):
         self.grad_files[u.index] = self.dir / f"{self.stem}.unit{u.index}.grad.bin"
         self.grad_pieces[u.index] = [u.grad_shard[a:b] for _, a, b, _ in u.pieces]
         self.write(self.param_files[u.index], [u.shard])
-        free_storage(u.shard)
-        free_storage(u.grad_shard)
+        self.blocks.free(u.shard)
+        self.blocks.free(u.grad_shard)
 
     # -- parameters around their gathers --------------------------------------------------------
 
@@ -83,13 +87,13 @@ class ShardSwap(SwapFiles):
         """``u``'s parameter shard into memory (read now), unless it is there."""
         assert u.shard is not None
         if not has_storage(u.shard):
-            alloc_storage(u.shard)
+            self.blocks.fill(u.shard)
             self.read_into(self.param_files[u.index], [u.shard])
 
     def drop_param(self, u: FlatUnit) -> None:
         """Out of memory again; the file holds it unchanged."""
         assert u.shard is not None
-        free_storage(u.shard)
+        self.blocks.free(u.shard)
 
     # -- gradients as they are reduced ---------------------------------------------------------
 
@@ -99,16 +103,23 @@ class ShardSwap(SwapFiles):
         if pending is not None:
             pending.result()
         if u.index in self.has_grad:
-            earlier = empty(reduced.numel(), reduced.dtype, reduced.device)
+            earlier = self.blocks.take(reduced.numel(), reduced.dtype)
             self.read_into(self.grad_files[u.index], [earlier])
             reduced.add_(earlier)
+            self.blocks.recycle(earlier)
             del earlier
         self.has_grad.add(u.index)
         self.squares[u.index] = torch.linalg.vector_norm(reduced, dtype=torch.float32).square()
         while len(self._writes) >= self.limit:  # bound the buffers waiting for the disk
             self._writes.pop(next(iter(self._writes))).result()
-        self._writes[u.index] = self.submit(self.write, self.grad_files[u.index], [reduced])
+        self._writes[u.index] = self.submit(self._write_gradient, u, reduced)
         self._written.add(u.index)
+
+    def _write_gradient(self, u: FlatUnit, reduced: torch.Tensor) -> None:
+        """On the I/O thread: the reduced shard to its file, its memory back to the pool (the
+        reduction's buffer is nobody else's once landed)."""
+        self.write(self.grad_files[u.index], [reduced])
+        self.blocks.recycle(reduced)
 
     def gradient_squares(self) -> torch.Tensor:
         """The sum of squares of every unit's gradient shard (after the step's last reduction)."""
@@ -132,7 +143,7 @@ class ShardSwap(SwapFiles):
     def bring(self, u: FlatUnit) -> None:
         assert u.shard is not None and u.grad_shard is not None
         self.bring_param(u)
-        alloc_storage(u.grad_shard)
+        self.blocks.fill(u.grad_shard)
         if u.index in self.has_grad:
             self.read_into(self.grad_files[u.index], [u.grad_shard])
         else:  # not reduced this step (no backward ran): nothing was added to it
@@ -145,14 +156,14 @@ class ShardSwap(SwapFiles):
 
     def take(self, u: FlatUnit, optimizer: torch.optim.Optimizer) -> None:
         assert u.grad_shard is not None
-        free_storage(u.grad_shard)  # the step consumed it; the next step starts from zero
+        self.blocks.free(u.grad_shard)  # the step consumed it; the next step starts from zero
         self.has_grad.discard(u.index)
         self.squares.pop(u.index, None)
 
     def store(self, u: FlatUnit, taken: None) -> None:
         assert u.shard is not None
         self.write(self.param_files[u.index], [u.shard])
-        free_storage(u.shard)
+        self.blocks.free(u.shard)
 
     def step_over(self) -> None:
         """After every unit stepped."""
