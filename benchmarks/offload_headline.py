@@ -22,12 +22,14 @@ ZeRO-3 shards them over ``--world-size`` ranks, and ``zero.offload_param`` and
   the limit assumes the two ranks' transfers overlap, so it is one rank's bytes over one
   stream's bandwidth.
 
-The same model and steps then run again with everything in memory (ZeRO-3 without offload: it
-fits this machine, not the budget), for the step time offload costs.
+The same model and steps run again with everything in memory (ZeRO-3 without offload: it fits
+this machine, not the budget), for the step time offload costs: ``--repeats`` rounds of both
+jobs, alternating (ABBA), each in fresh processes; the step ratio is the ratio of the per-round
+medians' medians, beside the median of the per-round ratios.
 
 Usage::
 
-    python benchmarks/offload_headline.py          # about 4 minutes here
+    python benchmarks/offload_headline.py          # about 7 minutes here
 
 Writes ``benchmarks/results/offload_headline.json`` (``--out`` to change) with the config,
 versions and machine.
@@ -79,6 +81,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-test-mib", type=int, default=512, help="file size of the disk test")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="rounds of the offloaded and the in-memory job, alternating (ABBA): the ratio is "
+        "the median of the per-round ratios beside the ratio of the medians",
+    )
     p.add_argument(
         "--no-compare-in-memory",
         dest="compare_in_memory",
@@ -252,14 +261,27 @@ def main(argv: list[str] | None = None) -> None:
                 f"read {v['read_bytes_per_s'] / 2**30:.2f} GiB/s",
                 flush=True,
             )
-        ranks = _run(args, swap)
+        # Alternating sides, ABBA: a machine that slows for a while slows both alike.
+        rounds: list[dict[str, list[dict[str, Any]]]] = []
+        for r in range(args.repeats):
+            sides = ["offloaded", "in_memory"] if r % 2 == 0 else ["in_memory", "offloaded"]
+            got = {}
+            for side in sides:
+                if side == "in_memory" and not args.compare_in_memory:
+                    continue
+                got[side] = _run(args, swap if side == "offloaded" else None)
+            rounds.append(got)
         left = sorted(f.name for f in Path(swap).rglob("*.bin"))
-    # The same model and steps with everything in memory (it fits this machine, not the
-    # budget): what offload costs in step time.
-    plain = _run(args, None) if args.compare_in_memory else []
+    ranks, plain = rounds[0]["offloaded"], rounds[0].get("in_memory", [])
+
+    def median_step(rank: dict[str, Any]) -> float:
+        return statistics.median(s["wall_s"] for s in rank["steps"])
+
     summary = []
-    for r, p in zip(ranks, plain or [None] * len(ranks), strict=True):
-        wall = statistics.median(s["wall_s"] for s in r["steps"])
+    for i, r in enumerate(ranks):
+        per_round = [median_step(got["offloaded"][i]) for got in rounds]
+        wall = statistics.median(per_round)
+        peak = max(got["offloaded"][i]["peak_rss_bytes"] for got in rounds)
         read = statistics.median(s["read_bytes"] for s in r["steps"])
         written = statistics.median(s["written_bytes"] for s in r["steps"])
         # The time one stream needs to read and write the step's bytes, one after the other.
@@ -269,31 +291,38 @@ def main(argv: list[str] | None = None) -> None:
         }
         row: dict[str, Any] = {
             "rank": r["rank"],
-            "peak_rss_bytes": r["peak_rss_bytes"],
-            "within_budget": r["peak_rss_bytes"] <= budget,
+            "peak_rss_bytes": peak,
+            "within_budget": peak <= budget,
             "median_step_s": wall,
+            "per_round_median_step_s": per_round,
             "read_bytes_per_step": read,
             "written_bytes_per_step": written,
             "disk_limit_s": limits,
             "step_over_disk_limit": {k: wall / v for k, v in limits.items()},
         }
         line = (
-            f"rank {r['rank']}: peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB (budget "
+            f"rank {r['rank']}: peak RSS {peak / 2**20:,.0f} MiB (budget "
             f"{args.budget_mib:.0f}: {'within' if row['within_budget'] else 'OVER'}), step "
             f"{wall:.2f} s, moved {(read + written) / 2**30:.2f} GiB/step, disk limit "
             f"{limits['page_cache']:.2f} s cached / {limits['direct']:.2f} s direct"
         )
-        if p is not None:
-            in_memory = statistics.median(s["wall_s"] for s in p["steps"])
+        if plain:
+            mem_rounds = [median_step(got["in_memory"][i]) for got in rounds]
+            in_memory = statistics.median(mem_rounds)
+            paired = [a / b for a, b in zip(per_round, mem_rounds, strict=True)]
+            mem_peak = max(got["in_memory"][i]["peak_rss_bytes"] for got in rounds)
             row.update(
-                in_memory_peak_rss_bytes=p["peak_rss_bytes"],
+                in_memory_peak_rss_bytes=mem_peak,
                 in_memory_median_step_s=in_memory,
+                in_memory_per_round_median_step_s=mem_rounds,
                 offloaded_over_in_memory=wall / in_memory,
+                paired_ratios=paired,
+                paired_ratio_median=statistics.median(paired),
             )
             line += (
-                f"; in memory: step {in_memory:.2f} s "
-                f"(offloaded/in memory {wall / in_memory:.2f}), peak RSS "
-                f"{p['peak_rss_bytes'] / 2**20:,.0f} MiB"
+                f"; in memory: step {in_memory:.2f} s (offloaded/in memory {wall / in_memory:.2f}"
+                f", per round {', '.join(f'{x:.2f}' for x in paired)}), peak RSS "
+                f"{mem_peak / 2**20:,.0f} MiB"
             )
         summary.append(row)
         print(line, flush=True)
@@ -314,8 +343,9 @@ def main(argv: list[str] | None = None) -> None:
         "disk": disk,
         "summary": summary,
         "swap_files_left": left,
-        "ranks": ranks,
+        "ranks": ranks,  # the first round's; every round's below
         "ranks_in_memory": plain,
+        "rounds": rounds,
         "versions": versions(),
         "machine": machine(),
         "wall_time_s": time.time() - t0,
