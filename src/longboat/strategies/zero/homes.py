@@ -108,7 +108,10 @@ class OnDisk(InMemory):
         self.stream: UnitStream | None = None  # steps units with their offloaded parts
         # What the home frees, the next unit's use takes again ([Note: reused blocks]): as many
         # blocks of each size wait as the home reads ahead.
-        self.blocks = Blocks(max(self.cfg.offload_param.buffer_count, 2))
+        on_disk = [
+            c for c in (self.cfg.offload_param, self.cfg.offload_optimizer) if c.device == "disk"
+        ]
+        self.blocks = Blocks(max([2] + [c.buffer_count for c in on_disk]))
         if self.cfg.offload_param.device == "disk":  # each unit's shards out once built
             dry = any(isinstance(p, FakeTensor) for p in params)
             self.shards = ShardSwap(self.cfg.offload_param, self.rank, dry, self.blocks)
