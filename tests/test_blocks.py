@@ -74,3 +74,14 @@ def test_in_the_planners_run_what_waits_in_the_pool_counts_as_live():
         assert tracker.live == 4 * N and tracker.max_peak == 8 * N
         del c
     assert blocks.waiting_bytes == 0
+
+
+def test_off_the_cpu_nothing_is_pooled_nor_modelled():
+    # The planner's run for a GPU: fake CUDA tensors (no GPU needed) are device memory; the pool
+    # is the CPU's and holds none of it.
+    blocks = Blocks(keep=2)
+    tracker = LiveBytes()
+    with FakeTensorMode(), tracker:
+        a = torch.empty(N, device="cuda")
+        blocks.free(a)
+        assert blocks.waiting_bytes == 0 and a.untyped_storage().nbytes() == 0

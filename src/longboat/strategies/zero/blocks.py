@@ -82,9 +82,11 @@ class Blocks:
     def _kind(t: torch.Tensor) -> str:
         """ "swap": pooled; "model": the planner's fake tensors; "plain": no pool (not on the
         CPU, or a torch without the swap)."""
+        if t.device.type != "cpu":
+            return "plain"
         if isinstance(t, FakeTensor):
             return "model"
-        return "swap" if _SWAP is not None and t.device.type == "cpu" else "plain"
+        return "swap" if _SWAP is not None else "plain"
 
     def _pop(self, nbytes: int) -> torch.UntypedStorage | torch.Tensor | None:
         with self._lock:
