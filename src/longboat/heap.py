@@ -147,11 +147,6 @@ def _thp_on_advice(path: str = THP_MODE) -> bool:
         return False
 
 
-def huge_pages_on_advice() -> bool:
-    """Whether the kernel gives transparent huge pages where asked (asked once)."""
-    return _madvise() is not None
-
-
 @functools.cache
 def _madvise() -> Any:
     """The C library's ``madvise`` where the kernel gives huge pages on advice (asked once,

@@ -39,12 +39,13 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from longboat.heap import HUGE_MIN, huge_pages_on_advice
-from longboat.strategies.zero.storage import alloc_storage, empty, free_storage
+from longboat.heap import HUGE_MIN
+from longboat.strategies.zero.storage import alloc_storage, empty, free_storage, huge_pages
 
 #: Exchanges two storages' memory (data pointer and size), the tensors and views on each
 #: staying where they are: what FSDP and CUDA graph trees use to refill a storage in place.
@@ -59,10 +60,8 @@ def _new_block(nbytes: int) -> torch.UntypedStorage:
     if nbytes < HUGE_MIN:
         return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE") and huge_pages_on_advice():
-        mapping.madvise(mmap.MADV_HUGEPAGE)
     # The tensor's memory keeps the mapping alive; it is unmapped when the last holder goes.
-    return torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+    return huge_pages(torch.frombuffer(mapping, dtype=torch.uint8)).untyped_storage()
 
 
 class Blocks:
@@ -79,7 +78,7 @@ class Blocks:
         self.fresh = 0  # fills and takes that asked the system
 
     @staticmethod
-    def _kind(t: torch.Tensor) -> str:
+    def _kind(t: torch.Tensor) -> Literal["swap", "model", "plain"]:
         """ "swap": pooled; "model": the planner's fake tensors; "plain": no pool (not on the
         CPU, or a torch without the swap)."""
         if t.device.type != "cpu":

@@ -140,8 +140,7 @@ class OnDisk(InMemory):
                     k = optimizer_state_bytes_per_param(optimizer)
                     check_room(self.swap.dir, k * sum(u.shard_numel for u in self.units))
             parts.append(self.swap)
-        if cfg.device == "disk":  # units step on the CPU, their state read in for it
-            prefer_cpu_kernels(optimizer)
+            prefer_cpu_kernels(optimizer)  # units step on the CPU, their state read in for it
         ahead = cfg.buffer_count if cfg.device == "disk" else self.cfg.offload_param.buffer_count
         self.stream = UnitStream(parts, self.units, ahead, dry)
         if self.shards is not None:
