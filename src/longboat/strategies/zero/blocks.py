@@ -21,9 +21,10 @@ planner counts it ([Note: planning the pool] below). Fresh blocks are mappings o
 (``mmap``), so a block the pool lets go returns to the system whatever malloc's threshold.
 
 On the 272M-parameter GPT of ``offload_headline.py`` (2 ranks, 1 GiB budget each) the
-offloaded step went from 1.73x the in-memory one to 1.50x with the pool, and to 1.22-1.24x when
-the units also stepped with the fused CPU Adam (``cpu_step.py``), whose per-parameter
-temporaries had been fresh mappings too; peak RSS 881 and 913 MiB, against 851 and 800 before.
+offloaded step went from 1.73x the in-memory one to 1.50x with the pool (one job of each), and to
+1.29x and 1.35x (two alternating rounds, ``benchmarks/results/offload_headline.json``) when the
+units also stepped with the fused CPU Adam (``cpu_step.py``), whose per-parameter temporaries
+had been fresh mappings too; peak RSS 920 and 915 MiB, against 851 and 800 before.
 
 [Note: planning the pool] In the planner's run on fake tensors the pool is modelled rather than
 skipped: a tensor freed into it leaves a fake block of its size waiting, counted live by the
