@@ -22,6 +22,7 @@ from longboat.comm.collectives import Collectives
 from longboat.comm.protocol import Comm
 from longboat.config import load_config
 from longboat.models import GPT, gpt_loss, gpt_param_count, synthetic_tokens
+from longboat.pipeline.p2p import HEADER_BYTES
 from longboat.plan import Plan, StrategyPlan, Target, make_plan, render, resolve
 from longboat.plan.planner import CATEGORIES, OPTIMIZERS, strategy_config
 from longboat.plan.simulate import MetaCollectives, simulate
@@ -747,6 +748,11 @@ def test_each_stage_equals_a_real_pipeline_rank(ranks, strategy, world, schedule
         assert abs(row.peak - peak) <= allowed, f"stage {stage}: plan {row.peak}, real {peak}"
 
 
+def _with_header(nbytes: int) -> int:
+    """An activation's message once its stream has settled ([Note: shapes on the wire])."""
+    return -(-nbytes // 8) * 8 + HEADER_BYTES
+
+
 def test_stage_activations_and_sends_follow_the_schedule():
     target = resolve("gpt", GPT_ARGS)
 
@@ -767,10 +773,14 @@ def test_stage_activations_and_sends_follow_the_schedule():
     zb = rows("zb-h1")
     assert [r.in_flight for r in zb] == [2, 2]
     assert zb[0].peak == one_f[0].peak and zb[1].activations == 2 * one_f[1].activations
-    # Stage 0 sends each micro-batch's activation, stage 1 its gradient: [B, T, d] fp32 each.
+    # Stage 0 sends each micro-batch's activation, stage 1 its gradient: [B, T, d] fp32 each,
+    # an activation with its header once the stream has settled (every step after the first).
+    # One data-parallel rank: nothing else.
     boundary = 4 * MICRO * GPT_ARGS["seq_len"] * GPT_ARGS["d_model"]
-    for r in one_f:
-        assert r.comm_bytes == {"send": m * boundary}  # one data-parallel rank: nothing else
+    assert [r.comm_bytes for r in one_f] == [
+        {"send": m * _with_header(boundary)},
+        {"send": m * boundary},
+    ]
 
 
 def test_interleaved_stages_are_planned_in_rounds():
@@ -783,10 +793,13 @@ def test_interleaved_stages_are_planned_in_rounds():
     assert [r.stages for r in plan.strategies] == [(0, 2), (1, 3)]
     assert plan.pipeline is not None and plan.pipeline["virtual_stages"] == 2
     boundary = 4 * MICRO * GPT_ARGS["seq_len"] * GPT_ARGS["d_model"]
-    # Each rank sends across two boundaries per micro-batch (0->1 and 2->3, or 1->2 and 3->2's
-    # gradient back), and rank 1 also the gradient of stage 1 to stage 0.
-    for r in plan.strategies:
-        assert r.comm_bytes["send"] % boundary == 0 and r.comm_bytes["send"] > 0
+    # Per micro-batch, rank 0 (stages 0, 2) sends the activations 0->1 and 2->3 and the
+    # gradient 2->1; rank 1 (stages 1, 3) the activation 1->2 and the gradients 1->0, 3->2.
+    m = PIPE_MICRO_BATCHES
+    assert [r.comm_bytes["send"] for r in plan.strategies] == [
+        m * (2 * _with_header(boundary) + boundary),
+        m * (_with_header(boundary) + 2 * boundary),
+    ]
 
 
 def test_plan_cli_with_stages(tmp_path):
@@ -963,9 +976,11 @@ def test_transformers_stages_and_tensor_parallelism_are_planned(hfmodels):
     ]
     assert data["pipeline"]["micro_batches"] == 2, "with --pp, as many as the stages"
     assert data["strategies"][1]["tp_layers"]["transformer.h.0.attn.c_attn"] > 0
-    # between the stages only the hidden state: 2 micro-batches of [2, SEQ, width] in fp32
-    for row in data["strategies"][1:]:
-        assert row["comm_bytes"]["send"] == 2 * (2 * 32 * SMALL_GPT2["width"] * 4)
+    # between the stages only the hidden state: 2 micro-batches of [2, SEQ, width] in fp32,
+    # forward with its header, backward without
+    hidden = 2 * 32 * SMALL_GPT2["width"] * 4
+    sends = [row["comm_bytes"]["send"] for row in data["strategies"][1:]]
+    assert sends == [2 * _with_header(hidden), 2 * hidden]
 
 
 def test_a_model_that_cannot_be_split_says_why_in_its_rows(hfmodels):

@@ -268,7 +268,9 @@ class Pipeline:
                     losses.append(out.detach())
                 else:
                     root = out
-                    grad = link.recv(plan.rank_of(s + 1), Message("gradient", mb, s + 1, s))
+                    grad = link.recv(
+                        plan.rank_of(s + 1), Message("gradient", mb, s + 1, s), like=out
+                    )
                 found, weights[(mb, s)] = split_backward.backward_input(
                     root, grad, [x], self.trained
                 )
@@ -282,7 +284,9 @@ class Pipeline:
                     steps.backward(out)
                     losses.append(out.detach())
                 else:
-                    grad = link.recv(plan.rank_of(s + 1), Message("gradient", mb, s + 1, s))
+                    grad = link.recv(
+                        plan.rank_of(s + 1), Message("gradient", mb, s + 1, s), like=out
+                    )
                     steps.backward_from(out, grad)
                 if s > 0:
                     assert x is not None

@@ -32,7 +32,7 @@ import torch
 
 from longboat.comm.protocol import Comm, Handle
 from longboat.mesh import Mesh
-from longboat.pipeline.p2p import Link, Message
+from longboat.pipeline.p2p import Link, Message, Stream, settled_buffer
 from longboat.pipeline.runtime import Pipeline
 from longboat.pipeline.schedule import split
 from longboat.pipeline.schedules import PipelineSchedule
@@ -52,6 +52,10 @@ class Unreached(Exception):
 class PlannedLink(Link):
     """The other pipeline ranks, for one simulated rank ([Note: planning stages])."""
 
+    # A stream of activations settles on its first shape, so the second simulated step sends
+    # and holds what every later step of a real run does ([Note: shapes on the wire]).
+    settle = 1
+
     def __init__(self, data: Comm, control: Comm, shapes: Shapes, probe: _Probe) -> None:
         super().__init__(data, control, torch.device("cpu"))
         self.shapes = shapes
@@ -61,12 +65,19 @@ class PlannedLink(Link):
         self.shapes[(message.micro_batch, message.boundary)] = (tensor.shape, tensor.dtype)
         return super().send(tensor, dst, message)  # the meta collectives count the bytes
 
-    def recv(self, src: int, message: Message) -> torch.Tensor:
+    def recv(self, src: int, message: Message, like: torch.Tensor | None = None) -> torch.Tensor:
         self.probe.arriving()
         known = self.shapes.get((message.micro_batch, message.boundary))
         if known is None:
             raise Unreached(message.receiving())
         shape, dtype = known
+        if message.kind == "activation":  # received as the real link does ([Note: shapes on
+            # the wire]): into its message's bytes once its stream has settled
+            stream = self.received.setdefault(message.boundary, Stream(self.settle))
+            settled = stream.settled and stream.last == (tuple(shape), dtype)
+            stream.seen((tuple(shape), dtype))
+            if settled:
+                return settled_buffer((tuple(shape), dtype), self.device)
         return torch.empty(shape, dtype=dtype)
 
     def share_losses(self, losses: list[torch.Tensor], m: int, src: int) -> list[float]:
