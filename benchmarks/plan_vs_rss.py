@@ -30,7 +30,12 @@ The ratio predicted / measured is reported per strategy (worst rank); the goal i
   tensor bytes that the planner counts. This is the figure the 10% goal is judged on; the
   default one is reported beside it.
 Both sides use the same longboat config (stage 3 units = the transformer blocks, as in
-``zero_vs_peers.py``). RSS does not depend on timing, so a busy machine does not change it much.
+``zero_vs_peers.py``). The ``zero-N+offload`` rows keep the optimizer state (stage 3: the
+parameter and gradient shards too) in files of a temporary folder; what a rank reads from them
+lands in its own anonymous buffers (``os.preadv``), which RSS counts, while the page cache,
+which it does not, is the kernel's. Under ``default`` malloc longboat fixes the threshold itself
+for them ([Note: fixed mmap threshold] in ``heap.py``). RSS does not depend on timing, so a
+busy machine does not change it much.
 
 Usage::
 
@@ -63,6 +68,7 @@ from common import free_port, join_loopback, machine, versions
 from longboat.config import load_config
 from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
 from longboat.plan import STRATEGIES, make_plan, resolve
+from longboat.plan.planner import OFFLOADED
 
 MALLOC_MODES = {"fixed-mmap-threshold": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "default": {}}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "plan_vs_rss.json"
@@ -78,8 +84,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument(
         "--strategies",
-        default=",".join(STRATEGIES),
-        help="comma-separated, from " + ",".join(STRATEGIES),
+        default=",".join(STRATEGIES + OFFLOADED),
+        help="comma-separated, from " + ",".join(STRATEGIES + OFFLOADED),
     )
     p.add_argument(
         "--malloc",
@@ -90,20 +96,29 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     args = p.parse_args(argv)
     args.strategies = tuple(s.strip() for s in args.strategies.split(","))
-    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    unknown = [s for s in args.strategies if s not in STRATEGIES + OFFLOADED]
     if unknown:
-        p.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+        p.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES + OFFLOADED)}")
     args.malloc = tuple(m.strip() for m in args.malloc.split(","))
     if set(args.malloc) - set(MALLOC_MODES):
         p.error(f"--malloc: choose from {', '.join(MALLOC_MODES)}")
     return args
 
 
-def _config(strategy: str, micro_batch: int) -> dict[str, Any]:
-    name, _, stage = strategy.partition("-")
+def _config(strategy: str, micro_batch: int, disk: str | None = None) -> dict[str, Any]:
+    """The run's config; a ``+offload`` strategy keeps its optimizer state (stage 3: its
+    parameters and gradients too) in files under ``disk``. Without ``disk``, the config the
+    planner starts from (it adds the offload itself)."""
+    kind, _, offload = strategy.partition("+")
+    name, _, stage = kind.partition("-")
+    zero: dict[str, Any] = {"stage": int(stage or 1), "unit_classes": ["_Block"]}
+    if offload and disk is not None:
+        zero["offload_optimizer"] = {"device": "disk", "path": disk}
+        if zero["stage"] == 3:
+            zero["offload_param"] = {"device": "disk", "path": disk}
     return {
         "strategy": name,
-        "zero": {"stage": int(stage or 1), "unit_classes": ["_Block"]},
+        "zero": zero,
         "batch": {"micro_batch_size": micro_batch},
         "log": {"progress": False, "level": "WARNING"},
     }
@@ -119,14 +134,14 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _warm_up(strategy: str, gen: torch.Generator) -> None:
+def _warm_up(strategy: str, gen: torch.Generator, disk: str) -> None:
     """Run every code path of a step once on a tiny GPT, so lazy imports precede the
     baseline."""
     import longboat
 
     tiny = GPT(vocab_size=64, d_model=16, n_layers=1, n_heads=2, seq_len=8, tie_weights=False)
     engine = longboat.initialize(
-        tiny, torch.optim.AdamW(tiny.parameters(), lr=1e-4), _config(strategy, 2)
+        tiny, torch.optim.AdamW(tiny.parameters(), lr=1e-4), _config(strategy, 2, disk)
     )
     for _ in range(2):
         x, y = synthetic_tokens(2, 8, 64, gen)
@@ -149,13 +164,15 @@ def _worker(
     result: dict[str, Any] = {"rank": rank, "strategy": strategy}
     try:
         gen = torch.Generator().manual_seed(rank)
-        _warm_up(strategy, gen)
+        disk = str(Path(out_dir, f"disk{rank}"))
+        Path(disk).mkdir()
+        _warm_up(strategy, gen, str(Path(disk, "warm-up")))
         result["rss_baseline_bytes"] = baseline = _rss_bytes()
         result["peak_before_model_bytes"] = _peak_rss_bytes()
         torch.manual_seed(0)
         model = reference_gpt()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        engine = longboat.initialize(model, opt, _config(strategy, args.micro_batch))
+        engine = longboat.initialize(model, opt, _config(strategy, args.micro_batch, disk))
         for _ in range(args.warmup + args.steps):
             x, y = synthetic_tokens(args.micro_batch, args.seq_len, model.vocab_size, gen)
             engine.backward(gpt_loss(engine(x), y))
