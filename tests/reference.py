@@ -570,7 +570,7 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     assert a.keys() == b.keys(), f"keys differ: {set(a) ^ set(b)}"
     worst = 0.0
     for k in a:
-        x, y = a[k], b[k]
+        x, y = a[k].detach(), b[k].detach()  # parameters may come straight from a model
         assert x.shape == y.shape, f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
         if not y.is_floating_point():
             assert torch.equal(x, y), f"{k}: {x} vs {y}"
