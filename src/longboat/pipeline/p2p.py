@@ -117,12 +117,9 @@ def _header(tensor: torch.Tensor) -> torch.Tensor:
             f"a pipeline stage's output of dtype {tensor.dtype} and {tensor.dim()} dims cannot "
             f"be sent; use one of {[str(d) for d in _DTYPES]} with at most {_MAX_DIMS} dims"
         )
-    header = torch.full((_HEADER,), -1, dtype=torch.int64)
-    header[0] = 0
-    header[1] = _DTYPES.index(tensor.dtype)
-    header[2] = tensor.dim()
-    header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    return header
+    dims = list(tensor.shape)
+    values = [0, _DTYPES.index(tensor.dtype), len(dims), *dims] + [-1] * (_MAX_DIMS - len(dims))
+    return torch.tensor(values, dtype=torch.int64)  # one small tensor per activation
 
 
 def _shape_of(header: torch.Tensor) -> Shape:
@@ -155,6 +152,7 @@ def settled_buffer(shape: Shape, device: torch.device) -> torch.Tensor:
 
 
 def payload_of(wire: torch.Tensor, shape: Shape) -> torch.Tensor:
+    """The tensor at the front of a settled message's bytes."""
     return wire[: _nbytes(shape)].view(shape[1]).view(shape[0])
 
 
