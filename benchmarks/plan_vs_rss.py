@@ -70,6 +70,8 @@ from longboat.models import GPT, gpt_loss, reference_gpt, synthetic_tokens
 from longboat.plan import STRATEGIES, make_plan, resolve
 from longboat.plan.planner import OFFLOADED
 
+KNOWN = STRATEGIES + OFFLOADED  # in memory, then on disk
+
 MALLOC_MODES = {"fixed-mmap-threshold": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "default": {}}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "plan_vs_rss.json"
 
@@ -84,8 +86,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument(
         "--strategies",
-        default=",".join(STRATEGIES + OFFLOADED),
-        help="comma-separated, from " + ",".join(STRATEGIES + OFFLOADED),
+        default=",".join(KNOWN),
+        help="comma-separated, from " + ",".join(KNOWN),
     )
     p.add_argument(
         "--malloc",
@@ -96,9 +98,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     args = p.parse_args(argv)
     args.strategies = tuple(s.strip() for s in args.strategies.split(","))
-    unknown = [s for s in args.strategies if s not in STRATEGIES + OFFLOADED]
+    unknown = [s for s in args.strategies if s not in KNOWN]
     if unknown:
-        p.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES + OFFLOADED)}")
+        p.error(f"unknown strategies {unknown}; choose from {', '.join(KNOWN)}")
     args.malloc = tuple(m.strip() for m in args.malloc.split(","))
     if set(args.malloc) - set(MALLOC_MODES):
         p.error(f"--malloc: choose from {', '.join(MALLOC_MODES)}")

@@ -87,19 +87,22 @@ class Message:
 class Stream:
     """One boundary's activations as either end has seen them ([Note: shapes on the wire])."""
 
-    settle: int = SETTLE  # activations in a row of one shape that settle the stream
+    settle: int  # activations in a row of one shape that settle the stream
     last: Shape | None = None
     run: int = 0  # activations in a row of shape ``last``
     settled: bool = False
 
-    def seen(self, shape: Shape) -> None:
-        """Both ends call this for every activation, in the same order."""
+    def seen(self, shape: Shape) -> bool:
+        """Both ends call this for every activation, in the same order; whether it travelled
+        settled (the stream was, on this shape)."""
+        settled = self.settled and shape == self.last
         if shape == self.last:
             self.run += 1
         else:
             self.last, self.run, self.settled = shape, 1, False
         if self.run >= self.settle:
             self.settled = True
+        return settled
 
 
 def _check(tensor: object) -> torch.Tensor:
@@ -136,19 +139,19 @@ def _nbytes(shape: Shape) -> int:
     return n * dtype.itemsize
 
 
-def _with_header(header: torch.Tensor, at: int, device: torch.device) -> torch.Tensor:
-    """A settled message's bytes: ``at`` for the payload (not written here), then ``header``."""
+def _wire(at: int, device: torch.device, header: torch.Tensor | None = None) -> torch.Tensor:
+    """A settled message's bytes: ``at`` for the payload (not written here), then the header
+    (``header`` where given)."""
     wire = torch.empty(at + HEADER_BYTES, dtype=torch.uint8, device=device)
-    wire[at:].view(torch.int64).copy_(header)
+    if header is not None:
+        wire[at:].view(torch.int64).copy_(header)
     return wire
 
 
 def settled_buffer(shape: Shape, device: torch.device) -> torch.Tensor:
     """A tensor of ``shape`` as a settled stream receives it: the front of its message's bytes
     ([Note: shapes on the wire]); the planner allocates the same."""
-    return payload_of(
-        torch.empty(_padded(shape) + HEADER_BYTES, dtype=torch.uint8, device=device), shape
-    )
+    return payload_of(_wire(_padded(shape), device), shape)
 
 
 def payload_of(wire: torch.Tensor, shape: Shape) -> torch.Tensor:
@@ -185,25 +188,23 @@ class Link:
         header = _header(tensor)
         shape: Shape = (tuple(tensor.shape), tensor.dtype)
         stream = self.sent.setdefault(message.boundary, Stream(self.settle))
-        handles: list[Handle]
-        if stream.settled and shape == stream.last:  # one message: the payload, its header
-            wire = _with_header(header, _padded(shape), tensor.device)
+        expected = stream.last if stream.settled else None  # what the receiver posts for
+        if stream.seen(shape):  # one message: the payload, its header at the end
+            wire = _wire(_padded(shape), tensor.device, header)
             wire[: _nbytes(shape)].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-            handles = [self.data.send(wire, dst, async_op=True, tag=what), _Keep(wire)]
+            return [self.data.send(wire, dst, async_op=True, tag=what), _Keep(wire)]
+        handles: list[Handle]
+        if expected is not None:  # the receiver expects the old shape: tell it of the new one
+            wire = _wire(_padded(expected), tensor.device, header)
+            notice = self.data.send(wire, dst, async_op=True, tag=f"new shape of {what}")
+            handles = [notice, _Keep(wire)]
         else:
-            if stream.settled:  # the receiver expects the old shape: tell it of the new one
-                assert stream.last is not None
-                wire = _with_header(header, _padded(stream.last), tensor.device)
-                notice = self.data.send(wire, dst, async_op=True, tag=f"new shape of {what}")
-                handles = [notice, _Keep(wire)]
-            else:
-                handles = [self.control.send(header, dst, async_op=True, tag=f"header of {what}")]
-            payload = tensor.detach().contiguous()
-            handles += [
-                self.data.send(payload, dst, async_op=True, tag=what),
-                _Keep(header, payload),
-            ]
-        stream.seen(shape)
+            handles = [self.control.send(header, dst, async_op=True, tag=f"header of {what}")]
+        payload = tensor.detach().contiguous()
+        handles += [
+            self.data.send(payload, dst, async_op=True, tag=what),
+            _Keep(header, payload),
+        ]
         return handles
 
     def recv(self, src: int, message: Message, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,19 +221,19 @@ class Link:
         if stream.settled:
             assert stream.last is not None
             at = _padded(stream.last)
-            wire = torch.empty(at + HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            wire = _wire(at, self.device)
             self.data.recv(wire, src, tag=what)
             shape = _shape_of(wire[at:].view(torch.int64).cpu())
-            if shape == stream.last:
-                stream.seen(shape)
+            if stream.seen(shape):
                 return payload_of(wire, shape)
         else:
             header = torch.empty(_HEADER, dtype=torch.int64)
             self.control.recv(header, src, tag=f"header of {what}")
             shape = _shape_of(header)
+            stream.seen(shape)
+        # after a header, or a notice of a new shape: the tensor follows on its own
         out = torch.empty(shape[0], dtype=shape[1], device=self.device)
         self.data.recv(out, src, tag=what)
-        stream.seen(shape)
         return out
 
     def share_losses(self, losses: list[torch.Tensor], m: int, src: int) -> list[float]:

@@ -74,9 +74,7 @@ class PlannedLink(Link):
         if message.kind == "activation":  # received as the real link does ([Note: shapes on
             # the wire]): into its message's bytes once its stream has settled
             stream = self.received.setdefault(message.boundary, Stream(self.settle))
-            settled = stream.settled and stream.last == (tuple(shape), dtype)
-            stream.seen((tuple(shape), dtype))
-            if settled:
+            if stream.seen((tuple(shape), dtype)):
                 return settled_buffer((tuple(shape), dtype), self.device)
         return torch.empty(shape, dtype=dtype)
 
