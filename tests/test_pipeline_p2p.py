@@ -38,9 +38,13 @@ def _tensor(i: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return (torch.arange(n) % 7 + i).reshape(shape).to(dtype)
 
 
-def _exchange(sequence: list[tuple[int, tuple[int, ...], torch.dtype]]) -> dict[str, Any]:
+def _exchange(
+    sequence: list[tuple[int, tuple[int, ...], torch.dtype]], ahead: bool = False
+) -> dict[str, Any]:
     """Rank 0 sends the activations of ``sequence`` ((boundary, shape, dtype) each); rank 1
-    checks each and sends back a gradient, which rank 0 checks. Returns the messages sent."""
+    checks each and sends back a gradient, which rank 0 checks. Returns the messages sent.
+    ``ahead``: each receive is posted ahead where it can be ([Note: receives posted ahead]):
+    rank 0's gradient before it is due, rank 1's next activation before it sends a gradient."""
     topo = Topology.build(
         Mesh(pp=2), DoorwayOptions(desync_check=True, timeout_s=30), torch.device("cpu")
     )
@@ -57,6 +61,8 @@ def _exchange(sequence: list[tuple[int, tuple[int, ...], torch.dtype]]) -> dict[
         if rank == 0:
             sent = _tensor(i, shape, dtype)
             handles += link.send(sent, 1, act)
+            if ahead:
+                assert link.post(1, grad, like=sent)
             back = link.recv(1, grad, like=sent)
             want = sent if dtype == torch.bool else sent + 1  # what rank 1 sends back
             if back.shape != sent.shape or back.dtype != dtype or not torch.equal(back, want):
@@ -69,6 +75,9 @@ def _exchange(sequence: list[tuple[int, tuple[int, ...], torch.dtype]]) -> dict[
                 or not torch.equal(got, _tensor(i, shape, dtype))
             ):
                 wrong.append(i)
+            if ahead and i + 1 < len(sequence):
+                nxt = sequence[i + 1][0]
+                link.post(0, Message("activation", i + 1, nxt, nxt + 1))  # if settled
             handles += link.send(got + 1 if dtype != torch.bool else got, 0, grad)
         per_message.append((data.sends - before[0], control.sends - before[1]))
     for h in handles:
@@ -80,16 +89,18 @@ def _exchange(sequence: list[tuple[int, tuple[int, ...], torch.dtype]]) -> dict[
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def test_a_constant_boundary_settles_into_one_message_per_activation(ranks):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_constant_boundary_settles_into_one_message_per_activation(ranks, ahead):
     n = SETTLE + 4
-    sender, receiver = ranks(2, _exchange, [(0, (2, 5, 3), F32)] * n)
+    sender, receiver = ranks(2, _exchange, [(0, (2, 5, 3), F32)] * n, ahead)
     assert sender["wrong"] == receiver["wrong"] == []
     # (data, control) messages of each activation, then of its gradient: no header
     assert sender["per_message"] == [(1, 1)] * SETTLE + [(1, 0)] * (n - SETTLE)
     assert receiver["per_message"] == [(1, 0)] * n
 
 
-def test_shapes_that_change_arrive_whole_and_the_stream_settles_again(ranks):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_shapes_that_change_arrive_whole_and_the_stream_settles_again(ranks, ahead):
     a, b = (2, 5, 3), (3, 5, 3)
     sequence = (
         [(0, a, F32)] * (SETTLE + 1)  # settles
@@ -98,8 +109,8 @@ def test_shapes_that_change_arrive_whole_and_the_stream_settles_again(ranks):
         + [(0, a, F32), (0, b, F32)] * 3  # changing every message: never settles
         + [(0, (4,), torch.int64), (0, (), F32), (0, (2, 2), torch.bool)]
     )
-    sender, receiver = ranks(2, _exchange, sequence)
-    assert sender["wrong"] == receiver["wrong"] == []
+    sender, receiver = ranks(2, _exchange, sequence, ahead)  # ahead: a notice of a new shape
+    assert sender["wrong"] == receiver["wrong"] == []  # lands in a receive posted for the old
     sent = [m[0] for m in sender["per_message"]]  # data messages of each activation
     headers = [m[1] for m in sender["per_message"]]
     k = SETTLE + 1
@@ -110,17 +121,49 @@ def test_shapes_that_change_arrive_whole_and_the_stream_settles_again(ranks):
     assert headers[2 * k + 1 :] == [1] * (len(sequence) - 2 * k - 1)
 
 
-def test_two_boundaries_between_the_same_ranks_keep_their_own_shapes(ranks):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_two_boundaries_between_the_same_ranks_keep_their_own_shapes(ranks, ahead):
     # interleaved stages: boundaries 0 and 2 both go from rank 0 to rank 1
     sequence = [(0, (2, 3), F32), (2, (4, 1), F32)] * (SETTLE + 2) + [
         (2, (5,), F32),
         (0, (2, 3), F32),
     ]
-    sender, receiver = ranks(2, _exchange, sequence)
+    sender, receiver = ranks(2, _exchange, sequence, ahead)
     assert sender["wrong"] == receiver["wrong"] == []
     headers = [m[1] for m in sender["per_message"]]
     assert headers == [1] * (2 * SETTLE) + [0] * 4 + [0, 0]
     assert sender["per_message"][-2] == (2, 0)  # boundary 2's notice of its new shape, the tensor
+
+
+def _send_before_due(ahead: bool) -> bool:
+    """Rank 1 posts a gradient's receive ahead (or not), then waits for rank 0 to have
+    finished sending it before the receive is due. Without the receive posted, rank 0's send
+    cannot finish (gloo moves a message once both ends posted it): the doorway's timeout
+    ends both ranks with a hang report instead."""
+    topo = Topology.build(Mesh(pp=2), DoorwayOptions(timeout_s=10), torch.device("cpu"))
+    data, control = topo.data("pp"), topo.control("pp")
+    link = Link(data, control, torch.device("cpu"))
+    grad = Message("gradient", 0, 1, 0)
+    like = torch.zeros(256, 1024)  # 1 MiB
+    if data.rank == 1:
+        if ahead:
+            assert link.post(0, grad, like=like)
+        control.barrier()  # rank 0 sends now
+        control.barrier()  # ... and has finished sending: only now is the receive due
+        got = link.recv(0, grad, like=like)
+        assert torch.equal(got, like + 3)
+    else:
+        control.barrier()
+        for h in link.send(like + 3, 1, grad):
+            h.wait()
+        control.barrier()
+    topo.close()
+    return True
+
+
+def test_a_receive_posted_ahead_lets_its_send_finish_before_it_is_due(ranks):
+    """[Note: receives posted ahead]: the bytes move while the receiver is busy elsewhere."""
+    assert ranks(2, _send_before_due, True) == [True, True]
 
 
 # -- shapes that change every step, through the engine ------------------------------------------

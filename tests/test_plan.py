@@ -802,6 +802,31 @@ def test_interleaved_stages_are_planned_in_rounds():
     ]
 
 
+@pytest.mark.parametrize(("schedule", "virtual"), [("gpipe", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_receives_posted_ahead_move_a_buffer_not_the_activations(monkeypatch, schedule, virtual):
+    """A receive posted ahead ([Note: receives posted ahead]) allocates the next action's buffer
+    during the action before it: each stage's activations per micro-batch are what they are
+    when every receive is posted only when due, and the peak holds at most one more buffer
+    (the real run's peak is compared in test_each_stage_equals_a_real_pipeline_rank)."""
+    from longboat.pipeline import runtime
+
+    cfg = _pipe_config("replicate", 2, schedule)
+    cfg["pipeline"]["virtual_stages"] = virtual
+    target = resolve("gpt", GPT_ARGS)
+
+    def rows() -> list[Any]:
+        return make_plan(target, load_config(cfg), 2, MICRO, "adamw", ["replicate"]).strategies
+
+    ahead = rows()
+    monkeypatch.setattr(runtime._Ahead, "post", lambda self: None)
+    when_due = rows()
+    boundary = 4 * MICRO * GPT_ARGS["seq_len"] * GPT_ARGS["d_model"]
+    assert [r.activations for r in ahead] == [r.activations for r in when_due]
+    more = [a.peak - d.peak for a, d in zip(ahead, when_due, strict=True)]
+    assert all(0 <= b <= _with_header(boundary) for b in more), more
+    assert any(more), "no receive was posted ahead"
+
+
 def test_plan_cli_with_stages(tmp_path):
     base = _gpt_cli("--world-size", "2", "--strategies", "single,replicate")
     args = [*base, "--pp", "2", "--micro-batches", "4", "--schedule", "gpipe"]

@@ -241,14 +241,16 @@ class Pipeline:
         weights: dict[tuple[int, int], split_backward.WeightPass] = {}  # I done, W to come
         sends: list[Handle] = []
         losses: list[torch.Tensor] = []
+        ahead = _Ahead(link, plan, self.rank, saved)
         for a in plan.actions[self.rank]:
+            ahead.post()  # the last action may have made the activation a gradient is for
             mb, s = a.micro_batch, a.stage
             if a.op == "F":
                 if s == 0:
                     x: torch.Tensor | None = None
                     out = steps.forward(*inputs(micro_batches[mb]), stage=s)
                 else:
-                    x = link.recv(plan.rank_of(s - 1), Message("activation", mb, s - 1, s))
+                    x = ahead.recv(plan.rank_of(s - 1), Message("activation", mb, s - 1, s))
                     if x.is_floating_point():
                         x.requires_grad_(True)
                     out = steps.forward(x, stage=s)
@@ -268,7 +270,7 @@ class Pipeline:
                     losses.append(out.detach())
                 else:
                     root = out
-                    grad = link.recv(
+                    grad = ahead.recv(
                         plan.rank_of(s + 1), Message("gradient", mb, s + 1, s), like=out
                     )
                 found, weights[(mb, s)] = split_backward.backward_input(
@@ -284,7 +286,7 @@ class Pipeline:
                     steps.backward(out)
                     losses.append(out.detach())
                 else:
-                    grad = link.recv(
+                    grad = ahead.recv(
                         plan.rank_of(s + 1), Message("gradient", mb, s + 1, s), like=out
                     )
                     steps.backward_from(out, grad)
@@ -328,3 +330,45 @@ class Pipeline:
         for h in sends:
             h.wait()
         return self.link.share_losses(losses, len(micro_batches), src=self.ranks - 1)
+
+
+class _Ahead:
+    """This rank's receives in its schedule's order, each posted ahead ([Note: receives
+    posted ahead] in ``p2p.py``) as soon as the one before it was received and what it needs
+    exists: the activation its gradient belongs to, or its stream's settled shape."""
+
+    def __init__(
+        self,
+        link: Link,
+        plan: schedules.PipelineSchedule,
+        rank: int,
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]],
+    ) -> None:
+        self.link, self.saved = link, saved
+        last = plan.stages - 1
+        self.due: list[tuple[int, Message]] = []
+        for a in plan.actions[rank]:
+            mb, s = a.micro_batch, a.stage
+            if a.op == "F" and s > 0:
+                self.due.append((plan.rank_of(s - 1), Message("activation", mb, s - 1, s)))
+            elif a.op in ("B", "I") and s != last:
+                self.due.append((plan.rank_of(s + 1), Message("gradient", mb, s + 1, s)))
+        self.next = 0
+
+    def post(self) -> None:
+        if self.next >= len(self.due) or self.link.posted is not None:
+            return
+        src, message = self.due[self.next]
+        like = None
+        if message.kind == "gradient":
+            held = self.saved.get((message.micro_batch, message.dst))
+            if held is None:
+                return  # its activation is not made yet
+            like = held[1]
+        self.link.post(src, message, like)
+
+    def recv(self, src: int, message: Message, like: torch.Tensor | None = None) -> torch.Tensor:
+        got = self.link.recv(src, message, like)
+        self.next += 1
+        self.post()
+        return got

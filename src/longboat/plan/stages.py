@@ -16,7 +16,10 @@ rounds). Every simulation builds its own engine, as a rank would.
 [Note: stage activations] A stage's activations per micro-batch are the bytes its forward
 action leaves live: from before its input arrives (the runtime keeps the received activation
 until the backward) to the start of the rank's next action, when the forward's temporaries are
-gone (on the last stage the logits, once the loss has been taken).
+gone (on the last stage the logits, once the loss has been taken). A receive posted ahead
+([Note: receives posted ahead]) allocates the next action's buffer within that window: it is
+counted with the action it is received for, as if allocated when due (the peak counts it where
+it is).
 :meth:`PipelineSchedule.peak_held` then walks the rank's actions to find the most it holds at
 once: ``m`` micro-batches' worth under GPipe,
 at most ``p - r`` on rank ``r`` under 1F1B. The peak the planner reports is measured, not
@@ -32,7 +35,7 @@ import torch
 
 from longboat.comm.protocol import Comm, Handle
 from longboat.mesh import Mesh
-from longboat.pipeline.p2p import Link, Message, Stream, settled_buffer
+from longboat.pipeline.p2p import Link, Message, Posted, Shape, Stream
 from longboat.pipeline.runtime import Pipeline
 from longboat.pipeline.schedule import split
 from longboat.pipeline.schedules import PipelineSchedule
@@ -66,17 +69,33 @@ class PlannedLink(Link):
         return super().send(tensor, dst, message)  # the meta collectives count the bytes
 
     def recv(self, src: int, message: Message, like: torch.Tensor | None = None) -> torch.Tensor:
-        self.probe.arriving()
-        known = self.shapes.get((message.micro_batch, message.boundary))
-        if known is None:
+        if (message.micro_batch, message.boundary) not in self.shapes:
             raise Unreached(message.receiving())
-        shape, dtype = known
-        if message.kind == "activation":  # received as the real link does ([Note: shapes on
-            # the wire]): into its message's bytes once its stream has settled
-            stream = self.received.setdefault(message.boundary, Stream(self.settle))
-            if stream.seen((tuple(shape), dtype)):
-                return settled_buffer((tuple(shape), dtype), self.device)
-        return torch.empty(shape, dtype=dtype)
+        # A received activation is its forward's from before it arrived: a buffer posted ahead
+        # ([Note: receives posted ahead]) is the activation's, not what was live before it.
+        posted = self.posted
+        ahead = posted is not None and posted.message == message and posted.at is not None
+        self.probe.arriving(posted.buffer if posted is not None and ahead else None)
+        return super().recv(src, message, like)  # the meta data plane receives nothing
+
+    def post(self, src: int, message: Message, like: torch.Tensor | None = None) -> bool:
+        if not super().post(src, message, like):
+            return False
+        assert self.posted is not None
+        self.probe.posted(self.posted.buffer)
+        return True
+
+    def _known(self, message: Message) -> Shape:
+        shape, dtype = self.shapes[(message.micro_batch, message.boundary)]
+        return tuple(shape), dtype
+
+    def _header_of(self, posted: Posted) -> Shape:
+        return self._known(posted.message)  # fake bytes: the sender recorded the shape
+
+    def _with_header(self, src: int, message: Message) -> torch.Tensor:
+        shape = self._known(message)
+        self.received.setdefault(message.boundary, Stream(self.settle)).seen(shape)
+        return self._payload(src, message, shape)
 
     def share_losses(self, losses: list[torch.Tensor], m: int, src: int) -> list[float]:
         return [0.0] * m  # fake tensors have no values to share
@@ -91,22 +110,36 @@ class _Probe:
         self.engine, self.tracker = engine, tracker
         self.size: dict[int, int] = {}
         self._open: tuple[int, int] | None = None  # (stage, live before) of the last forward
+        self._ahead = 0  # bytes of receives posted ahead since that forward began
         self._arrival: int | None = None  # live before the latest receive
 
     def mark(self) -> None:
         """An action begins (or the step ends): close the forward before it."""
         if self._open is not None:
             stage, before = self._open
-            self.size[stage] = max(self.size.get(stage, 0), self.tracker.live - before)
+            made = self.tracker.live - before - self._ahead
+            self.size[stage] = max(self.size.get(stage, 0), made)
             self._open = None
+            self._ahead = 0
 
-    def arriving(self) -> None:
+    def posted(self, buffer: torch.Tensor) -> None:
+        """A receive posted ahead allocated ``buffer`` (the next receiving action's) since
+        the open forward's input arrived or it began: not that forward's."""
+        if self._open is not None or self._arrival is not None:
+            self._ahead += _nbytes(buffer)
+
+    def arriving(self, buffer: torch.Tensor | None = None) -> None:
+        """A receive is due; ``buffer``: the activation's, posted ahead (already live)."""
         self.mark()
-        self._arrival = self.tracker.live
+        self._ahead = 0
+        self._arrival = self.tracker.live - (_nbytes(buffer) if buffer is not None else 0)
 
     def forward(self, *args: Any, stage: int) -> Any:
         self.mark()
-        before = self._arrival if stage > 0 and self._arrival is not None else self.tracker.live
+        received = stage > 0 and self._arrival is not None
+        before = self._arrival if received and self._arrival is not None else self.tracker.live
+        if not received:
+            self._ahead = 0  # the window starts now: nothing was posted within it yet
         self._arrival = None
         self._open = (stage, before)
         return self.engine.forward(*args, stage=stage)
@@ -130,6 +163,10 @@ class _Probe:
         self.mark()
         self._arrival = None
         self.engine.backward_with(run)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class StageSteps:
