@@ -24,6 +24,8 @@ LAYERS = [
         "longboat.roles",
         "longboat.network",
         "longboat.heap",
+        # torch's CPU allocator given a pool (beside heap.py); imports nothing of longboat.
+        "longboat.cpu_pool",
         # A launch module, but pure and importing nothing of longboat: world.py reads Slurm's
         # node list and port with the same functions `longboat run` uses.
         "longboat.launch.node_env",

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from longboat import heap
+from longboat import cpu_pool, heap
 from longboat.observe.memory import optimizer_state_bytes_per_param
 from longboat.pieces import RankState
 from longboat.placement import planning_for_accelerator
@@ -100,8 +100,11 @@ class OnDisk(InMemory):
         super().__init__(ctx, policy)
         # Buffers read from disk and freed a unit later go back to the system, so the budget
         # holds at glibc's defaults ([Note: fixed mmap threshold] in ``heap.py``).
-        if not any(isinstance(p, FakeTensor) for p in params):  # not for the planner's run
-            heap.fix_mmap_threshold()
+        # Large temporaries are then reused from a pool of their own ([Note: warm blocks]).
+        planning = any(isinstance(p, FakeTensor) for p in params)  # not in the planner's run
+        if not planning and heap.fix_mmap_threshold():
+            largest = max((p.numel() * p.element_size() for p in params), default=0)
+            cpu_pool.install(4 * largest, heap.MMAP_THRESHOLD)
         self.rank = ctx.world.rank
         self.swap: StateSwap | None = None  # [Note: optimizer state offload]
         self.shards: ShardSwap | None = None  # [Note: parameter offload]
