@@ -141,7 +141,7 @@ def _pool_asked_for(path: str, fixed: bool) -> list[int]:
 
 
 def test_a_disk_home_asks_for_the_pool_where_it_fixed_the_threshold(ranks, tmp_path):
-    # four of the largest parameter: the 16 x 8 weight, fp32
-    assert ranks(1, _pool_asked_for, str(tmp_path), True) == [[4 * 16 * 8 * 4]]
+    # two of the largest parameter: the 16 x 8 weight, fp32
+    assert ranks(1, _pool_asked_for, str(tmp_path), True) == [[2 * 16 * 8 * 4]]
     # a threshold of the user's (MALLOC_MMAP_THRESHOLD_) leaves the allocator alone too
     assert ranks(1, _pool_asked_for, str(tmp_path), False) == [[]]

@@ -104,7 +104,7 @@ class OnDisk(InMemory):
         planning = any(isinstance(p, FakeTensor) for p in params)  # not in the planner's run
         if not planning and heap.fix_mmap_threshold():
             largest = max((p.numel() * p.element_size() for p in params), default=0)
-            cpu_pool.install(4 * largest, heap.MMAP_THRESHOLD)
+            cpu_pool.install(2 * largest, heap.MMAP_THRESHOLD)
         self.rank = ctx.world.rank
         self.swap: StateSwap | None = None  # [Note: optimizer state offload]
         self.shards: ShardSwap | None = None  # [Note: parameter offload]
