@@ -26,7 +26,8 @@ is a small C++ extension built with ``torch.utils.cpp_extension`` where it is fi
 compiler is needed once per torch version; its build is cached and shared by the ranks).
 Without a compiler the run goes on without the pool, as it did before, and says so. It is
 installed only where the disk home fixed the threshold itself: a ``MALLOC_MMAP_THRESHOLD_`` of
-the user's leaves malloc's behaviour, and this, to them.
+the user's leaves malloc's behaviour, and this, to them. Like the fixed threshold, it stays for
+the life of the process.
 """
 
 from __future__ import annotations
