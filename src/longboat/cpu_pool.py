@@ -18,13 +18,13 @@ before. The disk home sets ``cap`` to two of the model's largest parameter: a ba
 gradients are the temporaries it makes most often at that size, one landing while the one before
 is reduced. What the pool keeps counts against the budget, never more than ``cap``; the planner
 does not count it. On the headline model (largest parameter 32 MiB) a cap of 64 MiB measured
-1.10-1.14x ZeRO-3 in memory at 949 MiB per rank, 128 MiB 1.13-1.16x at 971-995 MiB, against
-1.31-1.32x at 913-936 MiB without the pool (``docs/memory.md``).
+1.15-1.19x ZeRO-3 in memory at 938-1,010 MiB per rank in two runs, 128 MiB 1.13-1.16x at
+971-995 MiB in one, against 1.31-1.32x at 913-936 MiB without the pool (``docs/memory.md``).
 
 torch has no Python hook for its CPU allocator, only C++'s ``c10::SetCPUAllocator``, so the pool
 is a small C++ extension built with ``torch.utils.cpp_extension`` where it is first needed (a
-compiler is needed once per torch version; its build is cached and shared by the ranks).
-Without a compiler the run goes on without the pool, as it did before, and says so. It is
+C++ compiler and ``ninja`` are needed once per torch version; the build is cached and shared by
+the ranks). Without them the run goes on without the pool, as it did before, and says so. It is
 installed only where the disk home fixed the threshold itself: a ``MALLOC_MMAP_THRESHOLD_`` of
 the user's leaves malloc's behaviour, and this, to them. Like the fixed threshold, it stays for
 the life of the process.
