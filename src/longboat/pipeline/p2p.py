@@ -225,6 +225,8 @@ class Link:
         size is known without a header ([Note: receives posted ahead]); whether it was. At
         most one receive is posted at a time; a gradient needs ``like``, the activation it
         belongs to."""
+        # recv posts through _post, so that a link that counts what is posted ahead
+        # (the planner's) can tell those from receives posted when due.
         return self._post(src, message, like)
 
     def _post(self, src: int, message: Message, like: torch.Tensor | None) -> bool:

@@ -345,14 +345,12 @@ class _Ahead:
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]],
     ) -> None:
         self.link, self.saved = link, saved
-        last = plan.stages - 1
-        self.due: list[tuple[int, Message]] = []
-        for a in plan.actions[rank]:
-            mb, s = a.micro_batch, a.stage
-            if a.op == "F" and s > 0:
-                self.due.append((plan.rank_of(s - 1), Message("activation", mb, s - 1, s)))
-            elif a.op in ("B", "I") and s != last:
-                self.due.append((plan.rank_of(s + 1), Message("gradient", mb, s + 1, s)))
+        self.due = [
+            (peer, Message("activation", a.micro_batch, a.stage - 1, a.stage))
+            if a.op == "F"
+            else (peer, Message("gradient", a.micro_batch, a.stage + 1, a.stage))
+            for peer, a in plan.messages(rank)[1]  # the schedule's own receives, in order
+        ]
         self.next = 0
 
     def post(self) -> None:

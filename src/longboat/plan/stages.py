@@ -73,9 +73,9 @@ class PlannedLink(Link):
             raise Unreached(message.receiving())
         # A received activation is its forward's from before it arrived: a buffer posted ahead
         # ([Note: receives posted ahead]) is the activation's, not what was live before it.
-        posted = self.posted
-        ahead = posted is not None and posted.message == message and posted.at is not None
-        self.probe.arriving(posted.buffer if posted is not None and ahead else None)
+        p = self.posted
+        ahead = p.buffer if p is not None and p.message == message and p.at is not None else None
+        self.probe.arriving(ahead)
         return super().recv(src, message, like)  # the meta data plane receives nothing
 
     def post(self, src: int, message: Message, like: torch.Tensor | None = None) -> bool:
@@ -126,20 +126,21 @@ class _Probe:
         """A receive posted ahead allocated ``buffer`` (the next receiving action's) since
         the open forward's input arrived or it began: not that forward's."""
         if self._open is not None or self._arrival is not None:
-            self._ahead += _nbytes(buffer)
+            self._ahead += buffer.untyped_storage().nbytes()  # as the tracker counts it
 
     def arriving(self, buffer: torch.Tensor | None = None) -> None:
         """A receive is due; ``buffer``: the activation's, posted ahead (already live)."""
         self.mark()
         self._ahead = 0
-        self._arrival = self.tracker.live - (_nbytes(buffer) if buffer is not None else 0)
+        held = buffer.untyped_storage().nbytes() if buffer is not None else 0
+        self._arrival = self.tracker.live - held
 
     def forward(self, *args: Any, stage: int) -> Any:
         self.mark()
-        received = stage > 0 and self._arrival is not None
-        before = self._arrival if received and self._arrival is not None else self.tracker.live
-        if not received:
+        arrival = self._arrival if stage > 0 else None
+        if arrival is None:
             self._ahead = 0  # the window starts now: nothing was posted within it yet
+        before = arrival if arrival is not None else self.tracker.live
         self._arrival = None
         self._open = (stage, before)
         return self.engine.forward(*args, stage=stage)
@@ -163,10 +164,6 @@ class _Probe:
         self.mark()
         self._arrival = None
         self.engine.backward_with(run)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class StageSteps:
