@@ -135,6 +135,9 @@ class Reduction:
                 flat_grad = self.home.buffer(u.padded, u.gathered_dtype, u.device).zero_()
             u.flat_grad = flat_grad
         u.view(flat_grad, i).add_(p.grad)
+        # The unit holds the buffer: a name here would keep it alive past its landing in
+        # ``reap`` below, until this hook returns.
+        del flat_grad
         p.grad = None  # the flat buffer holds it now; free the full-size gradient
         u.arrived.add(i)
         u.used.add(i)
