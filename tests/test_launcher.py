@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import types
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -141,6 +142,60 @@ def test_failed_rank_is_named_and_nothing_is_left(
     # torch elastic only stops workers still running: the child of the dead rank 1 is ours.
     assert "the workers left behind" in result.stderr
     _assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("one_stays", [False, True])
+def test_a_rank_that_lost_its_peer_says_so_before_the_launcher_stops_the_rest(
+    one_stays: bool,
+) -> None:
+    # [Note: last words]: rank 0 speaks 0.4 s after its barrier failed, after the agent's next
+    # 0.1 s tick; without the moment it is given, SIGTERM comes first and its line is lost.
+    # At three ranks, rank 2 sleeps on.
+    result = _run(_cli("run", "-n", "3" if one_stays else "2", str(SCRIPTS / "last_words.py")))
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("longboat:")]
+    assert lines[0] == "longboat: rank 1 failed with exit code 1 (see its traceback above)"
+    assert "[rank0]: rank 0 lost its peer: " in result.stderr, result.stderr
+    assert "longboat: rank 0 then failed after losing a peer" in lines, lines
+    # A rank that never ends by itself is still stopped, once the moment is over.
+    stopped = [line for line in lines if "stopped by the launcher" in line]
+    assert stopped == (["longboat: rank 2 stopped by the launcher (SIGTERM)"] if one_stays else [])
+
+
+class _Proc:
+    """A worker process as the agent's handler holds it: ends with ``code`` at ``poll`` number
+    ``ends_at`` (None: never)."""
+
+    def __init__(self, pid: int, code: int, ends_at: int | None) -> None:
+        self.pid, self.code, self.ends_at, self.polls = pid, code, ends_at, 0
+
+    def poll(self) -> int | None:
+        self.polls += 1
+        return self.code if self.ends_at is not None and self.polls >= self.ends_at else None
+
+
+def _agent(*procs: _Proc) -> object:
+    handlers = {i: types.SimpleNamespace(proc=p) for i, p in enumerate(procs)}
+    return types.SimpleNamespace(_pcontext=types.SimpleNamespace(subprocess_handlers=handlers))
+
+
+def test_last_words_waits_for_the_others_only_after_a_failure_and_keeps_the_first() -> None:
+    from longboat.launch.last_words import Ended, LastWords
+
+    words = LastWords(timeout_s=30)
+    # Nothing failed: no wait, nothing kept.
+    assert not words.settle(_agent(_Proc(10, 0, 1), _Proc(11, 0, None)))
+    assert words.first_failure() is None
+    # Rank 1 died; rank 0 ends at its third look, rank 2 had ended with 0 already.
+    lost, dead = _Proc(10, 1, 3), _Proc(11, -9, 1)
+    assert words.settle(_agent(lost, dead, _Proc(12, 0, 1)))
+    assert lost.poll() == 1  # it was waited for, not stopped
+    assert words.first_failure() == Ended(local_rank=1, pid=11, exitcode=-9)
+    assert words.first_failure() is None  # each attempt its own
+    # A rank that never ends costs the moment, and no more.
+    quick = LastWords(timeout_s=0.05)
+    assert quick.settle(_agent(_Proc(10, 1, 1), _Proc(11, 0, None)))
+    assert quick.first_failure() == Ended(local_rank=0, pid=10, exitcode=1)
 
 
 def test_restart_after_a_killed_rank() -> None:

@@ -6,10 +6,11 @@ import contextlib
 import logging
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from longboat.launch.failures import WorkerExit, describe
+from longboat.launch.last_words import Ended
 
 # torch's init_process_group installs an excepthook in every worker that already prefixes each
 # traceback line with "[rankN]: ", the same prefix the agent adds, so tracebacks would show it
@@ -59,11 +60,18 @@ class _FailureLogFilter(logging.Filter):
     """Drops torch's stop/failure lines; turns the failure of an attempt that will be restarted
     into a longboat line (the final failure gets the full report from the launcher instead)."""
 
-    def __init__(self, node_rank: int, nproc_per_node: int, max_restarts: int) -> None:
+    def __init__(
+        self,
+        node_rank: int,
+        nproc_per_node: int,
+        max_restarts: int,
+        first_failure: Callable[[], Ended | None] = lambda: None,
+    ) -> None:
         super().__init__()
         self._first_rank = node_rank * nproc_per_node
         self._max_restarts = max_restarts
         self._failed_attempts = 0
+        self._first_failure = first_failure
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not isinstance(record.msg, str):
@@ -73,8 +81,11 @@ class _FailureLogFilter(logging.Filter):
         if not record.msg.startswith(_FAILED_MESSAGE):
             return True
         self._failed_attempts += 1
+        first = self._first_failure()  # this attempt's, before its ranks' moment to end
         if self._failed_attempts > self._max_restarts:
             return False
+        if first is not None:  # [Note: last words]: torch names a rank that ended in the moment
+            record.args = (first.exitcode, first.local_rank, first.pid)
         # torch's elastic agent logs the exit code, local rank and pid as ints.
         match record.args:
             case (int() as exitcode, int() as local_rank, int() as pid, *_):
@@ -89,11 +100,16 @@ class _FailureLogFilter(logging.Filter):
 
 @contextlib.contextmanager
 def worker_console(
-    node_rank: int, nproc_per_node: int, max_restarts: int, prefix: bool = True
+    node_rank: int,
+    nproc_per_node: int,
+    max_restarts: int,
+    prefix: bool = True,
+    first_failure: Callable[[], Ended | None] = lambda: None,
 ) -> Iterator[None]:
     """For the duration of a launch: one rank prefix per line (or none), no log lines we report
-    better."""
-    log_filter = _FailureLogFilter(node_rank, nproc_per_node, max_restarts)
+    better; a restart names ``first_failure()``'s rank where it gives one ([Note: last
+    words])."""
+    log_filter = _FailureLogFilter(node_rank, nproc_per_node, max_restarts, first_failure)
     logger = logging.getLogger(_ELASTIC_MP_LOGGER)
     logger.addFilter(log_filter)
     try:

@@ -297,7 +297,13 @@ def launch(opts: RunOptions) -> int:
         stack.enter_context(wake_stopped_workers())
         stack.enter_context(reaper)
         stack.enter_context(
-            worker_console(opts.node_rank, opts.nproc_per_node, opts.max_restarts, opts.rank_prefix)
+            worker_console(
+                opts.node_rank,
+                opts.nproc_per_node,
+                opts.max_restarts,
+                opts.rank_prefix,
+                survivors.last_words.first_failure,
+            )
         )
         stack.enter_context(survivors.watching())
         if opts.stop_on_stdin_eof:

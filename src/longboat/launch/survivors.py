@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from longboat import roles
+from longboat.launch.last_words import LastWords
 from longboat.recovery.membership import LEFT_STATUS, publish_death
 
 
@@ -105,6 +106,7 @@ class Survivors:
         self.replaced: list[tuple[int, int]] = []  # (global rank, id of its replacement)
         self._ids: dict[int, int] = {}  # global rank -> id of its current process
         self._store: Any = None  # the job's store, opened at the first death
+        self.last_words = LastWords()  # the others' moment after a failure ([Note: last words])
 
     def check(self, agent: Any, worker_group: Any) -> int:
         """Drop (or start again) each droppable rank that has ended badly since the last tick;
@@ -205,6 +207,10 @@ class Survivors:
 
         def monitor(agent: Any, worker_group: Any) -> Any:
             self.check(agent, worker_group)
+            # A failure the job cannot go on without: the others' last lines first ([Note:
+            # last words] in last_words.py), then a droppable rank that ended meanwhile.
+            if self.last_words.settle(agent):
+                self.check(agent, worker_group)
             result = original(agent, worker_group)
             # A droppable rank that ended between the check and the agent's own look (a
             # replica's last member leaving a moment after its peer died) read as the job's
