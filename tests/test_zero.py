@@ -145,6 +145,65 @@ def test_an_optimizer_may_declare_itself_elementwise():
     _initialize(_DeclaredSGD, lr=0.1).close()
 
 
+class _CountedAdamW(torch.optim.AdamW):
+    """AdamW that counts its ``step()`` calls (declared element-wise, as AdamW is)."""
+
+    longboat_elementwise = True
+    calls = 0
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        type(self).calls += 1
+        return super().step(closure)
+
+
+def _steps_and_gathers(stage: int, param_dtype: str | None) -> dict:
+    """Three steps of the tiny model in many units: ``step()`` calls and all-gathers per step,
+    and the parameters after them."""
+    recipe = reference.Recipe(model="tiny", optimizer="adamw")
+    model, _, _ = recipe.build()
+    opt = _CountedAdamW(model.parameters(), lr=1e-2)
+    extra = {"precision": {"dtype": "bf16", "param_dtype": param_dtype}} if param_dtype else {}
+    world = torch.distributed.get_world_size()
+    cfg = harness.config(_zero(stage), recipe, 4 * world, 4, **extra)  # no accumulation
+    engine = longboat.initialize(model, opt, cfg)
+    _CountedAdamW.calls = 0
+    gathers = [0]
+    comm = engine.strategy.comm  # the shard group's doorway
+    all_gather = comm.all_gather
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gathers[0] += 1
+        return all_gather(*args, **kwargs)
+
+    comm.all_gather = counted
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(engine.topology.rank))
+    for _ in range(3):
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    out = {
+        "calls": _CountedAdamW.calls / 3,
+        "gathers": gathers[0] / 3,
+        "units": len(engine.strategy.units),
+        "params": {k: v.float() for k, v in engine.state_dict().items()},
+    }
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("param_dtype", [None, "bf16"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_shard_group_of_one_steps_once_and_gathers_nothing(ranks, stage, param_dtype):
+    # [Note: a shard group of one] in zero/step.py: unit by unit only where a gather follows.
+    (alone,) = ranks(1, _steps_and_gathers, stage, param_dtype)
+    assert alone["units"] > 2, alone["units"]
+    assert alone["calls"] == 1 and alone["gathers"] == 0, alone
+    pair = ranks(2, _steps_and_gathers, stage, param_dtype)
+    assert pair[0]["calls"] == pair[0]["units"] and pair[0]["gathers"] == pair[0]["units"]
+    # the masters reached the parameters the forward reads, under param_dtype too
+    ref = reference.Recipe(model="tiny", optimizer="adamw").build()[0].state_dict()
+    assert any(not torch.equal(alone["params"][k], v.float()) for k, v in ref.items())
+
+
 def _load_state_dict(stage: int) -> dict:
     """Train one step, then load doubled whole weights: what the engine then holds, and
     whether the optimizer state moved."""
