@@ -32,6 +32,13 @@ SETTLE_S = 2.0
 _POLL_S = 0.02
 
 
+def worker_handlers(agent: Any) -> dict[int, Any]:
+    """The agent's subprocess handlers by local rank (each holds its worker's ``proc``); empty
+    where this torch's agent has none ([Note: keeping survivors] in ``survivors.py``)."""
+    handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
+    return dict(handlers) if handlers else {}
+
+
 @dataclass(frozen=True)
 class Ended:
     """A worker that ended badly: its local rank, pid and status (negative: its signal)."""
@@ -51,9 +58,7 @@ class LastWords:
     def settle(self, agent: Any) -> bool:
         """Where one of ``agent``'s workers has ended with a non-zero status and others still
         run, wait until they have ended too, or the moment has passed. True if it waited."""
-        handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
-        if not handlers:
-            return False
+        handlers = worker_handlers(agent)
         procs = {lr: p for lr, h in handlers.items() if (p := getattr(h, "proc", None)) is not None}
         failed = [
             Ended(lr, p.pid, code)
@@ -76,4 +81,4 @@ class LastWords:
         return first
 
 
-__all__ = ["SETTLE_S", "Ended", "LastWords"]
+__all__ = ["SETTLE_S", "Ended", "LastWords", "worker_handlers"]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from longboat import roles
-from longboat.launch.last_words import LastWords
+from longboat.launch.last_words import LastWords, worker_handlers
 from longboat.recovery.membership import LEFT_STATUS, publish_death
 
 
@@ -111,7 +111,7 @@ class Survivors:
     def check(self, agent: Any, worker_group: Any) -> int:
         """Drop (or start again) each droppable rank that has ended badly since the last tick;
         how many it took."""
-        handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
+        handlers = worker_handlers(agent)
         if not handlers:
             return 0
         taken = 0
