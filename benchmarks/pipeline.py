@@ -7,17 +7,21 @@ parameters, AdamW, clipping 1.0, sequence 128) on 16 samples per optimizer step,
 ``engine.train_step``, the defaults a user gets otherwise:
 
 - ``replicate``: 2 data-parallel ranks, 8 samples each, no accumulation (how one would run it);
-- ``<schedule>-m<M>-<partition>``: ``[mesh] pp = 2`` (one stage per rank), ``M`` micro-batches
-  of ``16 / M`` samples, the layers split by ``<partition>``: ``measured`` (the default: each
-  layer timed on one micro-batch, the slowest stage made as fast as it can be) or
-  ``parameters`` (the previous default: embeddings and 2 blocks, then 2 blocks and the head).
+- ``<schedule>-m<M>-<partition>``: ``[mesh] pp = 2`` (one stage per rank; ``interleaved``:
+  ``--virtual-stages`` per rank), ``M`` micro-batches of ``16 / M`` samples, the layers split by
+  ``<partition>``: ``measured`` (the default: each piece, a layer or a block's attention or MLP
+  half, timed on one micro-batch, the slowest stage made as fast as it can be, then the split
+  the schedule simulator predicts fastest for the side's schedule and ``M``) or ``parameters``
+  (DeepSpeed's default: embeddings and 2 blocks, then 2 blocks and the head).
 
 Each side runs alone in a fresh pair of processes (``--warmup`` steps, then ``--steps``
 measured), the sides' order reversed every other repeat (ABBA). Per step and rank it records the
 step time (the MAX over ranks is the step time) and the seconds that rank spent blocked in the
 pipeline's doorways (receiving an activation or a gradient its neighbour has not sent yet): the
 *measured idle fraction*, against the theory ``(p - 1) / (m + p - 1)`` (equal stages; ZB-H1's
-``(p - 1) / (3 m + p - 1)`` with its backward split half and half, ``--schedules zb-h1``) and, for
+``(p - 1) / (3 m + p - 1)`` with its backward split half and half, ``--schedules zb-h1``;
+interleaved, ``(p - 1) / (v m + p - 1)``; ``idle_theory_one_stage_per_rank`` keeps the first for
+every side) and, for
 the measured split, the idle the schedule simulator predicts from the stages' measured forward
 and backward times (``Pipeline.predicted_idle``; transfers free). Transfers count as measured
 idle (they are loopback copies here). Activations: during one step, the bytes of tensors autograd
@@ -29,6 +33,8 @@ Usage::
 
     python benchmarks/pipeline.py                          # ~10 minutes, on a quiet machine
     python benchmarks/pipeline.py --partitions measured,parameters   # both splits, ~20 minutes
+    python benchmarks/pipeline.py --schedules 1f1b,zb-h1,interleaved --micro-batches 8,16 \
+        --out benchmarks/results/pipeline_schedules.json     # every schedule, measured split
     python benchmarks/pipeline.py --micro-batches 2 --schedules 1f1b --steps 1 --warmup 0 \
         --repeats 1 --out /tmp/pipeline.json               # a smoke run (numbers meaningless)
 
@@ -61,7 +67,10 @@ GLOBAL_BATCH = 16
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--micro-batches", default="2,4,8", help="pipeline micro-batch counts")
-    ap.add_argument("--schedules", default="gpipe,1f1b", help="gpipe, 1f1b, zb-h1")
+    ap.add_argument("--schedules", default="gpipe,1f1b", help="gpipe, 1f1b, zb-h1, interleaved")
+    ap.add_argument(
+        "--virtual-stages", type=int, default=2, help="stages per rank under interleaved"
+    )
     ap.add_argument(
         "--partitions", default="measured", help="pipeline.partition: measured, parameters"
     )
@@ -119,7 +128,7 @@ class _Held:
         self.owner.release(self.ptr, self.n)
 
 
-def _config(side: str) -> dict[str, Any]:
+def _config(side: str, virtual: int = 2) -> dict[str, Any]:
     base: dict[str, Any] = {
         "log": {"progress": False, "level": "WARNING"},
         "gradient_clipping": 1.0,
@@ -128,10 +137,13 @@ def _config(side: str) -> dict[str, Any]:
     if side == "replicate":
         return {**base, "batch": {"train_batch_size": GLOBAL_BATCH, "micro_batch_size": 8}}
     schedule, m, partition = _side(side)
+    pipeline: dict[str, Any] = {"schedule": schedule, "partition": partition}
+    if schedule == "interleaved":
+        pipeline["virtual_stages"] = virtual
     return {
         **base,
         "mesh": {"pp": 2},
-        "pipeline": {"schedule": schedule, "partition": partition},
+        "pipeline": pipeline,
         "batch": {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": int(m)},
     }
 
@@ -158,7 +170,7 @@ def _run_side(rank: int, args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     model = reference_gpt()
-    cfg = _config(args.side)
+    cfg = _config(args.side, args.virtual_stages)
     micro = GLOBAL_BATCH // cfg["batch"].get("gradient_accumulation_steps", 2)
     # one micro-batch's tokens, for the measured split to time the layers on
     example = synthetic_tokens(micro, model.seq_len, model.vocab_size, torch.Generator())[0]
@@ -193,7 +205,7 @@ def _run_side(rank: int, args: argparse.Namespace) -> None:
             m = engine.accumulation_steps
             mine["idle_predicted"] = pipe.predicted_idle(m)[stage]
             fwd, bwd = pipe.stage_costs
-            mine["stage_measured_s"] = fwd[stage] + bwd[stage]
+            mine["stage_measured_s"] = sum(fwd[s] + bwd[s] for s in pipe.held_stages)
     engine.close()
     # Each rank writes its own record; the parent puts them together.
     args.out.with_suffix(f".rank{rank}.json").write_text(json.dumps({"step_s": steps, **mine}))
@@ -216,6 +228,8 @@ def _one_side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any] 
         str(args.warmup),
         "--threads",
         str(args.threads),
+        "--virtual-stages",
+        str(args.virtual_stages),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     files = [out.with_suffix(f".rank{r}.json") for r in range(2)]
@@ -280,7 +294,10 @@ def main(argv: list[str] | None = None) -> None:
             "bounds": stages[0]["bounds"],
             "median_step_s": step,
             "vs_replicate": step / rep,
-            "idle_theory": bubble_theory(2, m, kind=schedule),
+            "idle_theory": bubble_theory(
+                2, m, args.virtual_stages if schedule == "interleaved" else 1, kind=schedule
+            ),
+            "idle_theory_one_stage_per_rank": bubble_theory(2, m),
             "idle_measured": {s: statistics.median(v["idle"]) for s, v in stages.items()},
             "idle_predicted": {
                 s: statistics.median(v["predicted"]) for s, v in stages.items() if v["predicted"]
@@ -311,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
             "optimizer": "AdamW lr 3e-4 wd 0.1, clipping 1.0",
             "replicate": "2 data-parallel ranks, micro-batch 8, no accumulation",
             "pipeline": "mesh.pp = 2, m micro-batches of 16/m, partition per side",
+            "virtual_stages": f"{args.virtual_stages} per rank under interleaved, else 1",
+            "stage_measured_s": "per rank: measured forward + backward of its stages' pieces",
             "world_size": 2,
             "threads_per_rank": args.threads,
             "warmup_steps": args.warmup,

@@ -78,12 +78,12 @@ def _bounds(text: str) -> list[int]:
 class _Chunk(nn.Module):
     """Consecutive layers of ``pipeline_layers()`` as one module, for torch's PipelineStage."""
 
-    def __init__(self, model: nn.Module, layers: list[tuple[tuple[str, ...], Callable]]) -> None:
+    def __init__(self, model: nn.Module, layers: list[tuple[Any, ...]]) -> None:
         super().__init__()
         self.parts = nn.ModuleDict(
-            {p.replace(".", "_"): model.get_submodule(p) for paths, _ in layers for p in paths}
+            {p.replace(".", "_"): model.get_submodule(p) for paths, *_ in layers for p in paths}
         )
-        self.fns = [fn for _, fn in layers]
+        self.fns = [layer[1] for layer in layers]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for fn in self.fns:

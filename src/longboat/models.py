@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,12 @@ __all__ = [
     "reference_gpt",
     "synthetic_tokens",
 ]
+
+
+#: a layer of ``GPT.pipeline_layers()``: the submodules it uses and what runs it
+_Layer = tuple[tuple[str, ...], Callable[[torch.Tensor], torch.Tensor]]
+#: a layer with the parts a pipeline stage boundary may fall between
+_LayerInParts = tuple[tuple[str, ...], Callable[[torch.Tensor], torch.Tensor], tuple[_Layer, ...]]
 
 
 class _CausalSelfAttention(nn.Module):
@@ -84,10 +91,20 @@ class _Block(nn.Module):
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = _MLP(d_model, dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        out: torch.Tensor = x + self.mlp(self.ln2(x))
-        return out
+    #: the halves ``forward(x, part=...)`` runs alone, in order
+    PARTS = ("attention", "mlp")
+
+    def forward(self, x: torch.Tensor, part: str | None = None) -> torch.Tensor:
+        """Both halves, or only ``part`` (one of :attr:`PARTS`): a pipeline stage boundary may
+        fall between them, and each stage still calls the block itself (hooks on the block,
+        as ZeRO-3's gather, fire on each stage's half)."""
+        if part not in (None, *self.PARTS):
+            raise ValueError(f"part={part!r}: a block's parts are {self.PARTS} (or None: both)")
+        if part != "mlp":
+            x = x + self.attn(self.ln1(x))
+        if part != "attention":
+            x = x + self.mlp(self.ln2(x))
+        return x
 
 
 class GPT(nn.Module):
@@ -181,17 +198,28 @@ class GPT(nn.Module):
         out: torch.Tensor = self.lm_head(self.ln_f(x))
         return out
 
-    def pipeline_layers(
-        self,
-    ) -> list[tuple[tuple[str, ...], Callable[[torch.Tensor], torch.Tensor]]]:
+    def pipeline_layers(self) -> list[_Layer | _LayerInParts]:
         """:meth:`forward` as layers run in order, each with the submodules it uses, so that
         pipeline stages can split the model and keep its parameter names: the embeddings, each
-        block, the final LayerNorm with the head. (With tied weights the embedding and the head
-        share a parameter; on different stages both hold it and keep it equal, see
+        block, the final LayerNorm with the head. A block also lists its two halves, attention
+        and MLP, so that a stage boundary may fall inside it where the head, heavier than a
+        block, would leave whole blocks unbalanced ([Note: layers in parts] in
+        ``longboat/pipeline/layered.py``). (With tied weights the embedding and the head share
+        a parameter; on different stages both hold it and keep it equal, see
         ``longboat/pipeline/tied.py``.)"""
         return [
             (("tok_emb", "pos_emb", "drop"), self._embed),
-            *(((f"blocks.{i}",), block) for i, block in enumerate(self.blocks)),
+            *(
+                (
+                    (f"blocks.{i}",),
+                    block,
+                    (
+                        ((f"blocks.{i}.ln1", f"blocks.{i}.attn"), partial(block, part="attention")),
+                        ((f"blocks.{i}.ln2", f"blocks.{i}.mlp"), partial(block, part="mlp")),
+                    ),
+                )
+                for i, block in enumerate(self.blocks)
+            ),
             (("ln_f", "lm_head"), self._head),
         ]
 

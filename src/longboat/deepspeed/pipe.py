@@ -44,7 +44,7 @@ from longboat.deepspeed.partition import deepspeed_balanced
 from longboat.pipeline import module as _module
 from longboat.pipeline.measure import LayerCosts
 from longboat.pipeline.module import LayerSpec
-from longboat.pipeline.partition import StageInfo, describe_stages
+from longboat.pipeline.partition import Score, StageInfo, describe_stages
 from longboat.world import World
 
 
@@ -187,13 +187,14 @@ class PipelineModule(_module.PipelineModule):
         stages: int,
         method: str | Sequence[int] | None = None,
         costs: LayerCosts | None = None,
+        score: Score | None = None,
     ) -> tuple[list[int], list[StageInfo]]:
         """As longboat's, except that ``parameters`` and ``type:REGEX`` split as DeepSpeed's
         ``partition_balanced`` does ([Note: DeepSpeed's balanced partition] in
         ``deepspeed/partition.py``)."""
         chosen = self.partition if method is None else method
         if not isinstance(chosen, str):
-            return super().plan(stages, method, costs)
+            return super().plan(stages, method, costs, score)
         params, classes = self.layer_parameters(), self.layer_classes()
         name = chosen.strip().lower()
         if name == "parameters":
@@ -202,12 +203,12 @@ class PipelineModule(_module.PipelineModule):
             try:
                 found = re.compile(chosen.strip()[len("type:") :], re.IGNORECASE)
             except re.error:  # longboat's error, naming the pattern
-                return super().plan(stages, method, costs)
+                return super().plan(stages, method, costs, score)
             weights = [1 if found.search(c) else 0 for c in classes]
             if not any(weights):  # longboat's error, naming the classes there are
-                return super().plan(stages, method, costs)
+                return super().plan(stages, method, costs, score)
         else:
-            return super().plan(stages, method, costs)
+            return super().plan(stages, method, costs, score)
         bounds = deepspeed_balanced(weights, stages)
         return bounds, describe_stages(params, classes, bounds)
 

@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from longboat import sync_batchnorm
 from longboat.compile import Compiler, unwrap
+from longboat.config.batch import resolve_batch
 from longboat.config.errors import ConfigError
 from longboat.config.loading import load_config
 from longboat.config.override import overridden
@@ -192,7 +193,10 @@ def assemble(
     # are in place; bad settings are refused now, before anything else is built.
     model, compiled = unwrap(model)
     compiler = Compiler.plan(cfg.compile, compiled)
-    schedule = build_schedule(cfg.pipeline, topology, device)
+    # The step's micro-batches (the engine resolves the batch again and refuses a bad one): the
+    # measured split is the one the schedule runs fastest with that many.
+    micro_batches = resolve_batch(cfg.batch, topology.mesh.dp).gradient_accumulation_steps
+    schedule = build_schedule(cfg.pipeline, topology, device, micro_batches)
     # With pipeline stages, this rank's stages only, from here on (specs built here).
     model = schedule.prepare(model, example_input)
     # Then tensor parallelism divides the layers the plan names (before the optimizer is built

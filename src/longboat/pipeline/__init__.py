@@ -22,9 +22,16 @@ from longboat.pipeline.schedules import build as build_pipeline_schedule
 from longboat.topology import Topology
 
 
-def build_schedule(config: PipelineConfig, topology: Topology, device: torch.device) -> Schedule:
+def build_schedule(
+    config: PipelineConfig,
+    topology: Topology,
+    device: torch.device,
+    micro_batches: int | None = None,
+) -> Schedule:
     """The engine's schedule: :class:`~.schedule.Sequential` without pipeline stages,
-    else a :class:`Pipeline` over the ``pp`` axis. Schedule errors name the config keys."""
+    else a :class:`Pipeline` over the ``pp`` axis, told the step's ``micro_batches`` if known
+    (its measured split is then the one its schedule runs fastest). Schedule errors name the
+    config keys."""
     if topology.mesh.pp == 1:  # virtual stages without stages are refused by the config
         return Sequential()
     pipe = Pipeline(
@@ -33,6 +40,7 @@ def build_schedule(config: PipelineConfig, topology: Topology, device: torch.dev
         config.partition,
         topology,
         device,
+        micro_batches,
     )
     return pipe
 

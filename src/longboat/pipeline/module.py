@@ -182,9 +182,11 @@ class PipelineModule(nn.Module):
         stages: int,
         method: str | Sequence[int] | None = None,
         costs: LayerCosts | None = None,
+        score: partitions.Score | None = None,
     ) -> tuple[list[int], list[StageInfo]]:
         """The boundaries ``method`` chooses (None: this module's) given the layers' measured
-        ``costs`` if any, and what each stage then holds (the layers counted once)."""
+        ``costs`` if any (and a split's ``score`` under the run's schedule), and what each
+        stage then holds (the layers counted once)."""
         params, classes = self.layer_parameters(), self.layer_classes()
         seconds = None if costs is None else costs.total_s
         bounds = partitions.partition(
@@ -193,6 +195,7 @@ class PipelineModule(nn.Module):
             parameters=params,
             class_names=classes,
             seconds=seconds,
+            score=score,
         )
         saved = None if costs is None else costs.activation_bytes
         return bounds, describe_stages(params, classes, bounds, seconds, saved)

@@ -4,7 +4,8 @@ arithmetic on per-layer weights; nothing here builds a layer or touches a proces
 
 - ``measured`` (the default when the layers' costs were measured, :mod:`.measure`): balance
   each layer's forward plus backward time, so that the slowest stage, which sets the
-  pipeline's pace, is as fast as it can be;
+  pipeline's pace, is as fast as it can be; then, given the run's schedule, the split whose
+  step the schedule simulator predicts fastest ([Note: a split for the schedule]);
 - ``uniform``: balance the number of layers (the first ``n % stages`` stages take one more);
 - ``parameters``: balance the trainable parameters (DeepSpeed's default);
 - ``type:REGEX``: balance the layers whose class name matches ``REGEX`` (case-insensitive, as in
@@ -16,13 +17,25 @@ No method (None) is ``measured`` when costs are given and ``parameters`` otherwi
 
 A partition is a list of ``stages + 1`` increasing boundaries: stage ``s`` holds layers
 ``bounds[s]`` to ``bounds[s + 1] - 1``. Every stage holds at least one layer.
+
+[Note: a split for the schedule] The slowest stage sets the pace of one stage per rank, but not
+of every schedule. Under an interleaved schedule a rank holds several stages, and what it has to
+do per micro-batch is their sum, so the split with the smallest slowest stage can leave one rank
+with far more than the other (on the reference GPT, 1.07x the best split's step). The measured
+split therefore starts from that split and, given a ``score`` (the run's schedule simulated on
+the candidate's stage costs, ``runtime.py``), keeps the split whose predicted step is
+shortest: every split where there are at most :data:`EXHAUSTIVE`, else boundaries moved one
+layer at a time while the step gets shorter. A candidate must beat the best so far by more than
+rounding to replace it, so where the first split is already best it stays, and every rank,
+given the same numbers, chooses the same split.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,13 +100,56 @@ MEASURED = "measured"
 _NS = 1e9
 
 
-def measured(seconds: Sequence[float], stages: int) -> list[int]:
+#: a predicted step of a split (its boundaries), lower is better ([Note: a split for the
+#: schedule])
+Score = Callable[[list[int]], float]
+
+#: the most splits scored one by one; beyond, a local search ([Note: a split for the schedule])
+EXHAUSTIVE = 500
+
+#: how much shorter a candidate's predicted step must be to replace the best so far
+_RELATIVE = 1e-9
+
+
+def measured(seconds: Sequence[float], stages: int, score: Score | None = None) -> list[int]:
     """Boundaries whose slowest stage (sum of its layers' ``seconds``) is as fast as it can be,
-    to the nanosecond; among equally slow splits, earlier stages take as much as they can."""
+    to the nanosecond; among equally slow splits, earlier stages take as much as they can.
+    Given ``score``, the split it ranks best, from that one ([Note: a split for the
+    schedule])."""
     _check_counts(len(seconds), stages, MEASURED)
     if any(not s >= 0 for s in seconds):  # also refuses NaN
         raise PartitionError(f"partition {MEASURED}: layer costs must be >= 0 s: {list(seconds)}")
-    return balanced([round(s * _NS) for s in seconds], stages)
+    start = balanced([round(s * _NS) for s in seconds], stages)
+    return start if score is None else best_scored(score, len(seconds), stages, start)
+
+
+def best_scored(score: Score, n_layers: int, stages: int, start: list[int]) -> list[int]:
+    """The split of ``n_layers`` into ``stages`` that ``score`` ranks lowest, ``start`` kept
+    unless another is lower by more than rounding ([Note: a split for the schedule])."""
+    best, best_score = list(start), score(list(start))
+
+    def better(bounds: list[int]) -> bool:
+        nonlocal best, best_score
+        s = score(bounds)
+        if s < best_score * (1 - _RELATIVE):
+            best, best_score = bounds, s
+            return True
+        return False
+
+    if math.comb(n_layers - 1, stages - 1) <= EXHAUSTIVE:
+        for cuts in itertools.combinations(range(1, n_layers), stages - 1):
+            better([0, *cuts, n_layers])
+        return best
+    moved = True
+    while moved:
+        moved = False
+        for i in range(1, stages):
+            for step in (-1, 1):
+                bounds = list(best)
+                bounds[i] += step
+                if bounds[i - 1] < bounds[i] < bounds[i + 1] and better(bounds):
+                    moved = True
+    return best
 
 
 def by_type(class_names: Sequence[str], pattern: str, stages: int) -> list[int]:
@@ -140,9 +196,11 @@ def partition(
     parameters: Sequence[int],
     class_names: Sequence[str],
     seconds: Sequence[float] | None = None,
+    score: Score | None = None,
 ) -> list[int]:
     """Boundaries by ``method`` (see the module docstring), given each layer's trainable
-    parameter count and class name, and its measured forward plus backward seconds if known."""
+    parameter count and class name, and its measured forward plus backward seconds if known
+    (and, for ``measured``, the ``score`` of a split under the run's schedule)."""
     n = len(parameters)
     if method is None:
         method = MEASURED if seconds is not None else "parameters"
@@ -155,7 +213,7 @@ def partition(
                 f"partition {MEASURED!r} needs each layer's measured cost: give "
                 "longboat.initialize(..., example_input=...) one micro-batch's model inputs"
             )
-        return measured(seconds, stages)
+        return measured(seconds, stages, score)
     if m.lower() == "uniform":
         return uniform(n, stages)
     if m.lower() == "parameters":
@@ -190,14 +248,18 @@ class StageInfo:
     parameters: int
     seconds: float | None = None
     activation_bytes: int | None = None
+    # the first and last pieces' names where a layer may be cut in parts (``3b``: layer 3's
+    # second part, [Note: layers in parts] in ``layered.py``); None: layer numbers
+    span: tuple[str, str] | None = None
 
     def describe(self) -> str:
         kinds: dict[str, int] = {}
         for c in self.classes:
             kinds[c] = kinds.get(c, 0) + 1
         what = ", ".join(f"{n} {c}" if n > 1 else c for c, n in kinds.items())
+        first, last = self.span or (str(self.first), str(self.last))
         out = (
-            f"stage {self.stage}: layers {self.first}-{self.last} ({what}), "
+            f"stage {self.stage}: layers {first}-{last} ({what}), "
             f"{self.parameters:,} trainable parameters"
         )
         if self.seconds is not None:
@@ -213,22 +275,37 @@ def describe_stages(
     bounds: Sequence[int],
     seconds: Sequence[float] | None = None,
     activation_bytes: Sequence[int] | None = None,
+    pieces: Sequence[tuple[int, str, str]] | None = None,
 ) -> list[StageInfo]:
     """What each stage holds, from each layer's trainable parameters and class name (and its
-    measured cost, if known)."""
+    measured cost, if known). ``pieces``, where layers come in parts: per piece, its layer's
+    index and its name as a stage's first and as its last."""
 
     def total(xs: Sequence[Any] | None, s: int) -> Any:
         return None if xs is None else sum(xs[bounds[s] : bounds[s + 1]])
+
+    def held(s: int) -> tuple[str, ...]:
+        if pieces is None:
+            return tuple(classes[bounds[s] : bounds[s + 1]])
+        # one name per layer: a layer cut in parts counts once, as a part where it is cut
+        layer = [i for i, _, _ in pieces]
+        here = layer[bounds[s] : bounds[s + 1]]
+        out: dict[int, str] = {}
+        for i in range(bounds[s], bounds[s + 1]):
+            whole = layer.count(layer[i]) == here.count(layer[i])
+            out[layer[i]] = classes[i] if whole else f"part of {classes[i]}"
+        return tuple(out.values())
 
     return [
         StageInfo(
             s,
             bounds[s],
             bounds[s + 1] - 1,
-            tuple(classes[bounds[s] : bounds[s + 1]]),
+            held(s),
             sum(params[bounds[s] : bounds[s + 1]]),
             total(seconds, s),
             total(activation_bytes, s),
+            None if pieces is None else (pieces[bounds[s]][1], pieces[bounds[s + 1] - 1][2]),
         )
         for s in range(len(bounds) - 1)
     ]

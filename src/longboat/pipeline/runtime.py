@@ -48,8 +48,12 @@ class Pipeline:
         partition: str | Sequence[int] | None,
         topology: Topology,
         device: torch.device,
+        micro_batches: int | None = None,
     ) -> None:
         self.kind = kind
+        # the step's micro-batches, if known when the stages are split: the measured split is
+        # then the one this schedule runs fastest ([Note: a split for the schedule])
+        self.micro_batches = micro_batches
         self.stages_per_rank = virtual
         self.partition = partition
         self.topology = topology
@@ -96,7 +100,7 @@ class Pipeline:
             raise TypeError(f"mesh.pp = {self.ranks}: {e}") from None
         method = staging.requested(model, self.partition)
         costs = self._measure(model, method, example_input)
-        bounds, info = staging.plan(model, stages, method, costs)
+        bounds, info = staging.plan(model, stages, method, costs, self._score(costs))
         self.bounds = bounds
         if costs is not None:
             self.stage_costs = costs.stage_sums(bounds)
@@ -108,6 +112,24 @@ class Pipeline:
         self._tie(tied)
         self.trained = list(dict.fromkeys(model.parameters()))
         return model
+
+    def _score(self, costs: LayerCosts | None) -> Callable[[list[int]], float] | None:
+        """A split's step as the schedule simulator predicts it for this run's schedule and
+        micro-batches, from the measured costs ([Note: a split for the schedule] in
+        ``partition.py``); None where either is unknown or the schedule cannot run (``check``
+        refuses it before any step)."""
+        if costs is None or self.micro_batches is None:
+            return None
+        try:
+            plan = self.plan(self.micro_batches)
+        except schedules.ScheduleError:
+            return None
+
+        def score(bounds: list[int]) -> float:
+            forward, backward = costs.stage_sums(bounds)
+            return plan.simulate(forward, backward).makespan
+
+        return score
 
     def _measure(self, model: nn.Module, method: staging.Method, example: Any) -> LayerCosts | None:
         """The layers' costs, measured by world rank 0 and the same on every rank ([Note: one

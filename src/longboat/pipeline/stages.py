@@ -71,11 +71,16 @@ def runnable(model: nn.Module) -> Iterable[Callable[[Any], Any]]:
 
 
 def plan(
-    model: nn.Module, stages: int, partition: Method, costs: LayerCosts | None = None
+    model: nn.Module,
+    stages: int,
+    partition: Method,
+    costs: LayerCosts | None = None,
+    score: partitions.Score | None = None,
 ) -> tuple[list[int], list[StageInfo]]:
     """The boundaries of ``stages`` stages and what each holds (``model`` from :func:`as_layers`;
     ``partition`` None: the model's own method, else by the measured ``costs`` if given, else
-    by parameters)."""
+    by parameters; ``score``: a split's predicted step under the run's schedule, [Note: a split
+    for the schedule] in ``partition.py``)."""
     if isinstance(model, PipelineModule):
-        return model.plan(stages, partition, costs)
-    return layered.plan(model, stages, partition, costs)
+        return model.plan(stages, partition, costs, score)
+    return layered.plan(model, stages, partition, costs, score)

@@ -155,8 +155,8 @@ class TensorParallel:
     ) -> None:
         size = self.comm.world_size
         for name, module in modules.items():
-            if not plans.matches(pattern, name):
-                continue
+            if not plans.matches(pattern, name) or getattr(module, "placeholder", False):
+                continue  # (a placeholder: the part of a layer another pipeline stage holds)
             *path, last = attr.split(".")
             owner: object = module
             for step in path:
