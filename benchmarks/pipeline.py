@@ -35,6 +35,9 @@ Usage::
     python benchmarks/pipeline.py --partitions measured,parameters   # both splits, ~20 minutes
     python benchmarks/pipeline.py --schedules 1f1b,zb-h1,interleaved --micro-batches 8,16 \
         --out benchmarks/results/pipeline_schedules.json     # every schedule, measured split
+    python benchmarks/pipeline.py --repeats 3 --sides zb-h1-m8-measured,zb-h1-m8-0.4.6,\
+interleaved-m8-measured,interleaved-m8-0.2.3.5.6 --out benchmarks/results/pipeline_parts.json
+                                    # the measured split against the best between whole layers
     python benchmarks/pipeline.py --micro-batches 2 --schedules 1f1b --steps 1 --warmup 0 \
         --repeats 1 --out /tmp/pipeline.json               # a smoke run (numbers meaningless)
 
@@ -73,6 +76,11 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--partitions", default="measured", help="pipeline.partition: measured, parameters"
+    )
+    ap.add_argument(
+        "--sides",
+        help="instead of schedules x micro-batches x partitions: SCHEDULE-mM-PARTITION,... "
+        "(a partition of dotted boundaries, 0.4.6, cuts between whole layers)",
     )
     ap.add_argument("--steps", type=int, default=6, help="measured steps per side and repeat")
     ap.add_argument("--warmup", type=int, default=2)
@@ -137,7 +145,7 @@ def _config(side: str, virtual: int = 2) -> dict[str, Any]:
     if side == "replicate":
         return {**base, "batch": {"train_batch_size": GLOBAL_BATCH, "micro_batch_size": 8}}
     schedule, m, partition = _side(side)
-    pipeline: dict[str, Any] = {"schedule": schedule, "partition": partition}
+    pipeline: dict[str, Any] = {"schedule": schedule, "partition": _partition(partition)}
     if schedule == "interleaved":
         pipeline["virtual_stages"] = virtual
     return {
@@ -146,6 +154,12 @@ def _config(side: str, virtual: int = 2) -> dict[str, Any]:
         "pipeline": pipeline,
         "batch": {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": int(m)},
     }
+
+
+def _partition(name: str) -> str | list[int]:
+    """A side's ``pipeline.partition``: a method's name, or boundaries between whole layers
+    written with dots (``0.4.6``: embeddings and 3 blocks, then a block and the head)."""
+    return [int(b) for b in name.split(".")] if re.fullmatch(r"\d+(\.\d+)+", name) else name
 
 
 def _side(side: str) -> tuple[str, int, str]:
@@ -247,12 +261,16 @@ def main(argv: list[str] | None = None) -> None:
     from longboat.pipeline import bubble_theory
 
     ms = [int(m) for m in args.micro_batches.split(",")]
-    sides = ["replicate"] + [
-        f"{s}-m{m}-{p}"
-        for p in args.partitions.split(",")
-        for s in args.schedules.split(",")
-        for m in ms
-    ]
+    sides = ["replicate"] + (
+        args.sides.split(",")
+        if args.sides
+        else [
+            f"{s}-m{m}-{p}"
+            for p in args.partitions.split(",")
+            for s in args.schedules.split(",")
+            for m in ms
+        ]
+    )
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     failed: dict[str, str] = {}
     t0 = time.perf_counter()
