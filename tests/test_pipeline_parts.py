@@ -232,3 +232,19 @@ def test_a_block_cut_between_stages_trains_as_plain_pytorch(ranks, world, extra,
     for r in results:
         got = {k: v for k, v in r["state"].items() if k in want}
         assert got and reference.max_rel_diff(got, {k: want[k] for k in got}) <= 1e-5
+
+
+def test_layers_and_parts_listed_as_lists_work_as_tuples_and_others_are_refused():
+    model = test_pipeline._small_gpt()
+    listed = [
+        [list(e[0]), e[1], *([[[list(pp), pf] for pp, pf in e[2]]] if len(e) == 3 else [])]
+        for e in model.pipeline_layers()
+    ]
+    model.pipeline_layers = lambda: listed  # type: ignore[method-assign]
+    assert [p.label(end=False) for p in layered.pieces(model)][:3] == ["0", "1", "1b"]
+    model.pipeline_layers = lambda: [(("tok_emb",),)]  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match=r"pipeline_layers\(\)\[0\] must be"):
+        layered.pieces(model)
+    model.pipeline_layers = lambda: [(("blocks.0",), model.blocks[0], [("blocks.0.ln1",)])]  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match=r"part 0 must be"):
+        layered.pieces(model)

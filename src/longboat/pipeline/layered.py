@@ -91,27 +91,34 @@ def lists_layers(model: nn.Module) -> bool:
 
 def _entries(model: nn.Module) -> list[Entry]:
     listed = getattr(model, "pipeline_layers", None)
-    entries = list(listed()) if callable(listed) else transformers_layers.layers(model)
+    # Any: what a model lists is checked here, entry by entry
+    entries: list[Any] = list(listed()) if callable(listed) else transformers_layers.layers(model)
     if not entries:
         raise ValueError(f"{type(model).__name__}.pipeline_layers() returned no layers")
     out: list[Entry] = []
     for i, entry in enumerate(entries):
         where = f"{type(model).__name__}.pipeline_layers()[{i}]"
-        if not isinstance(entry, tuple) or len(entry) not in (2, 3):
+        if not _pair_like(entry, (2, 3)):
             raise TypeError(
                 f"{where} must be (tuple of submodule paths, callable) or (paths, callable, parts)"
             )
         paths, fn = entry[0], entry[1]
         _check_pair(model, where, paths, fn)
-        parts = tuple(entry[2]) if len(entry) == 3 else ()
-        for j, part in enumerate(parts):
-            if not isinstance(part, tuple) or len(part) != 2:
+        parts: tuple[Part, ...] = ()
+        for j, part in enumerate(entry[2] if len(entry) == 3 else ()):
+            if not _pair_like(part, (2,)):
                 raise TypeError(f"{where}: part {j} must be (tuple of submodule paths, callable)")
             _check_pair(model, f"{where}, part {j}", *part)
+            parts += ((tuple(part[0]), part[1]),)
         if parts:
             _check_parts_cover(model, where, paths, parts)
         out.append((tuple(paths), fn, parts))
     return out
+
+
+def _pair_like(entry: Any, lengths: tuple[int, ...]) -> bool:
+    """A tuple or list of one of ``lengths`` (a layer listed as a list works as before)."""
+    return isinstance(entry, (tuple, list)) and len(entry) in lengths
 
 
 def _check_pair(model: nn.Module, where: str, paths: Any, fn: Any) -> None:
