@@ -181,7 +181,12 @@ _EVEN = (0.001, *(0.012,) * 6, 0.03)
 
 def _train_cut(cfg: dict[str, Any], steps: int, forward: tuple[float, ...]) -> dict[str, Any]:
     costs = LayerCosts(forward, tuple(2 * f for f in forward), (0,) * len(forward))
-    with mock.patch.object(measure, "measure", lambda *a, **k: costs):
+    # the margin off: what is tested here is training through a cut block, wherever the
+    # simulator prefers one (test_a_cut_must_be_predicted_clearly_faster tests the margin)
+    with (
+        mock.patch.object(measure, "measure", lambda *a, **k: costs),
+        mock.patch.object(layered, "CUT_MARGIN", 0.0),
+    ):
         out = test_pipeline._train_gpt(cfg, steps)
     return out
 
@@ -248,3 +253,33 @@ def test_layers_and_parts_listed_as_lists_work_as_tuples_and_others_are_refused(
     model.pipeline_layers = lambda: [(("blocks.0",), model.blocks[0], [("blocks.0.ln1",)])]  # type: ignore[method-assign]
     with pytest.raises(TypeError, match=r"part 0 must be"):
         layered.pieces(model)
+
+
+def test_a_cut_must_be_predicted_clearly_faster_than_whole_layers():
+    from longboat.models import reference_gpt
+
+    # the reference GPT's pieces as in test_an_interleaved_split_balances_each_rank...
+    total = [2.8, 24, 37, 24, 37, 24, 37, 24, 37, 72]
+    costs = LayerCosts(
+        tuple(t / 3 for t in total), tuple(2 * t / 3 for t in total), (0,) * len(total)
+    )
+    model = reference_gpt()
+
+    def chosen(kind: str, virtual: int, margin: float) -> tuple[list[int], float]:
+        plan = schedules.build(kind, 2, 8, virtual)
+
+        def score(b: list[int]) -> float:
+            return plan.simulate(*costs.stage_sums(b)).makespan
+
+        with mock.patch.object(layered, "CUT_MARGIN", margin):
+            bounds = layered.plan(model, 2 * virtual, None, costs, score)[0]
+        return bounds, score(bounds)
+
+    # 1F1B: the best cut is predicted under 5% faster than whole layers, which are kept
+    cut, cut_step = chosen("1f1b", 1, 0.0)
+    whole, whole_step = chosen("1f1b", 1, layered.CUT_MARGIN)
+    assert set(cut) - {0, 1, 3, 5, 7, 9, 10}, "without the margin it cuts a block"
+    assert set(whole) <= {0, 1, 3, 5, 7, 9, 10} and 0.95 < cut_step / whole_step < 1
+    # interleaved: predicted 10% faster, the cut stays
+    bounds, _ = chosen("interleaved", 2, layered.CUT_MARGIN)
+    assert set(bounds) - {0, 1, 3, 5, 7, 9, 10}

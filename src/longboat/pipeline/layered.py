@@ -19,9 +19,15 @@ vocabulary costs more than a block, so with whole blocks two stages of the refer
 by a third. The other methods cut between whole layers, as DeepSpeed does. A stage that holds
 all of a layer's parts runs the layer itself, once, so that hooks on the layer's module (ZeRO-3
 gathers its unit on its forward) fire once per micro-batch as without pipeline stages; a part
-runs alone only on a stage that holds some of its layer. The parts must use the layer's
-parameters, every one, and no others, so that each parameter lands on the stage of the part
-that uses it.
+runs alone only on a stage that holds some of its layer. A split that cuts a layer is chosen
+only where it is predicted :data:`CUT_MARGIN` (5%) faster than the best split between whole
+layers: measured alone before training, the reference GPT's heavier stages ran 12-18% under
+their cost in a training step, the head's the most, so that under 1F1B the cut the simulator
+preferred ran 5% slower than whole layers (paired over 4 repeats,
+``benchmarks/results/pipeline_parts_1f1b.json``), while under interleaved, where the predicted
+gain is larger, the cut ran 11% faster (``pipeline_parts.json``). The parts must use the
+layer's parameters, every one, and no others, so that each parameter lands on the stage of the
+part that uses it.
 """
 
 from __future__ import annotations
@@ -198,6 +204,7 @@ def plan(
     timed = costs is not None and (
         method is None or (isinstance(method, str) and method.strip().lower() == "measured")
     )
+    first = [i for i, p in enumerate(split_pieces) if p.part in (None, 0)] + [len(split_pieces)]
     if timed:
         assert costs is not None
         bounds = partitions.partition(
@@ -208,6 +215,7 @@ def plan(
             seconds=costs.total_s,
             score=score,
         )
+        bounds = _cut_only_if_worth_it(bounds, first, costs.total_s, stages, score)
     else:
         layer_bounds = partitions.partition(
             method,
@@ -216,7 +224,6 @@ def plan(
             class_names=[_class_of(model, paths, fn) for paths, fn, _ in entries],
             seconds=None if costs is None else costs.total_s,
         )
-        first = [i for i, p in enumerate(split_pieces) if p.part in (None, 0)] + [len(split_pieces)]
         bounds = [first[b] for b in layer_bounds]
     seconds = None if costs is None else costs.total_s
     saved = None if costs is None else costs.activation_bytes
@@ -231,6 +238,38 @@ def boundaries(model: nn.Module, stages: int, method: str | Sequence[int] | None
 def runnable_layers(model: nn.Module) -> list[Callable[[Any], Any]]:
     """The model's pieces as callables, in order, before :func:`split` (for measuring)."""
     return [p.fn for p in pieces(model)]
+
+
+#: how much faster a split that cuts inside a layer must be predicted than the best split
+#: between whole layers to be chosen ([Note: layers in parts])
+CUT_MARGIN = 0.05
+
+
+def _cut_only_if_worth_it(
+    bounds: list[int],
+    first: list[int],
+    seconds: Sequence[float],
+    stages: int,
+    score: partitions.Score | None,
+) -> list[int]:
+    """``bounds`` (over pieces) where it cuts no layer or is predicted at least
+    :data:`CUT_MARGIN` faster than the best split between whole layers (``first``: each layer's
+    first piece, then the piece count), else that split."""
+    layers = len(first) - 1
+    if set(bounds) <= set(first) or layers < stages:
+        return bounds
+
+    def metric(b: list[int]) -> float:  # the predicted step, else the slowest stage
+        if score is not None:
+            return score(b)
+        return max(sum(seconds[b[s] : b[s + 1]]) for s in range(len(b) - 1))
+
+    per_layer = [sum(seconds[first[i] : first[i + 1]]) for i in range(layers)]
+    whole = [
+        first[b]
+        for b in partitions.measured(per_layer, stages, lambda lb: metric([first[b] for b in lb]))
+    ]
+    return bounds if metric(bounds) < (1 - CUT_MARGIN) * metric(whole) else whole
 
 
 def split(
