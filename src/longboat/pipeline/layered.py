@@ -134,8 +134,7 @@ def _check_pair(model: nn.Module, where: str, paths: Any, fn: Any) -> None:
         model.get_submodule(path)  # an unknown path fails here, naming it
 
 
-def _params_of(model: nn.Module, paths: Sequence[str]) -> dict[int, str]:
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+def _params_of(model: nn.Module, paths: Sequence[str], names: dict[int, str]) -> dict[int, str]:
     return {id(p): names[id(p)] for path in paths for p in model.get_submodule(path).parameters()}
 
 
@@ -144,10 +143,11 @@ def _check_parts_cover(
 ) -> None:
     # A stage that holds some of the parts keeps only their submodules: a parameter the whole
     # layer uses and no part lists would be on no stage.
-    whole = _params_of(model, paths)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    whole = _params_of(model, paths, names)
     listed: dict[int, str] = {}
     for part_paths, _ in parts:
-        listed.update(_params_of(model, part_paths))
+        listed.update(_params_of(model, part_paths, names))
     if set(whole) != set(listed):
         missing = sorted(whole[k] for k in set(whole) - set(listed))
         extra = sorted(listed[k] for k in set(listed) - set(whole))
@@ -157,12 +157,12 @@ def _check_parts_cover(
         )
 
 
-def pieces(model: nn.Module) -> list[Piece]:
+def pieces(model: nn.Module, entries: Sequence[Entry] | None = None) -> list[Piece]:
     """What a stage boundary may fall between, in order: each layer, or each of its parts where
-    it lists them ([Note: layers in parts])."""
+    it lists them ([Note: layers in parts]); ``entries``: the model's, already checked."""
     return [
         piece
-        for i, (paths, fn, parts) in enumerate(_entries(model))
+        for i, (paths, fn, parts) in enumerate(_entries(model) if entries is None else entries)
         for piece in (
             [Piece(i, j, len(parts), tuple(pp), pf) for j, (pp, pf) in enumerate(parts)]
             if parts
@@ -198,11 +198,12 @@ def plan(
     then holds (the layers counted once). Boundaries count pieces: a layer, or a part of one
     ([Note: layers in parts]); every method but ``measured`` splits between whole layers."""
     entries = _entries(model)
-    split_pieces = pieces(model)
+    split_pieces = pieces(model, entries)
     params = [_trainable(model, p.paths) for p in split_pieces]
     classes = [_class_of(model, *entries[p.layer][:2]) for p in split_pieces]
     timed = costs is not None and (
-        method is None or (isinstance(method, str) and method.strip().lower() == "measured")
+        method is None
+        or (isinstance(method, str) and method.strip().lower() == partitions.MEASURED)
     )
     first = [i for i, p in enumerate(split_pieces) if p.part in (None, 0)] + [len(split_pieces)]
     if timed:
@@ -282,7 +283,7 @@ def split(
     ([Note: tied weights] in ``tied.py``), with this rank's parameter for those it holds (None
     for the others)."""
     entries = _entries(model)
-    split_pieces = pieces(model)
+    split_pieces = pieces(model, entries)
     stage_of = [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
     names = {id(p): n for n, p in model.named_parameters()}
     params = {id(p): p for p in model.parameters()}
@@ -295,8 +296,10 @@ def split(
     # What another stage holds: a layer none of whose pieces is here goes whole (its own
     # paths), as without parts; of a layer cut here, the parts held elsewhere.
     away: list[tuple[tuple[str, ...], int]] = []
-    for layer, (paths, _, _) in enumerate(entries):
-        at = [i for i, p in enumerate(split_pieces) if p.layer == layer]
+    of_layer: list[list[int]] = [[] for _ in entries]  # each layer's pieces
+    for i, piece in enumerate(split_pieces):
+        of_layer[piece.layer].append(i)
+    for (paths, _, _), at in zip(entries, of_layer, strict=True):
         if not mine & set(at):
             away.append((paths, stage_of[at[0]]))
         else:
@@ -304,8 +307,8 @@ def split(
     kept = {path for i in mine for path in split_pieces[i].paths}
     kept |= {
         path
-        for layer, (paths, _, _) in enumerate(entries)
-        if all(i in mine for i, p in enumerate(split_pieces) if p.layer == layer)
+        for (paths, _, _), at in zip(entries, of_layer, strict=True)
+        if all(i in mine for i in at)
         for path in paths
     }
     for paths, stage in away:
