@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longboat.bench import report
 from longboat.world import before_group
 
 
@@ -104,8 +105,4 @@ def versions(*extra: str) -> dict[str, str | None]:
 
 def machine() -> dict[str, object]:
     """The machine a result was measured on (no hostname)."""
-    return {
-        "cpu_count": os.cpu_count(),
-        "processor": platform.processor(),
-        "machine": platform.machine(),
-    }
+    return report.machine()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from longboat.cli import app
@@ -101,6 +102,9 @@ def test_json_has_every_side_and_world_size(run: tuple[Path, dict[str, Any]]) ->
     assert result["unavailable"] == {}
     assert result["versions"]["torch"] and result["settings"]["scaling"] == "weak"
     assert "commit" in result["versions"]  # None outside a checkout
+    # the machine named well enough to tell two 2-core machines apart
+    assert result["machine"]["cpu_model"]
+    assert result["machine"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_derived_figures_follow_from_the_json(run: tuple[Path, dict[str, Any]]) -> None:

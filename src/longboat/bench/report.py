@@ -87,12 +87,30 @@ def versions() -> dict[str, str | None]:
 
 
 def machine() -> dict[str, object]:
-    """The machine measured on (no hostname)."""
+    """The machine measured on (no hostname): results from two machines are comparable only
+    where these agree. The CPU's model and the widest vector instructions torch's kernels use
+    tell apart machines that have the same core count: ``benchmarks/pipeline.py``'s replicate
+    step took 1.5-1.9 s on one 2-core machine and 4.0-5.9 s on another."""
     return {
         "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "processor": platform.processor(),
         "machine": platform.machine(),
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (``/proc/cpuinfo``), else the platform's."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def finish(raw: dict[str, Any]) -> dict[str, Any]:
