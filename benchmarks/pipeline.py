@@ -24,7 +24,10 @@ interleaved, ``(p - 1) / (v m + p - 1)``; ``idle_theory_one_stage_per_rank`` kee
 every side) and, for
 the measured split, the idle the schedule simulator predicts from the stages' measured forward
 and backward times (``Pipeline.predicted_idle``; transfers free). Transfers count as measured
-idle (they are loopback copies here). Activations: during one step, the bytes of tensors autograd
+idle (they are loopback copies here). Per stage, each micro-batch's forward and backward in
+training (``training_action_s``, timed around the engine's calls) beside the start-up
+profile's (``measured_action_s``): how well the profile the split was chosen from predicts
+training. Activations: during one step, the bytes of tensors autograd
 saved for backward that are alive at once (parameters excluded, each storage once), per stage;
 divided by GPipe's peak over ``m`` (GPipe holds every micro-batch's), that gives the peak in
 micro-batches' worth, which 1F1B bounds by ``p - stage``.
@@ -38,6 +41,9 @@ Usage::
     python benchmarks/pipeline.py --repeats 3 --sides zb-h1-m8-measured,zb-h1-m8-0.4.6,\
 interleaved-m8-measured,interleaved-m8-0.2.3.5.6 --out benchmarks/results/pipeline_parts.json
                                     # the measured split against the best between whole layers
+    python benchmarks/pipeline.py --sides interleaved-m8-measured,interleaved-m16-measured \
+        --repeats 1 --out benchmarks/results/pipeline_actions_loss.json
+                                    # training's per-stage forward/backward beside the profile's
     python benchmarks/pipeline.py --micro-batches 2 --schedules 1f1b --steps 1 --warmup 0 \
         --repeats 1 --out /tmp/pipeline.json               # a smoke run (numbers meaningless)
 
@@ -136,6 +142,58 @@ class _Held:
         self.owner.release(self.ptr, self.n)
 
 
+class ActionTimes:
+    """Per stage, the seconds each forward and each backward of one micro-batch took in
+    training: the engine's ``forward`` (called with the stage), and its ``backward`` (the last
+    stage's loss) or ``backward_from`` (the output of the stage it was forwarded by), timed
+    around the call; waits for a neighbour's tensor fall outside them. Under ``zb-h1`` a
+    backward is its input-gradient pass (not timed here) and weight pass (``backward_with``,
+    counted as ``W``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.keep = False
+        self.times: dict[str, dict[str, list[float]]] = {}
+        self.stage_of: dict[int, int] = {}
+        self.last = engine.schedule.stages - 1
+        forward, backward = engine.forward, engine.backward
+        backward_from, backward_with = engine.backward_from, engine.backward_with
+
+        def timed_forward(*a: Any, stage: int, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = forward(*a, stage=stage, **k)
+            self._add(stage, "F", t0)
+            self.stage_of[id(out)] = stage
+            return out
+
+        def timed_backward(loss: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            backward(loss)
+            self._add(self.last, "B", t0)
+
+        def timed_backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            backward_from(out, grad)
+            self._add(self.stage_of.pop(id(out), -1), "B", t0)
+
+        def timed_backward_with(w: Any) -> None:
+            t0 = time.perf_counter()
+            backward_with(w)
+            self._add(-1, "W", t0)
+
+        engine.forward, engine.backward = timed_forward, timed_backward
+        engine.backward_from, engine.backward_with = timed_backward_from, timed_backward_with
+
+    def _add(self, stage: int, op: str, t0: float) -> None:
+        if self.keep:
+            dt = time.perf_counter() - t0
+            self.times.setdefault(str(stage), {}).setdefault(op, []).append(dt)
+
+    def medians(self) -> dict[str, dict[str, float]]:
+        return {
+            s: {op: statistics.median(v) for op, v in ops.items()} for s, ops in self.times.items()
+        }
+
+
 def _config(side: str, virtual: int = 2) -> dict[str, Any]:
     base: dict[str, Any] = {
         "log": {"progress": False, "level": "WARNING"},
@@ -170,6 +228,12 @@ def _side(side: str) -> tuple[str, int, str]:
     return found[1], int(found[2]), found[3]
 
 
+def _medians(per: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    return {
+        k: {op: statistics.median(v) for op, v in ops.items()} for k, ops in sorted(per.items())
+    }
+
+
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     join_loopback(rank, 2, port, args.threads)
     try:
@@ -193,6 +257,7 @@ def _run_side(rank: int, args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1000 + engine.topology.coords["dp"])
     pp = [engine.topology.data("pp"), engine.topology.control("pp")]
     saved = SavedBytes(list(engine.model.parameters()))
+    actions = ActionTimes(engine) if args.side != "replicate" else None
     steps, idle, peaks, losses = [], [], [], []
     for i in range(args.warmup + args.steps):
         batch = synthetic_tokens(per_rank, model.seq_len, model.vocab_size, g)
@@ -205,6 +270,8 @@ def _run_side(rank: int, args: argparse.Namespace) -> None:
         blocked = sum(d.blocked_seconds for d in pp) - blocked0
         t = torch.tensor([dt])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step time a synchronous job sees
+        if actions is not None:
+            actions.keep = i >= args.warmup
         if i >= args.warmup:
             steps.append(float(t))
             idle.append(blocked / dt)
@@ -220,6 +287,11 @@ def _run_side(rank: int, args: argparse.Namespace) -> None:
             mine["idle_predicted"] = pipe.predicted_idle(m)[stage]
             fwd, bwd = pipe.stage_costs
             mine["stage_measured_s"] = sum(fwd[s] + bwd[s] for s in pipe.held_stages)
+            mine["measured_action_s"] = {
+                str(s): {"F": fwd[s], "B": bwd[s]} for s in pipe.held_stages
+            }
+        assert actions is not None
+        mine["training_action_s"] = actions.medians()
     engine.close()
     # Each rank writes its own record; the parent puts them together.
     args.out.with_suffix(f".rank{rank}.json").write_text(json.dumps({"step_s": steps, **mine}))
@@ -294,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
         schedule, m, partition = _side(side)
         step = statistics.median(s for run in runs[side] for s in run["step_s"])
         stages: dict[int, dict[str, Any]] = {}
+        acts: dict[str, dict[str, list[float]]] = {}  # per stage (chunk), per op: seconds
+        profiled: dict[str, dict[str, list[float]]] = {}
         for run in runs[side]:
             for rk in run["ranks"]:
                 st = stages.setdefault(
@@ -305,6 +379,12 @@ def main(argv: list[str] | None = None) -> None:
                     st["predicted"].append(rk["idle_predicted"])
                     st["bounds"], st["measured_s"] = rk["bounds"], rk["stage_measured_s"]
                 st.setdefault("bounds", rk["bounds"])
+                for chunk, ops in rk.get("training_action_s", {}).items():
+                    for op, sec in ops.items():
+                        acts.setdefault(chunk, {}).setdefault(op, []).append(sec)
+                for chunk, ops in rk.get("measured_action_s", {}).items():
+                    for op, sec in ops.items():
+                        profiled.setdefault(chunk, {}).setdefault(op, []).append(sec)
         table[side] = {
             "schedule": schedule,
             "micro_batches": m,
@@ -324,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
                 s: v["measured_s"] for s, v in stages.items() if "measured_s" in v
             },
             "peak_saved_bytes": {s: v["peak_saved_bytes"] for s, v in stages.items()},
+            "training_action_s": _medians(acts),
+            "measured_action_s": _medians(profiled),
         }
     for row in table.values():  # peaks in micro-batches' worth, from GPipe at the same m
         g = table.get(f"gpipe-m{row['micro_batches']}-{row['partition']}")
@@ -348,6 +430,11 @@ def main(argv: list[str] | None = None) -> None:
             "pipeline": "mesh.pp = 2, m micro-batches of 16/m, partition per side",
             "virtual_stages": f"{args.virtual_stages} per rank under interleaved, else 1",
             "stage_measured_s": "per rank: measured forward + backward of its stages' pieces",
+            "training_action_s": "per stage (interleaved: per chunk): the median seconds of one "
+            "micro-batch's forward (F) and backward (B; zb-h1: its weight pass W, stage -1) in "
+            "the measured steps, timed around the engine's calls, waits excluded",
+            "measured_action_s": "per stage: the start-up profile's forward and backward of "
+            "one micro-batch (the split's input; each piece's least of 3 runs)",
             "world_size": 2,
             "threads_per_rank": args.threads,
             "warmup_steps": args.warmup,

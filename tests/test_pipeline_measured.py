@@ -295,3 +295,38 @@ def test_config_explain_shows_a_timed_split_by_parameters_and_says_so(tmp_path, 
     shown = _stages(cfg, 2, "reference-gpt", None)
     assert "stage 0: layers 0-2" in shown  # by parameters, or by layers: 3 + 3
     assert ("a run given example_input splits by" in shown) == (partition != "uniform")
+
+
+# [Note: the loss in the profile]: the last stage's loss is part of its cost. Removing the stand-in
+# loss from measure.measure fails the first test; timing it on outputs without classes fails the
+# second.
+
+
+def test_the_last_piece_is_timed_with_a_cross_entropy_over_its_output() -> None:
+    model = PipelineModule([nn.Linear(8, 16), nn.Linear(16, 50)])
+    seen: list[tuple[int, ...]] = []
+
+    def stand_in(out: torch.Tensor, repeats: int) -> tuple[float, float]:
+        seen.append(tuple(out.shape))
+        return 100.0, 200.0
+
+    with mock.patch.object(measure, "_time_loss", stand_in):
+        costs = measure.measure(model.runnable_layers(), torch.randn(4, 3, 8), model)
+    assert seen == [(4, 3, 50)], "timed once, on the last piece's output"
+    assert costs.forward_s[-1] > 100.0 and costs.backward_s[-1] > 200.0
+    assert costs.forward_s[0] < 100.0 and costs.backward_s[0] < 200.0
+
+    # The real stand-in: a forward and a backward, and nothing left behind on the model.
+    f, b = measure._time_loss(torch.randn(2, 3, 7), repeats=1)
+    assert 0 < f < math.inf and 0 < b < math.inf
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "last", [lambda x: x.sum(-1), lambda x: (x > 0).long()], ids=["one-dim", "integers"]
+)
+def test_an_output_without_classes_adds_no_loss(last: Any) -> None:
+    model = PipelineModule([nn.Linear(8, 5), last])
+    with mock.patch.object(measure, "_time_loss", side_effect=AssertionError("timed")):
+        costs = measure.measure(model.runnable_layers(), torch.randn(4, 8), model)
+    assert len(costs) == 2
