@@ -189,9 +189,7 @@ class ActionTimes:
             self.times.setdefault(str(stage), {}).setdefault(op, []).append(dt)
 
     def medians(self) -> dict[str, dict[str, float]]:
-        return {
-            s: {op: statistics.median(v) for op, v in ops.items()} for s, ops in self.times.items()
-        }
+        return _medians(self.times)
 
 
 def _config(side: str, virtual: int = 2) -> dict[str, Any]:

@@ -305,20 +305,21 @@ def test_config_explain_shows_a_timed_split_by_parameters_and_says_so(tmp_path, 
 def test_the_last_piece_is_timed_with_a_cross_entropy_over_its_output() -> None:
     model = PipelineModule([nn.Linear(8, 16), nn.Linear(16, 50)])
     seen: list[tuple[int, ...]] = []
+    least = measure._least
 
-    def stand_in(out: torch.Tensor, repeats: int) -> tuple[float, float]:
-        seen.append(tuple(out.shape))
-        return 100.0, 200.0
+    def spy(layer: Any, x: Any, own: set[int], repeats: int) -> tuple[float, float, int, Any]:
+        seen.append(tuple(x.shape))
+        f, b, n, out = least(layer, x, own, repeats)
+        if len(seen) == 3:  # the loss: its own time, and a scalar out of the logits
+            assert out.dim() == 0 and 0 < f < math.inf and 0 < b < math.inf
+            return 100.0, 200.0, n, out
+        return f, b, n, out
 
-    with mock.patch.object(measure, "_time_loss", stand_in):
+    with mock.patch.object(measure, "_least", spy):
         costs = measure.measure(model.runnable_layers(), torch.randn(4, 3, 8), model)
-    assert seen == [(4, 3, 50)], "timed once, on the last piece's output"
+    assert seen == [(4, 3, 8), (4, 3, 16), (4, 3, 50)], "the loss timed once, on the logits"
     assert costs.forward_s[-1] > 100.0 and costs.backward_s[-1] > 200.0
     assert costs.forward_s[0] < 100.0 and costs.backward_s[0] < 200.0
-
-    # The real stand-in: a forward and a backward, and nothing left behind on the model.
-    f, b = measure._time_loss(torch.randn(2, 3, 7), repeats=1)
-    assert 0 < f < math.inf and 0 < b < math.inf
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -327,6 +328,13 @@ def test_the_last_piece_is_timed_with_a_cross_entropy_over_its_output() -> None:
 )
 def test_an_output_without_classes_adds_no_loss(last: Any) -> None:
     model = PipelineModule([nn.Linear(8, 5), last])
-    with mock.patch.object(measure, "_time_loss", side_effect=AssertionError("timed")):
+    calls: list[Any] = []
+    least = measure._least
+
+    def spy(*a: Any) -> Any:
+        calls.append(a)
+        return least(*a)
+
+    with mock.patch.object(measure, "_least", spy):
         costs = measure.measure(model.runnable_layers(), torch.randn(4, 8), model)
-    assert len(costs) == 2
+    assert len(costs) == 2 and len(calls) == 2, "no loss timed"

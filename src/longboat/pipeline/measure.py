@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longboat.comm.protocol import Comm
@@ -102,47 +103,39 @@ def measure(
         own = {p.untyped_storage().data_ptr() for p in model.parameters()}
         x = example[0] if isinstance(example, tuple) and len(example) == 1 else example
         for layer in layers:
-            best_f = best_b = float("inf")
-            nbytes = 0
-            out: Any = None
-            for rep in range(repeats + 1):
-                f, b, nbytes, out = _time_once(layer, x, own)
-                if rep:  # the first run warms caches and allocators up
-                    best_f, best_b = min(best_f, f), min(best_b, b)
-            fwd.append(best_f)
-            bwd.append(best_b)
+            f, b, nbytes, out = _least(layer, x, own, repeats)
+            fwd.append(f)
+            bwd.append(b)
             saved.append(nbytes)
             x = _detached(out)
         if fwd and _has_classes(x):
-            loss_f, loss_b = _time_loss(x, repeats)
+            target = torch.zeros(x.shape[:-1].numel(), dtype=torch.long, device=x.device)
+
+            def loss(t: torch.Tensor) -> torch.Tensor:
+                # in fp32, as the engine hands a stage's floating outputs to the loss
+                return F.cross_entropy(t.float().reshape(-1, t.shape[-1]), target)
+
+            loss_f, loss_b, _, _ = _least(loss, x, own, repeats)
             fwd[-1] += loss_f
             bwd[-1] += loss_b
     return LayerCosts(tuple(fwd), tuple(bwd), tuple(saved))
 
 
 def _has_classes(x: Any) -> bool:
+    """Whether ``x`` can be a loss's input over classes ([Note: the loss in the profile])."""
     return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2
 
 
-def _time_loss(out: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """The least forward and backward seconds of a cross entropy over ``out``'s last dimension
-    ([Note: the loss in the profile]), after a warm-up."""
-    target = torch.zeros(out.shape[:-1].numel(), dtype=torch.long, device=out.device)
+def _least(layer: Layer, x: Any, own: set[int], repeats: int) -> tuple[float, float, int, Any]:
+    """:func:`_time_once` ``repeats`` times after a warm-up: the least forward and backward
+    seconds, and the last run's saved bytes and output."""
     best_f = best_b = float("inf")
+    nbytes, out = 0, None
     for rep in range(repeats + 1):
-        inp = _leaf(out)
-        _sync(inp)
-        t0 = time.perf_counter()
-        # in fp32, as the engine hands a stage's floating outputs to the loss
-        loss = torch.nn.functional.cross_entropy(inp.float().reshape(-1, inp.shape[-1]), target)
-        _sync(loss)
-        t1 = time.perf_counter()
-        loss.backward()  # type: ignore[no-untyped-call]  # torch's is unannotated
-        _sync(loss)
-        t2 = time.perf_counter()
-        if rep:
-            best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
-    return best_f, best_b
+        f, b, nbytes, out = _time_once(layer, x, own)
+        if rep:  # the first run warms caches and allocators up
+            best_f, best_b = min(best_f, f), min(best_b, b)
+    return best_f, best_b, nbytes, out
 
 
 def _time_once(layer: Layer, x: Any, own: set[int]) -> tuple[float, float, int, Any]:
