@@ -25,7 +25,7 @@ layers: measured alone before training, the reference GPT's heavier stages ran 1
 their cost in a training step, the head's the most, so that under 1F1B the cut the simulator
 preferred ran 5% slower than whole layers (paired over 4 repeats,
 ``benchmarks/results/pipeline_parts_1f1b.json``), while under interleaved, where the predicted
-gain is larger, the cut ran 11% faster (``pipeline_parts.json``). The parts must use the
+gain is larger, the cut ran 11% faster (``pipeline_parts_c70cc21.json``). The parts must use the
 layer's parameters, every one, and no others, so that each parameter lands on the stage of the
 part that uses it.
 """
