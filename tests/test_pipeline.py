@@ -317,9 +317,21 @@ def test_pipeline_with_activation_checkpointing_equals_plain_pytorch(ranks, kind
     _run(ranks, 2, extra, accum=4)
 
 
-def test_interleaved_equals_plain_pytorch(ranks):
-    extra = {"mesh": {"pp": 2}, "pipeline": {"schedule": "interleaved", "virtual_stages": 2}}
+@pytest.mark.parametrize("kind", ["interleaved", "interleaved-zb"])
+def test_interleaved_equals_plain_pytorch(ranks, kind):
+    extra = {"mesh": {"pp": 2}, "pipeline": {"schedule": kind, "virtual_stages": 2}}
     _run(ranks, 2, extra, accum=4)
+
+
+def test_interleaved_zero_bubble_on_four_ranks_equals_plain_pytorch(ranks):
+    # 8 stages of the 8-layer chain, one layer each: stage s on rank s % 4, so rank 2 holds
+    # the gated layer (with its never-used parameter) and the frozen one, and rank 1 a
+    # parameterless Tanh; rank 3's W's trail by 3 and run in both chunks' cool-down
+    extra = {
+        "mesh": {"pp": 4},
+        "pipeline": {"schedule": "interleaved-zb", "virtual_stages": 2, "partition": "uniform"},
+    }
+    _run(ranks, 4, extra, accum=4)
 
 
 @pytest.mark.parametrize(
@@ -335,6 +347,9 @@ def test_interleaved_equals_plain_pytorch(ranks):
         # weight passes deferred: the sync waits for the step's last W
         ("replicate", "zb-h1"),
         ("zero2", "zb-h1"),
+        # both: the last W of either stage
+        ("replicate", "interleaved-zb"),
+        ("zero2", "interleaved-zb"),
     ],
 )
 def test_pipeline_with_data_parallel_equals_plain_pytorch(ranks, strategy, schedule):
@@ -342,7 +357,7 @@ def test_pipeline_with_data_parallel_equals_plain_pytorch(ranks, strategy, sched
     extra: dict[str, Any] = {"mesh": {"pp": 2}, "strategy": strategy.rstrip("123")}
     extra["pipeline"] = {
         "schedule": schedule,
-        "virtual_stages": 2 if schedule == "interleaved" else 1,
+        "virtual_stages": 2 if schedule.startswith("interleaved") else 1,
     }
     if strategy.startswith("zero"):
         extra["zero"] = {"stage": int(strategy[-1]), "bucket_mb": 0.001}

@@ -42,7 +42,8 @@ def _simulated(kind: str, ranks: int, m: int, virtual: int, f: list[float], b: l
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize(
-    ("kind", "ranks", "virtual"), [("interleaved", 2, 2), ("1f1b", 3, 1), ("zb-h1", 2, 1)]
+    ("kind", "ranks", "virtual"),
+    [("interleaved", 2, 2), ("1f1b", 3, 1), ("zb-h1", 2, 1), ("interleaved-zb", 2, 2)],
 )
 def test_the_split_for_the_schedule_is_the_fastest_the_simulator_finds(seed, kind, ranks, virtual):
     g = torch.Generator().manual_seed(seed)
@@ -201,10 +202,15 @@ def _train_cut(cfg: dict[str, Any], steps: int, forward: tuple[float, ...]) -> d
             _EVEN,
         ),
         (2, {"mesh": {"pp": 2}, "pipeline": {"schedule": "zb-h1"}}, _FORWARD),
+        (
+            2,
+            {"mesh": {"pp": 2}, "pipeline": {"schedule": "interleaved-zb", "virtual_stages": 2}},
+            _EVEN,
+        ),
         (4, {"mesh": {"pp": 2}, "strategy": "zero", "zero": {"stage": 3}}, _FORWARD),
         (4, {"mesh": {"pp": 2, "tp": 2}}, _FORWARD),
     ],
-    ids=["1f1b", "interleaved", "zb-h1", "zero3-dp2", "tp2"],
+    ids=["1f1b", "interleaved", "zb-h1", "interleaved-zb", "zero3-dp2", "tp2"],
 )
 def test_a_block_cut_between_stages_trains_as_plain_pytorch(ranks, world, extra, forward):
     cfg = {

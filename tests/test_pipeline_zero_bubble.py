@@ -1,17 +1,20 @@
-"""The zero-bubble schedule (``zb-h1``) as data, without processes: its action lists validated
-and simulated against its theory and against 1F1B; and the split backward it runs
-([Note: split backward]) against the unsplit one, gradient for gradient. Training through
-stages against the plain loop is in ``test_pipeline.py`` (parametrized by schedule)."""
+"""The zero-bubble schedules (``zb-h1``, ``interleaved-zb``) as data, without processes:
+their action lists validated and simulated against their theory and against 1F1B and
+interleaved; and the split backward they run ([Note: split backward]) against the unsplit one,
+gradient for gradient. Training through stages against the plain loop is in
+``test_pipeline.py`` (parametrized by schedule)."""
 
 from __future__ import annotations
 
 import copy
+import typing
 
 import pytest
 import reference
 import torch
 from torch import nn
 
+from longboat.config.sections_parallel import SPLIT_BACKWARD_SCHEDULES, PipelineConfig
 from longboat.pipeline import schedules
 from longboat.pipeline.schedules import Action, PipelineSchedule, ScheduleError
 from longboat.pipeline.split_backward import backward_input
@@ -90,6 +93,66 @@ def test_split_schedules_are_validated_and_costed():
         good.simulate(backward_cost=2.0, weight_cost=3.0)
     with pytest.raises(ValueError, match=r"W = 2\.0 > I = 1\.0"):
         schedules.zero_bubble_theory(2, 4, 1.0, 1.0, 2.0)
+
+
+INTERLEAVED_SIZES = [(p, m, v) for p in (2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize(("p", "m", "v"), INTERLEAVED_SIZES)
+def test_interleaved_zb_meets_its_theory_and_idles_less_than_interleaved(p, m, v):
+    zb = schedules.build("interleaved-zb", p, m, v)  # validated: complete, ordered, no deadlock
+    plain = schedules.build("interleaved", p, m, v)
+    assert zb.split
+    # an I where interleaved ran each B, in its order: the F's and the messages do not move
+    unsplit = [
+        [Action("B", a.micro_batch, a.stage) if a.op == "I" else a for a in acts if a.op != "W"]
+        for acts in zb.actions
+    ]
+    assert unsplit == [list(acts) for acts in plain.actions]
+    one, t = plain.simulate(), zb.simulate()
+    for r, bubble in enumerate(t.bubble):
+        assert bubble == pytest.approx(schedules.bubble_theory(p, m, v, kind="interleaved-zb"))
+        assert bubble < one.bubble[r]
+    uneven = zb.simulate(forward_cost=1.0, backward_cost=2.0, weight_cost=0.5)
+    for bubble in uneven.bubble:
+        assert bubble == pytest.approx(schedules.zero_bubble_theory(p, m, 1.0, 1.5, 0.5, virtual=v))
+    # rank r defers r W's: it holds at most r stages more than interleaved, and no rank more
+    # than interleaved's first
+    for r in range(p):
+        assert t.peak_in_flight[r] <= one.peak_in_flight[r] + r
+    assert max(t.peak_in_flight) == max(one.peak_in_flight)
+
+
+def test_interleaved_zb_order_defers_each_rank_s_weights_by_its_rank():
+    sched = schedules.build("interleaved-zb", 2, 4, 2)
+    assert sched.describe().splitlines() == [
+        "interleaved-zb: 2 rank(s) x 2 virtual stages, 4 micro-batches",
+        "  rank 0: F0.0 F1.0 F0.2 F1.2 F2.0 I0.2 W0.2 F3.0 I1.2 W1.2 F2.2 I0.0 W0.0 F3.2 I1.0 "
+        "W1.0 I2.2 W2.2 I3.2 W3.2 I2.0 W2.0 I3.0 W3.0",
+        "  rank 1: F0.1 F1.1 F0.3 I0.3 F1.3 I1.3 W0.3 F2.1 I0.1 W1.3 F3.1 I1.1 W0.1 F2.3 I2.3 "
+        "W1.1 F3.3 I3.3 W2.3 I2.1 W3.3 I3.1 W2.1 W3.1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "words"),
+    [
+        (2, 3, ["interleaved", "groups of 2", "multiple of 2"]),
+        (1, 2, ["at least 2 pipeline ranks"]),
+    ],
+)
+def test_interleaved_zb_refusals(p, m, words):
+    with pytest.raises(ScheduleError) as e:
+        schedules.build("interleaved-zb", p, m, 2)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_the_split_schedules_are_the_ones_the_config_calls_split():
+    kinds = typing.get_args(PipelineConfig.model_fields["schedule"].annotation)
+    assert set(schedules.SCHEDULES) == set(kinds)
+    split = {k for k in kinds if schedules.build(k, 2, 4, 2 if "interleaved" in k else 1).split}
+    assert split == set(schedules.SPLIT_KINDS) == set(SPLIT_BACKWARD_SCHEDULES)
 
 
 # -- the split backward ------------------------------------------------------------------------

@@ -817,7 +817,10 @@ def test_interleaved_stages_are_planned_in_rounds():
     ]
 
 
-@pytest.mark.parametrize(("schedule", "virtual"), [("gpipe", 1), ("zb-h1", 1), ("interleaved", 2)])
+@pytest.mark.parametrize(
+    ("schedule", "virtual"),
+    [("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved-zb", 2)],
+)
 def test_receives_posted_ahead_move_a_buffer_not_the_activations(monkeypatch, schedule, virtual):
     """A receive posted ahead ([Note: receives posted ahead]) allocates the next action's buffer
     during the action before it: each stage's activations per micro-batch are what they are

@@ -58,10 +58,12 @@ def plan(
     schedule: str | None = typer.Option(
         None,
         "--schedule",
-        help="gpipe, 1f1b, interleaved or zb-h1 (default: the config's, else 1f1b)",
+        help="gpipe, 1f1b, interleaved, zb-h1 or interleaved-zb (default: the config's, else 1f1b)",
     ),
     virtual_stages: int | None = typer.Option(
-        None, "--virtual-stages", help="stages per rank with --schedule interleaved"
+        None,
+        "--virtual-stages",
+        help="stages per rank with --schedule interleaved or interleaved-zb",
     ),
     tp: int | None = typer.Option(
         None, "--tp", help="tensor-parallel ranks (mesh.tp; default: the config's, else 1)"

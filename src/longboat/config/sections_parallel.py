@@ -257,14 +257,19 @@ class ParameterServerConfig(_Section):
         return self
 
 
+#: The schedules that split each backward into an input-gradient and a weight-gradient pass.
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "interleaved-zb")
+
+
 class PipelineConfig(_Section):
     """How pipeline stages (``mesh.pp > 1``) run a step's micro-batches (the micro-batches are
     ``batch.gradient_accumulation_steps``, as in DeepSpeed)."""
 
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = Field(
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "interleaved-zb"] = Field(
         "1f1b",
-        description="gpipe, 1f1b (PipeDream-Flush), interleaved (virtual stages) or zb-h1 "
-        "(1F1B with the backward split, weight gradients filling the idle time)",
+        description="gpipe, 1f1b (PipeDream-Flush), interleaved (virtual stages), zb-h1 "
+        "(1F1B with the backward split, weight gradients filling the idle time) or "
+        "interleaved-zb (interleaved with the backward split the same way)",
     )
     virtual_stages: int = Field(1, ge=1, description="stages per rank; > 1 with interleaved")
     partition: str | list[int] | None = Field(

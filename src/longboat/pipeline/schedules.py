@@ -17,9 +17,13 @@ flow through; ``F3.1`` is micro-batch 3's forward through stage 1, ``B3.1`` its 
   micro-batch 3's input gradient, sent upstream at once, ``W3`` its weight gradients, which
   wait to fill the time 1F1B's cool-down spends idle (Qi et al. 2023, "Zero Bubble Pipeline
   Parallelism", ZB-H1). Same warm-up and peak activations as 1F1B; needs ``m >= p``.
+- ``interleaved-zb``: interleaved 1F1B with each backward split the same way, the ``W``s
+  trailing as in ZB-H1 ([Note: interleaved zero-bubble order]): the bubble shrinks by ``v``
+  and by the weight gradients filling it; same warm-up, peak and ``m`` as interleaved.
 
 With equal stages and a backward costing ``b`` forwards, GPipe's and 1F1B's bubble fraction is
-``(p - 1) / (m + p - 1)`` on every rank (:func:`bubble_theory`, which also gives ZB-H1's);
+``(p - 1) / (m + p - 1)`` on every rank (:func:`bubble_theory`, which also gives the
+zero-bubble schedules');
 :meth:`PipelineSchedule.simulate` computes it from the action lists. The runtime's sends never
 block (``isend``) and its receives do, so a schedule runs exactly when the simulation finishes:
 :meth:`PipelineSchedule.validate` refuses one that would deadlock and names the ranks and the
@@ -41,6 +45,9 @@ Op = Literal["F", "B", "I", "W"]
 
 #: The actions that hand a stage's input gradient upstream: the whole backward, or its first part.
 GRADIENT_OPS = ("B", "I")
+
+#: The schedules whose backwards are split into ``I`` and ``W`` ([Note: split backward]).
+SPLIT_KINDS = ("zb-h1", "interleaved-zb")
 
 
 @dataclass(frozen=True, order=True)
@@ -288,10 +295,10 @@ def _per_stage(cost: float | Sequence[float], stages: int, what: str) -> list[fl
 def bubble_theory(ranks: int, micro_batches: int, virtual: int = 1, kind: str = "1f1b") -> float:
     """The idle fraction with equal stages: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B,
     ``(p - 1) / (v m + p - 1)`` interleaved (each of a rank's ``v`` stages does ``1/v`` of its
-    work); for ``zb-h1``, :func:`zero_bubble_theory` with the simulator's default costs (a
-    backward of two forwards, split half and half)."""
-    if kind == "zb-h1":
-        return zero_bubble_theory(ranks, micro_batches)
+    work); for ``zb-h1`` and ``interleaved-zb``, :func:`zero_bubble_theory` with the simulator's
+    default costs (a backward of two forwards, split half and half)."""
+    if kind in SPLIT_KINDS:
+        return zero_bubble_theory(ranks, micro_batches, virtual=virtual)
     return (ranks - 1) / (virtual * micro_batches + ranks - 1)
 
 
@@ -301,19 +308,22 @@ def zero_bubble_theory(
     forward: float = 1.0,
     input_grad: float = 1.0,
     weight_grad: float = 1.0,
+    virtual: int = 1,
 ) -> float:
     """ZB-H1's idle fraction with equal stages whose forward, ``I`` and ``W`` cost
     ``forward``, ``input_grad`` and ``weight_grad`` (Qi et al. 2023): each rank idles
     ``(p - 1) (F + I - W)`` of a step of ``m (F + I + W)`` work, against 1F1B's
-    ``(p - 1) (F + I + W)``. It holds where ``W <= I`` (weight gradients no slower than input
-    gradients, as in matrix products); :meth:`PipelineSchedule.simulate` gives the others."""
+    ``(p - 1) (F + I + W)``. With ``virtual`` stages per rank (``interleaved-zb``) each costs
+    what it is given and a rank works ``v m (F + I + W)``. It holds where ``W <= I`` (weight
+    gradients no slower than input gradients, as in matrix products);
+    :meth:`PipelineSchedule.simulate` gives the others."""
     if weight_grad > input_grad:
         raise ValueError(
             f"zero_bubble_theory: W = {weight_grad} > I = {input_grad}; use "
             "PipelineSchedule.simulate for such costs"
         )
     idle = (ranks - 1) * (forward + input_grad - weight_grad)
-    return idle / (micro_batches * (forward + input_grad + weight_grad) + idle)
+    return idle / (virtual * micro_batches * (forward + input_grad + weight_grad) + idle)
 
 
 # -- the schedules -----------------------------------------------------------------------------
@@ -417,6 +427,31 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Action]]:
     return out
 
 
+def _interleaved_zb(p: int, m: int, v: int) -> list[list[Action]]:
+    # [Note: interleaved zero-bubble order] Interleaved 1F1B's order, each B split into its I,
+    # where the B was, and its W, which trails the rank's I's by r of them on rank r (the last
+    # rank's by p - 1) and runs at the end for the last r: ZB-H1's rule ([Note: ZB-H1 order])
+    # over the v-times-longer list. A W frees what its F saved, so the activations held grow
+    # by at most r stages' worth past interleaved's on rank r, which stays within rank 0's
+    # (interleaved's warm-up shrinks by 2 per rank). The cool-down's waits, which interleaved
+    # spends idle, are filled by the deferred W's: with W <= I each rank idles
+    # (p - 1)(F + I - W) against interleaved's (p - 1)(F + I + W), F, I, W per stage.
+    out = []
+    for r, acts in enumerate(_interleaved(p, m, v)):
+        split: list[Action] = []
+        deferred: list[Action] = []
+        for a in acts:
+            if a.op != "B":
+                split.append(a)
+                continue
+            split.append(Action("I", a.micro_batch, a.stage))
+            deferred.append(Action("W", a.micro_batch, a.stage))
+            if len(deferred) > r:
+                split.append(deferred.pop(0))
+        out.append(split + deferred)
+    return out
+
+
 Builder = Callable[[int, int, int], list[list[Action]]]
 #: A new schedule is one function and one line here.
 SCHEDULES: dict[str, Builder] = {
@@ -424,6 +459,7 @@ SCHEDULES: dict[str, Builder] = {
     "1f1b": _one_f_one_b,
     "interleaved": _interleaved,
     "zb-h1": _zb_h1,
+    "interleaved-zb": _interleaved_zb,
 }
 
 

@@ -11,6 +11,7 @@ from longboat.config.compositions.rule import (
     join_with,
     zero,
 )
+from longboat.config.sections_parallel import SPLIT_BACKWARD_SCHEDULES
 
 HIERARCHICAL_ZERO = (
     "comm.hierarchical = true with strategy 'zero': ZeRO reduces gradients by "
@@ -146,19 +147,22 @@ PARALLEL: tuple[Rule, ...] = (
     ),
     Rule(
         "zero-bubble-zero-3",
-        "pipeline.schedule 'zb-h1'",
+        "pipeline.schedule 'zb-h1' or 'interleaved-zb'",
         "zero.stage 3",
         "not built yet",
         "config",
         lambda c, f: (
-            c.mesh.pp > 1 and c.pipeline.schedule == "zb-h1" and zero(c, f) and c.zero.stage == 3
+            c.mesh.pp > 1
+            and c.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES
+            and zero(c, f)
+            and c.zero.stage == 3
         ),
         lambda c, f: (
-            "pipeline.schedule = 'zb-h1' with strategy = 'zero' and zero.stage = 3: stage 3 "
-            "gathers a layer's parameters for its backward and frees them at its end, and "
-            "zb-h1 splits that backward into an input-gradient pass and a weight-gradient pass "
-            "run later, which would need them gathered twice; use zero.stage = 1 or 2, or "
-            "pipeline.schedule = '1f1b'"
+            f"pipeline.schedule = {c.pipeline.schedule!r} with strategy = 'zero' and "
+            "zero.stage = 3: stage 3 gathers a layer's parameters for its backward and frees "
+            "them at its end, and that schedule splits the backward into an input-gradient "
+            "pass and a weight-gradient pass run later, which would need them gathered twice; "
+            "use zero.stage = 1 or 2, or pipeline.schedule = '1f1b' or 'interleaved'"
         ),
         {
             "strategy": "zero",
