@@ -1,6 +1,6 @@
 """Pipeline parallelism: a model's layers split into stages over the mesh's ``pp`` axis, and the
-schedules (GPipe, 1F1B, interleaved, zero-bubble ZB-H1 and interleaved) that run a step's micro-batches through
-them."""
+schedules (GPipe, 1F1B, interleaved, zero-bubble ZB-H1 and interleaved) that run a step's
+micro-batches through them."""
 
 from __future__ import annotations
 
