@@ -271,7 +271,9 @@ class PipelineConfig(_Section):
         "(1F1B with the backward split, weight gradients filling the idle time) or "
         "interleaved-zb (interleaved with the backward split the same way)",
     )
-    virtual_stages: int = Field(1, ge=1, description="stages per rank; > 1 with interleaved")
+    virtual_stages: int = Field(
+        1, ge=1, description="stages per rank; > 1 with interleaved or interleaved-zb"
+    )
     partition: str | list[int] | None = Field(
         None,
         description="measured, parameters, uniform, type:REGEX or boundaries; default: the "

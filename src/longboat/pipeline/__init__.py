@@ -1,5 +1,5 @@
 """Pipeline parallelism: a model's layers split into stages over the mesh's ``pp`` axis, and the
-schedules (GPipe, 1F1B, interleaved, zero-bubble ZB-H1 and interleaved) that run a step's
+schedules (GPipe, 1F1B, interleaved, zero-bubble ZB-H1 and its interleaved form) that run a step's
 micro-batches through them."""
 
 from __future__ import annotations

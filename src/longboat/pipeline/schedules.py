@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from longboat.config.sections_parallel import SPLIT_BACKWARD_SCHEDULES
+
 
 class ScheduleError(ValueError):
     """A schedule that cannot run: the message names the kind, the sizes and why."""
@@ -46,8 +48,9 @@ Op = Literal["F", "B", "I", "W"]
 #: The actions that hand a stage's input gradient upstream: the whole backward, or its first part.
 GRADIENT_OPS = ("B", "I")
 
-#: The schedules whose backwards are split into ``I`` and ``W`` ([Note: split backward]).
-SPLIT_KINDS = ("zb-h1", "interleaved-zb")
+#: The schedules whose backwards are split into ``I`` and ``W`` ([Note: split backward]): the
+#: config's list, which its ZeRO-3 refusal reads, so that the two cannot drift apart.
+SPLIT_KINDS = SPLIT_BACKWARD_SCHEDULES
 
 
 @dataclass(frozen=True, order=True)
